@@ -1,0 +1,1 @@
+"""Serving: Ray Serve application and engine backends (reference PyTorch engine, SGLang)."""

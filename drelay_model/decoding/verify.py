@@ -1,0 +1,55 @@
+"""Verification rules: how many drafted tokens the target accepts, and its own next token.
+
+Both rules are lossless: every committed token is exactly what the target alone would produce
+(greedy) or is a sample from the target's own conditional given the true prefix (T > 0).
+
+Shapes: B rows, G = drafted path length (≤ H; 0 for autoregressive decoding), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pick_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """The target's token at every position: argmax (T = 0) or a sample from softmax(logits / T).
+
+    logits [..., V] float32 → [...] int64.
+    """
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def accept(
+    path: torch.Tensor,
+    target_logits: torch.Tensor,
+    length: torch.Tensor,
+    *,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept the longest drafted prefix that matches the target, then take the target's token.
+
+    Position j of the verify forward sees the anchor and path[:j]; its target token x_j is the
+    greedy argmax (T = 0) or a fresh sample (T > 0). Draft j is accepted while path[j] == x_j for all
+    earlier j: the accepted drafts are then exactly the target's own tokens, and x_n (n = accepted
+    count) is the bonus/replacement token. Samples at positions past the first mismatch are
+    discarded, so each committed token is one draw from the target's conditional on the true prefix.
+
+    Args:
+        path           [B, G] int64 drafted tokens.
+        target_logits  [B, G+1, V] float32 target logits at the anchor and each drafted position.
+        length         [B] int64 how many path tokens each row submitted (≤ G).
+    Returns:
+        accepted [B] int64 in [0, length], next_token [B] int64.
+    """
+    B, G = path.shape
+    x = pick_tokens(target_logits, temperature, generator)  # [B, G+1]
+    match = path == x[:, :G]  # [B, G]
+    match &= torch.arange(G, device=path.device)[None, :] < length[:, None]
+    accepted = match.long().cumprod(dim=1).sum(dim=1)  # [B] leading run of matches
+    next_token = x.gather(1, accepted[:, None])[:, 0]
+    return accepted, next_token

@@ -1,0 +1,224 @@
+"""DFlash-style block drafter (pure PyTorch).
+
+One forward predicts a whole block. Inputs per block m with anchor position a_m:
+    queries  : [E(anchor), e_mask, …, e_mask]                          S = block_size positions a_m … a_m+S-1
+    context  : c = RMSNorm(W_fc · concat_l h^target_l(p))               for verified positions p < a_m
+Every drafter layer attends from the block to  K = [W_k c_p (p < a_m) ; W_k x_blk],  i.e. the context is
+injected as extra keys/values (strictly before the anchor) and attention inside the block is
+bidirectional. Slot i ≥ 1 of the final hidden state goes through the target's frozen LM head (or a
+frequency-ranked subset of its rows, the draft vocabulary) and proposes the pool: the top-K tokens.
+
+Shapes: B batch, M blocks per row, S = block_size, H = S - 1 slots, C context positions, D width,
+K pool size, V (draft) vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drelay_model.drafter.config import DrafterConfig
+from drelay_model.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    """One drafted block per row: the pool every selector chooses from.
+
+    hidden     [B, H, D]  final hidden state of slots 1..H (after the final norm)
+    cand_ids   [B, H, K]  int64 target-vocabulary ids, by decreasing q; [..., 0] is the native argmax
+    cand_logq  [B, H, K]  float32 log q(v) under the drafter's full (draft-vocab) softmax
+    """
+
+    hidden: torch.Tensor
+    cand_ids: torch.Tensor
+    cand_logq: torch.Tensor
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, init: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(init.detach().clone() if init is not None else torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class _Layer(nn.Module):
+    """Pre-norm attention (q/k RMSNorm, RoPE) + SwiGLU MLP."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        D, hd = cfg.hidden_size, cfg.head_dim
+        self.cfg = cfg
+        self.in_norm = _RMSNorm(D, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(D, cfg.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(D, cfg.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(D, cfg.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, D, bias=False)
+        self.q_norm = _RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = _RMSNorm(hd, cfg.rms_norm_eps)
+        self.post_norm = _RMSNorm(D, cfg.rms_norm_eps)
+        self.gate_proj = nn.Linear(D, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(D, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, D, bias=False)
+
+    def kv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [B, T, D] (already normalised) → k, v [B, n_kv, T, hd] with RoPE on k."""
+        B, T, _ = h.shape
+        k = self.k_norm(self.k_proj(h).view(B, T, -1, self.cfg.head_dim)).transpose(1, 2)
+        v = self.v_proj(h).view(B, T, -1, self.cfg.head_dim).transpose(1, 2)
+        return _rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
+        """x [B, Q, D] block tokens; ctx_k/v [B, n_kv, C, hd]; mask [B, 1, Q, C+Q] bool or None."""
+        B, Q, D = x.shape
+        h = self.in_norm(x)
+        q = self.q_norm(self.q_proj(h).view(B, Q, -1, self.cfg.head_dim)).transpose(1, 2)
+        q = _rope(q, cos, sin)  # [B, nh, Q, hd]
+        k_blk, v_blk = self.kv(h, cos, sin)
+        k = torch.cat([ctx_k, k_blk], dim=2)
+        v = torch.cat([ctx_v, v_blk], dim=2)
+        gqa = self.cfg.num_heads != self.cfg.num_kv_heads
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(B, Q, -1))
+        h = self.post_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, n, T, hd]; cos/sin [B, 1, T, hd]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class BlockDrafter(nn.Module):
+    """Trainable block drafter bound to a frozen target's embedding and LM head."""
+
+    def __init__(self, config: DrafterConfig, target, draft_to_target: torch.Tensor | None = None) -> None:
+        super().__init__()
+        config.check_target(target)
+        D = config.hidden_size
+        self.config = config
+        self.fc = nn.Linear(len(config.target_layer_ids) * D, D, bias=False)
+        self.ctx_norm = _RMSNorm(D, config.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.randn(D) * 0.02)
+        self.layers = nn.ModuleList(_Layer(config) for _ in range(config.num_layers))
+        self.norm = _RMSNorm(D, config.rms_norm_eps, init=target.final_norm_weight)
+        inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Frozen, shared with the target; never saved in a drafter checkpoint.
+        self.register_buffer("embed_weight", target.embed_weight.detach(), persistent=False)
+        head = target.lm_head_weight.detach()
+        if config.draft_vocab_size is not None:
+            if draft_to_target is None or draft_to_target.shape != (config.draft_vocab_size,):
+                raise ValueError(f"draft_to_target must be [{config.draft_vocab_size}] int64")
+            head = head[draft_to_target]
+            self.register_buffer("draft_to_target", draft_to_target.long().clone())
+        else:
+            self.draft_to_target = None
+        self.register_buffer("head_weight", head, persistent=False)
+
+    # ---- context -------------------------------------------------------------------------------
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] → cos, sin [B, 1, T, hd]."""
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+        return emb.cos().to(self.fc.weight.dtype), emb.sin().to(self.fc.weight.dtype)
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer context keys/values. features [B, C, L*D_target], positions [B, C] →
+        one (k, v) pair [B, n_kv, C, hd] per drafter layer."""
+        c = self.ctx_norm(self.fc(features.to(self.fc.weight.dtype)))
+        cos, sin = self._cos_sin(positions)
+        return [layer.kv(layer.in_norm(c), cos, sin) for layer in self.layers]
+
+    def new_context_cache(self, batch_size: int, capacity: int) -> KVCache:
+        cfg = self.config
+        return KVCache(
+            n_layers=cfg.num_layers,
+            batch_size=batch_size,
+            n_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            capacity=capacity,
+            dtype=self.fc.weight.dtype,
+            device=self.fc.weight.device,
+        )
+
+    def extend_context(self, features: torch.Tensor, cache: KVCache) -> None:
+        """Append target features [B, T, L*D] at positions cache.lengths + t (crop afterwards)."""
+        positions, _ = cache.begin(features.shape[1])
+        for i, (k, v) in enumerate(self.context_kv(features, positions)):
+            cache.append(i, k, v)
+        cache.end()
+
+    # ---- blocks --------------------------------------------------------------------------------
+    def block_hidden(
+        self,
+        anchor_ids: torch.Tensor,
+        anchor_pos: torch.Tensor,
+        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Final hidden states of M blocks per row.
+
+        Args:
+            anchor_ids  [B, M] int64 anchor tokens; anchor_pos [B, M] their absolute positions.
+            ctx_kv      per layer (k, v) [B, n_kv, C, hd] for context positions 0..C-1; block m sees
+                        context position p only if p < anchor_pos[b, m] (strict).
+        Returns:
+            [B, M, S, D] after the final norm (slot 0 is the anchor).
+        """
+        B, M = anchor_ids.shape
+        S, D = self.config.block_size, self.config.hidden_size
+        C = ctx_kv[0][0].shape[2]
+        x = self.mask_embedding.expand(B, M, S, D).clone()
+        x[:, :, 0] = F.embedding(anchor_ids, self.embed_weight).to(x.dtype)
+        x = x.view(B, M * S, D)
+        positions = (anchor_pos[:, :, None] + torch.arange(S, device=anchor_pos.device)).view(B, M * S)
+        cos, sin = self._cos_sin(positions)
+        mask = self._block_mask(anchor_pos, C)
+        for layer, (ck, cv) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, ck, cv, mask)
+        return self.norm(x).view(B, M, S, D)
+
+    def _block_mask(self, anchor_pos: torch.Tensor, C: int) -> torch.Tensor | None:
+        """[B, 1, M*S, C + M*S] bool: context p < anchor of the query's block; own block only."""
+        B, M = anchor_pos.shape
+        S = self.config.block_size
+        if M == 1 and bool((anchor_pos == C).all()):
+            return None  # single block that sees the whole context: no mask needed
+        ctx_ok = torch.arange(C, device=anchor_pos.device)[None, None, :] < anchor_pos[:, :, None]  # [B, M, C]
+        ctx_ok = ctx_ok[:, :, None, :].expand(B, M, S, C).reshape(B, M * S, C)
+        blk = torch.arange(M, device=anchor_pos.device).repeat_interleave(S)  # [M*S] block index
+        blk_ok = (blk[:, None] == blk[None, :]).expand(B, M * S, M * S)
+        return torch.cat([ctx_ok, blk_ok], dim=-1)[:, None]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., D] → [..., V_draft] float32 logits through the frozen (draft-vocab) head."""
+        return F.linear(hidden, self.head_weight.to(hidden.dtype)).float()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.draft_to_target is None else self.draft_to_target[draft_ids]
+
+    # ---- inference -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def draft(self, anchor_ids: torch.Tensor, ctx_cache: KVCache) -> DraftBlock:
+        """Draft one block per row after the verified context in `ctx_cache`.
+
+        anchor_ids [B] int64, the last verified token of each row, at position ctx_cache.lengths[b].
+        """
+        anchor_pos = ctx_cache.lengths[:, None]  # [B, 1]
+        C = int(anchor_pos.max())
+        ctx_kv = [(ctx_cache.k[i, :, :, :C], ctx_cache.v[i, :, :, :C]) for i in range(self.config.num_layers)]
+        hidden = self.block_hidden(anchor_ids[:, None], anchor_pos, ctx_kv)[:, 0, 1:]  # [B, H, D]
+        return self.pool(hidden)
+
+    def pool(self, hidden: torch.Tensor) -> DraftBlock:
+        """Slot hidden states [B, H, D] → the top-K pool under the drafter's softmax."""
+        logq = torch.log_softmax(self.logits(hidden), dim=-1)  # [B, H, V]
+        cand_logq, cand = logq.topk(self.config.top_k, dim=-1)  # [B, H, K]
+        return DraftBlock(hidden=hidden, cand_ids=self.to_target_ids(cand), cand_logq=cand_logq)

@@ -1,0 +1,117 @@
+"""A static, per-row KV cache.
+
+Speculative decoding commits a different number of tokens per row every round, so one global
+length (as in Hugging Face's `DynamicCache.crop`) cannot describe a batch. Here every row keeps its
+own valid length; cropping a row is a write to `lengths`, nothing is copied or freed.
+
+Layout:
+    k, v     [n_layers, B, n_kv_heads, capacity, head_dim]   preallocated once (a static cache)
+    lengths  [B] int64                                         row b holds valid entries [0, lengths[b])
+
+A forward over `T` new tokens writes them at positions `lengths[b] + t` (t < T) of every layer, and
+attends over keys `[0, lengths[b] + t]` of its row (causal). Entries at or past a row's length are
+stale (rejected drafts of an earlier round, padding) and are never attended to, because the mask is
+derived from `lengths`, so the cache never needs zeroing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drelay_model.errors import DRelayError
+
+
+class KVCache:
+    """Static KV cache with an independent valid length per batch row."""
+
+    def __init__(
+        self,
+        *,
+        n_layers: int,
+        batch_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (n_layers, batch_size, n_kv_heads, capacity, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.capacity = capacity
+        # Set by `begin`, valid until `end`: where this forward writes and how far it reads.
+        self._write_pos: torch.Tensor | None = None  # [B, T] int64
+        self._uniform_start: int | None = None  # all rows start at the same length (fast path)
+        self._kv_len = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    # ---- one forward = begin → append (per layer) → end -----------------------------------------
+    def begin(self, num_new: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Prepare a forward over `num_new` tokens per row.
+
+        Returns:
+            positions  [B, T] int64: absolute position of each new token (= its cache slot).
+            mask       [B, 1, T, kv_len] bool (True = attend) or None when no mask is needed
+                       (uniform lengths and a single new token: every stored key is visible).
+        """
+        T = num_new
+        start = self.lengths
+        end_max = int(start.max()) + T
+        if end_max > self.capacity:
+            raise DRelayError(
+                f"sequence too long for the KV cache: needs {end_max} positions, capacity is {self.capacity}"
+            )
+        positions = start[:, None] + torch.arange(T, device=start.device)  # [B, T]
+        self._write_pos = positions
+        lo, hi = int(start.min()), int(start.max())
+        self._uniform_start = lo if lo == hi else None
+        self._kv_len = end_max
+        if self._uniform_start is not None and T == 1:
+            return positions, None
+        key_pos = torch.arange(end_max, device=start.device)  # [kv_len]
+        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, kv_len]: causal per row
+        return positions, mask[:, None]
+
+    def append(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this forward's keys/values of one layer and return the readable window.
+
+        Args:
+            k_new, v_new  [B, n_kv, T, head_dim]
+        Returns:
+            k, v          [B, n_kv, kv_len, head_dim] views into the cache (kv_len = max end of any row).
+        """
+        assert self._write_pos is not None, "call begin() before append()"
+        T = k_new.shape[2]
+        if self._uniform_start is not None:
+            s = self._uniform_start
+            self.k[layer, :, :, s : s + T] = k_new
+            self.v[layer, :, :, s : s + T] = v_new
+        else:
+            B, n_kv, _, D = k_new.shape
+            idx = self._write_pos[:, None, :, None].expand(B, n_kv, T, D)
+            self.k[layer].scatter_(2, idx, k_new)
+            self.v[layer].scatter_(2, idx, v_new)
+        return self.k[layer, :, :, : self._kv_len], self.v[layer, :, :, : self._kv_len]
+
+    def end(self) -> None:
+        """Mark every written token as valid (the caller crops rejected ones afterwards)."""
+        assert self._write_pos is not None, "call begin() before end()"
+        self.lengths = self._write_pos[:, -1] + 1
+        self._write_pos = None
+
+    # ---- bookkeeping between forwards ----------------------------------------------------------
+    def crop(self, new_lengths: torch.Tensor) -> None:
+        """Keep only the first `new_lengths[b]` entries of row b ([B] int64, each ≤ current length)."""
+        if bool((new_lengths > self.lengths).any()) or bool((new_lengths < 0).any()):
+            raise ValueError(f"crop lengths {new_lengths.tolist()} outside [0, {self.lengths.tolist()}]")
+        self.lengths = new_lengths.clone()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the given batch rows ([R] int64), e.g. to drop finished sequences."""
+        self.k = self.k[:, rows]
+        self.v = self.v[:, rows]
+        self.lengths = self.lengths[rows]

@@ -1,0 +1,15 @@
+"""Selectors: choose one pool entry per slot. One file each; `registry.default_registry()` lists them."""
+
+from drelay_model.selectors.base import Selection, SelectionContext, Selector, SelectorCapabilities
+from drelay_model.selectors.native import NativeSelector
+from drelay_model.selectors.registry import SelectorRegistry, default_registry
+
+__all__ = [
+    "NativeSelector",
+    "Selection",
+    "SelectionContext",
+    "Selector",
+    "SelectorCapabilities",
+    "SelectorRegistry",
+    "default_registry",
+]

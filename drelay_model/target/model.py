@@ -1,0 +1,221 @@
+"""The frozen target: a Llama/Qwen-family causal LM run by our own lean forward.
+
+We keep Hugging Face's modules for the weights (and for its `generate()` as the reference), but run
+the forward ourselves so that (a) every batch row keeps its own cache length (`KVCache`), (b) the
+hidden states of the drafter's context layers come out of the same pass, and (c) single-token decode
+pays as little Python overhead as possible: q/k/v and gate/up projections are fused into one matmul
+each, RoPE tables are precomputed, and no attention-mask machinery runs when none is needed.
+
+Per decoder layer (pre-norm):
+    h = x + W_o · Attn(RoPE(norm_q(W_q · n(x))), RoPE(norm_k(W_k · n(x))), W_v · n(x))     n = RMSNorm
+    x' = h + W_down · (silu(W_gate · n(h)) ⊙ W_up · n(h))
+norm_q / norm_k are Qwen3's per-head RMSNorms (identity for Llama).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drelay_model.kv_cache import KVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    """One target forward.
+
+    logits    [B, T, V] float32 (only the positions asked for when `logits_at` is given: [B, T', V])
+    features  [B, T, len(feature_layers) * D] or None: the drafter's context features, i.e. the
+              concatenated outputs of the chosen decoder layers at every new position.
+    """
+
+    logits: torch.Tensor
+    features: torch.Tensor | None
+
+
+@dataclass
+class _Layer:
+    """Fused, frozen weights of one decoder layer (views of the HF parameters where possible)."""
+
+    in_norm: torch.Tensor  # [D]
+    qkv: torch.Tensor  # [(n_q + 2 n_kv) * hd, D]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [hd] (Qwen3) or None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor  # [D, n_q * hd]
+    post_norm: torch.Tensor  # [D]
+    gate_up: torch.Tensor  # [2 * I, D]
+    down: torch.Tensor  # [D, I]
+
+
+class TargetModel(nn.Module):
+    """Frozen target LM with per-row KV caching and context-feature extraction."""
+
+    def __init__(self, hf_model: nn.Module, *, name: str, tokenizer=None) -> None:
+        super().__init__()
+        cfg = hf_model.config
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            from drelay_model.errors import DRelayError
+
+            raise DRelayError(
+                f"target '{name}': model_type '{cfg.model_type}' is not supported "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        hf_model.eval().requires_grad_(False)
+        self.hf = hf_model
+        self.name = name
+        self.tokenizer = tokenizer
+        self.config = cfg
+        self.hidden_size: int = cfg.hidden_size
+        self.vocab_size: int = cfg.vocab_size
+        self.num_layers: int = cfg.num_hidden_layers
+        self.n_heads: int = cfg.num_attention_heads
+        self.n_kv_heads: int = cfg.num_key_value_heads
+        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps: float = cfg.rms_norm_eps
+        self.max_positions: int = cfg.max_position_embeddings
+        self.eos_token_ids: tuple[int, ...] = _eos_ids(hf_model)
+        self._layers = [_fuse_layer(layer) for layer in hf_model.model.layers]
+        self._rope_cos, self._rope_sin = _rope_tables(hf_model, self.max_positions)
+
+    # ---- frozen pieces the drafter shares ------------------------------------------------------
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        """[V, D] frozen token embedding."""
+        return self.hf.model.embed_tokens.weight
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[V, D] frozen vocabulary readout (tied to the embedding for SmolLM2)."""
+        return self.hf.lm_head.weight
+
+    @property
+    def final_norm_weight(self) -> torch.Tensor:
+        return self.hf.model.norm.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_weight.dtype
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] int64 → [B, T, D]."""
+        return F.embedding(ids, self.embed_weight)
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        return KVCache(
+            n_layers=self.num_layers,
+            batch_size=batch_size,
+            n_kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim,
+            capacity=min(capacity, self.max_positions),
+            dtype=self.dtype,
+            device=self.embed_weight.device,
+        )
+
+    # ---- the forward ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids: torch.Tensor,
+        cache: KVCache,
+        *,
+        feature_layers: tuple[int, ...] = (),
+        logits_at: torch.Tensor | None = None,
+    ) -> TargetOutput:
+        """Run `T` new tokens per row through the target, appending them to `cache`.
+
+        Args:
+            ids             [B, T] int64, the tokens at cache positions lengths[b] .. lengths[b]+T-1.
+            cache           per-row KV cache; every new token is committed (crop afterwards to reject).
+            feature_layers  decoder layers whose outputs form the drafter's context features.
+            logits_at       optional [B, T'] int64 indices into the T new positions: only those
+                            positions go through the final norm and LM head (prefill needs one).
+        Returns:
+            TargetOutput with logits [B, T or T', V] float32 and features [B, T, L*D] or None.
+        """
+        B, T = ids.shape
+        positions, mask = cache.begin(T)  # [B, T], [B, 1, T, kv] | None
+        cos = self._rope_cos[positions][:, None]  # [B, 1, T, hd]
+        sin = self._rope_sin[positions][:, None]
+        x = self.embed(ids)  # [B, T, D]
+        feats = []
+        for i, layer in enumerate(self._layers):
+            x = self._layer_forward(layer, i, x, cache, cos, sin, mask)
+            if i in feature_layers:
+                feats.append(x)
+        cache.end()
+        features = None
+        if feature_layers:
+            features = torch.cat([feats[sorted(feature_layers).index(l)] for l in feature_layers], dim=-1)
+        if logits_at is not None:
+            x = torch.gather(x, 1, logits_at[:, :, None].expand(-1, -1, x.shape[-1]))
+        x = F.rms_norm(x, (x.shape[-1],), self.final_norm_weight, self.eps)
+        logits = F.linear(x, self.lm_head_weight).float()
+        return TargetOutput(logits=logits, features=features)
+
+    def _layer_forward(self, w: _Layer, i: int, x, cache: KVCache, cos, sin, mask) -> torch.Tensor:
+        B, T, D = x.shape
+        hd, nq, nkv = self.head_dim, self.n_heads, self.n_kv_heads
+        h = F.rms_norm(x, (D,), w.in_norm, self.eps)
+        qkv = F.linear(h, w.qkv, w.qkv_bias).view(B, T, nq + 2 * nkv, hd)
+        q, k, v = qkv.split((nq, nkv, nkv), dim=2)  # [B, T, n, hd]
+        if w.q_norm is not None:
+            q = F.rms_norm(q, (hd,), w.q_norm, self.eps)
+            k = F.rms_norm(k, (hd,), w.k_norm, self.eps)
+        q = _apply_rope(q.transpose(1, 2), cos, sin)  # [B, nq, T, hd]
+        k = _apply_rope(k.transpose(1, 2), cos, sin)  # [B, nkv, T, hd]
+        k_all, v_all = cache.append(i, k, v.transpose(1, 2))  # [B, nkv, kv, hd]
+        attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=nq != nkv)
+        x = x + F.linear(attn.transpose(1, 2).reshape(B, T, nq * hd), w.o)
+        h = F.rms_norm(x, (D,), w.post_norm, self.eps)
+        gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, w.down)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, n, T, hd]; cos/sin [B, 1, T, hd] → x·cos + rotate_half(x)·sin (HF's half-split RoPE)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _fuse_layer(layer: nn.Module) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    biases = [p.bias for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    has_bias = biases[0] is not None
+    q_norm = getattr(attn, "q_norm", None)
+    k_norm = getattr(attn, "k_norm", None)
+    return _Layer(
+        in_norm=layer.input_layernorm.weight,
+        qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
+        qkv_bias=torch.cat(biases).detach() if has_bias else None,
+        q_norm=q_norm.weight if q_norm is not None else None,
+        k_norm=k_norm.weight if k_norm is not None else None,
+        o=attn.o_proj.weight,
+        post_norm=layer.post_attention_layernorm.weight,
+        gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
+        down=mlp.down_proj.weight,
+    )
+
+
+def _rope_tables(hf_model: nn.Module, n_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [n_positions, hd] from the model's own rotary module (so every RoPE variant matches)."""
+    rotary = hf_model.model.rotary_emb
+    pos = torch.arange(n_positions)[None]
+    probe = hf_model.model.embed_tokens.weight[:1]
+    with torch.no_grad():
+        cos, sin = rotary(probe, pos)
+    return cos[0].contiguous(), sin[0].contiguous()
+
+
+def _eos_ids(hf_model: nn.Module) -> tuple[int, ...]:
+    eos = getattr(hf_model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = hf_model.config.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

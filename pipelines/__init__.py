@@ -1,0 +1,1 @@
+"""Orchestration: Ray Train/Tune, evaluation, data preparation, configs, MLflow tracking, the `drelay` CLI."""

@@ -1,0 +1,48 @@
+"""The `drelay` command line: one entry point, one subcommand per job.
+
+Every subcommand raises `DRelayError` for bad input; `main` prints it as one line on stderr and
+exits 2, so users never see a traceback for their own mistakes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from drelay_model.errors import DRelayError
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from pipelines import generate_cmd
+
+    parser = argparse.ArgumentParser(prog="drelay", description="DRelay speculative decoding platform")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    generate_cmd.add_parser(sub)
+    return parser
+
+
+def _quiet_libraries() -> None:
+    """Keep library chatter (weight-loading bars, advisory warnings) off the user's terminal."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_libraries()
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except DRelayError as exc:
+        print(f"drelay: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("drelay: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""`drelay generate`: prompts (or a chat message) in, text out, with τ and tokens/s."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from drelay_model.decoding import GenerationConfig, SpeculativeEngine
+from drelay_model.errors import DRelayError
+from pipelines.resolve import AR, load_method, load_target_spec, method_names
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with speculative decoding", description=__doc__)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--chat", action="append", metavar="MESSAGE", help="a user message; the chat template is applied (repeatable)")
+    src.add_argument("--prompt", action="append", metavar="TEXT", help="raw prompt text, no template (repeatable)")
+    src.add_argument("--prompts-file", metavar="FILE", help="one chat message per line")
+    p.add_argument("--target", default="smollm2-135m", help="target spec (default: smollm2-135m)")
+    p.add_argument("--method", default="native", help=f"decoding method: {', '.join(method_names())}")
+    p.add_argument("--checkpoint", help="drafter checkpoint directory (default: the one bundled for the target)")
+    p.add_argument("--random-drafter", action="store_true", help="use an untrained drafter (smoke tests and timing only)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare-ar", action="store_true", help="also decode autoregressively and print the speedup")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(run=run)
+
+
+def _read_prompts(args, tokenizer) -> tuple[list[str], list[list[int]]]:
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise DRelayError(f"--prompts-file '{path}' not found")
+        messages = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        if not messages:
+            raise DRelayError(f"--prompts-file '{path}' holds no prompts")
+        chat = True
+    else:
+        messages, chat = (args.chat, True) if args.chat else (args.prompt, False)
+    if any(not m.strip() for m in messages):
+        raise DRelayError("empty prompt")
+    if tokenizer is None:
+        raise DRelayError("this target has no tokenizer; use a Hugging Face target for text prompts")
+    ids = []
+    for m in messages:
+        if chat:
+            enc = tokenizer.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True)
+            ids.append(list(enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc))
+        else:
+            ids.append(tokenizer(m)["input_ids"])
+    return messages, ids
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_new_tokens < 1:
+        raise DRelayError(f"--max-new-tokens must be ≥ 1, got {args.max_new_tokens}")
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    target = load_target_spec(args.target)
+    messages, prompt_ids = _read_prompts(args, target.tokenizer)
+    drafter, selector = load_method(
+        args.method, target, target_spec=args.target, checkpoint=args.checkpoint, random_drafter=args.random_drafter
+    )
+    result = SpeculativeEngine(target, drafter, selector).generate(prompt_ids, config)
+    report = {"method": args.method, "target": args.target, **result.stats.summary()}
+    if args.compare_ar and args.method != AR:
+        ar = SpeculativeEngine(target).generate(prompt_ids, config)
+        report["ar_tokens_per_s"] = ar.stats.tokens_per_second
+        report["speedup"] = result.stats.tokens_per_second / max(ar.stats.tokens_per_second, 1e-9)
+        report["same_output_as_ar"] = ar.tokens == result.tokens if config.temperature == 0 else None
+    texts = [target.tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
+    if args.json:
+        print(json.dumps({"outputs": texts, **report}, indent=2))
+        return 0
+    for msg, text in zip(messages, texts):
+        print(f"### {msg}\n{text}\n")
+    line = f"[{args.method}] τ={report['tau']:.2f}  {report['tokens_per_s']:.1f} tok/s  ({report['generated_tokens']} tokens, {report['wall_s']:.1f} s)"
+    if "speedup" in report:
+        line += f"  | AR {report['ar_tokens_per_s']:.1f} tok/s  speedup {report['speedup']:.2f}×"
+    print(line, file=sys.stderr if args.json else sys.stdout)
+    return 0
