@@ -11,7 +11,7 @@ Layout:
 A forward over `T` new tokens writes them at positions `lengths[b] + t` (t < T) of every layer, and
 attends over keys `[0, lengths[b] + t]` of its row (causal). Entries at or past a row's length are
 stale (rejected drafts of an earlier round, padding) and are never attended to, because the mask is
-derived from `lengths`, so the cache never needs zeroing.
+derived from `lengths`; they are always finite (zero-initialised), so masking them is exact.
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         shape = (n_layers, batch_size, n_kv_heads, capacity, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        # Zeros, not empty: masked-out keys still enter the attention matmuls (weight 0), and
+        # uninitialised memory can hold NaN/Inf, which would poison them (0 · NaN = NaN).
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.capacity = capacity
         # Set by `begin`, valid until `end`: where this forward writes and how far it reads.

@@ -1,0 +1,67 @@
+"""Shared fixtures for the model tests: tiny random targets, untrained drafters, a scripted selector."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drelay_model.drafter import BlockDrafter, DrafterConfig
+from drelay_model.selectors import Selection, SelectionContext, Selector
+from drelay_model.target import tiny_target
+
+TINY_ARCHS = ("tiny-llama", "tiny-qwen3")
+
+
+class ScriptedSelector(Selector):
+    """Test-only selector that proposes the target's known continuation, corrupted at random slots.
+
+    It ignores the pool on purpose: the engine must stay lossless for *any* path, and a path that is
+    mostly right exercises every accepted length 0..H, which an untrained drafter never reaches.
+    `reference[row]` is prompt + greedy continuation; the anchor sits at `anchor_pos`.
+    """
+
+    def __init__(self, reference: list[list[int]], *, error_rate: float = 0.15, seed: int = 0, vocab: int = 256):
+        super().__init__()
+        self.reference = reference
+        self.error_rate = error_rate
+        self.vocab = vocab
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def select(self, block, ctx: SelectionContext) -> Selection:
+        B, H, _ = block.cand_ids.shape
+        path = torch.randint(0, self.vocab, (B, H), generator=self.gen)
+        for i, (row, pos) in enumerate(zip(ctx.row_ids.tolist(), ctx.anchor_pos.tolist())):
+            ref = torch.tensor(self.reference[row][pos + 1 : pos + 1 + H], dtype=torch.long)
+            keep = torch.rand(len(ref), generator=self.gen) >= self.error_rate
+            path[i, : len(ref)] = torch.where(keep, ref, path[i, : len(ref)])
+        return Selection(pool_index=torch.zeros(B, H, dtype=torch.long), path_ids=path, length=torch.full((B,), H))
+
+
+@pytest.fixture(scope="session", params=TINY_ARCHS)
+def target(request):
+    return tiny_target(request.param)
+
+
+@pytest.fixture(scope="session")
+def make_drafter():
+    def build(target, seed: int = 0, **overrides) -> BlockDrafter:
+        torch.manual_seed(seed)
+        cfg = DrafterConfig.for_target(target, **{"num_layers": 1, **overrides})
+        return BlockDrafter(cfg, target).eval()
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def scripted_selector():
+    return ScriptedSelector
+
+
+def random_prompts(vocab: int, lengths: tuple[int, ...], seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def prompts_of():
+    return random_prompts

@@ -1,0 +1,145 @@
+"""Lossless decoding: speculative output equals the target's own output, for every selector."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from drelay_model.decoding import GenerationConfig, SpeculativeEngine
+from drelay_model.errors import DRelayError
+from drelay_model.selectors import default_registry
+from drelay_model.target import tiny_target
+
+MAX_NEW = 40
+
+
+def hf_greedy(target, prompt: list[int], max_new: int) -> list[int]:
+    """The target's own greedy continuation from Hugging Face generate() (EOS included if hit)."""
+    out = target.hf.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, pad_token_id=0,
+        eos_token_id=list(target.eos_token_ids) or None,
+    )[0, len(prompt):].tolist()
+    eos = set(target.eos_token_ids)
+    for i, t in enumerate(out):
+        if t in eos:
+            return out[: i + 1]
+    return out
+
+
+@pytest.mark.parametrize("lengths", [(7,), (5, 9, 3, 12)], ids=["batch1", "batch4"])
+@pytest.mark.parametrize("method", ["ar", *default_registry().names()])
+def test_greedy_output_equals_huggingface_generate(target, make_drafter, prompts_of, method, lengths):
+    prompts = prompts_of(target.vocab_size, lengths)
+    if method == "ar":
+        engine = SpeculativeEngine(target)
+    else:
+        engine = SpeculativeEngine(target, make_drafter(target), default_registry().create(method))
+    result = engine.generate(prompts, GenerationConfig(max_new_tokens=MAX_NEW))
+    for b, p in enumerate(prompts):
+        assert result.tokens[b] == hf_greedy(target, p, MAX_NEW), f"row {b} differs from HF generate"
+
+
+@pytest.mark.parametrize("error_rate", [0.0, 0.1, 0.4])
+def test_lossless_when_drafts_are_mostly_right(target, make_drafter, prompts_of, scripted_selector, error_rate):
+    """Paths that match the target for varying lengths exercise every accepted length."""
+    prompts = prompts_of(target.vocab_size, (5, 9, 3, 12))
+    reference = [p + hf_greedy(target, p, MAX_NEW) for p in prompts]
+    selector = scripted_selector(reference, error_rate=error_rate, vocab=target.vocab_size)
+    result = SpeculativeEngine(target, make_drafter(target), selector).generate(prompts, GenerationConfig(max_new_tokens=MAX_NEW))
+    for b, p in enumerate(prompts):
+        assert result.tokens[b] == reference[b][len(p):]
+    stats = result.stats
+    assert stats.committed + len(prompts) == sum(len(t) for t in result.tokens)
+    if error_rate == 0.0:
+        assert stats.tau > 10  # whole blocks accepted: 15 drafts + 1 bonus per round
+    else:
+        assert 1.0 < stats.tau < 16.0
+
+
+def test_stops_at_eos_and_budget(make_drafter, prompts_of, scripted_selector):
+    # Pick an EOS id that the tiny target is sure to emit early: its own 3rd greedy token.
+    base = tiny_target("tiny-llama")
+    prompts = prompts_of(base.vocab_size, (6, 8))
+    eos = hf_greedy(base, prompts[0], 5)[2]
+    target = tiny_target("tiny-llama", eos=eos)
+    reference = [p + hf_greedy(target, p, 30) for p in prompts]
+    selector = scripted_selector(reference, error_rate=0.0, vocab=target.vocab_size)
+    result = SpeculativeEngine(target, make_drafter(target), selector).generate(prompts, GenerationConfig(max_new_tokens=30))
+    assert result.tokens[0][-1] == eos and len(result.tokens[0]) == 3
+    for b, p in enumerate(prompts):
+        assert result.tokens[b] == reference[b][len(p):]
+        assert len(result.tokens[b]) <= 30
+
+
+def test_ar_and_speculative_agree_at_the_budget_edge(target, make_drafter, prompts_of, scripted_selector):
+    prompts = prompts_of(target.vocab_size, (4, 4, 4))
+    for max_new in (1, 2, 16, 17):
+        reference = [p + hf_greedy(target, p, max_new) for p in prompts]
+        selector = scripted_selector(reference, error_rate=0.0, vocab=target.vocab_size)
+        spec = SpeculativeEngine(target, make_drafter(target), selector).generate(prompts, GenerationConfig(max_new_tokens=max_new))
+        assert [len(t) for t in spec.tokens] == [max_new] * 3
+        assert spec.tokens == [r[4:] for r in reference]
+
+
+def _exact_joint(target, prompt: list[int], depth: int) -> dict[tuple[int, ...], float]:
+    """P(first `depth` sampled tokens) under the target at T = 1, by enumeration."""
+    probs = {(): 1.0}
+    for _ in range(depth):
+        prefixes = list(probs)
+        seqs = torch.tensor([prompt + list(pre) for pre in prefixes])
+        p_next = torch.softmax(target.hf(seqs).logits[:, -1].double(), dim=-1)
+        probs = {pre + (v,): probs[pre] * p_next[i, v].item() for i, pre in enumerate(prefixes) for v in range(target.vocab_size)}
+    return probs
+
+
+def test_sampling_is_lossless_chi_square(make_drafter):
+    """T = 1: the first three tokens of speculative sampling follow the target's exact distribution."""
+    target = tiny_target("tiny-llama", vocab=6, hidden=32, seed=5)
+    prompt, depth, n = [1, 2, 3], 3, 12000
+    drafter = make_drafter(target, top_k=4)
+    result = SpeculativeEngine(target, drafter).generate([prompt] * n, GenerationConfig(max_new_tokens=depth, temperature=1.0, seed=7))
+    assert result.stats.accept_hist[1:].sum() > 0.05 * result.stats.rounds  # drafts do get accepted
+    exact = _exact_joint(target, prompt, depth)
+    counts: dict[tuple[int, ...], int] = {}
+    for toks in result.tokens:
+        counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
+    # Pearson's chi-square over cells with expected count ≥ 5 (the rest pooled into one cell).
+    stat, df, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
+    for cell, p in exact.items():
+        e, o = n * p, counts.get(cell, 0)
+        if e >= 5:
+            stat += (o - e) ** 2 / e
+            df += 1
+        else:
+            pooled_obs, pooled_exp = pooled_obs + o, pooled_exp + e
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        df += 1
+    z = 3.29  # one-sided p = 0.0005; Wilson–Hilferty approximation of the chi-square quantile
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    assert stat < critical, f"chi2={stat:.1f} ≥ {critical:.1f} (df={df})"
+
+
+def test_sampling_is_seeded(target, make_drafter, prompts_of):
+    prompts = prompts_of(target.vocab_size, (5, 6))
+    cfg = GenerationConfig(max_new_tokens=12, temperature=0.8, seed=3)
+    engine = SpeculativeEngine(target, make_drafter(target))
+    assert engine.generate(prompts, cfg).tokens == engine.generate(prompts, cfg).tokens
+
+
+@pytest.mark.parametrize(
+    "prompts, kwargs, message",
+    [
+        ([], {}, "no prompts"),
+        ([[]], {}, "prompt 0 is empty"),
+        ([[1] * 2000], {}, "prompt 0 has 2000 tokens"),
+        ([[999999]], {}, "token ids outside"),
+        ([[1]], {"max_new_tokens": 0}, "max_new_tokens must be"),
+        ([[1]], {"temperature": -1.0}, "temperature must be"),
+    ],
+)
+def test_bad_requests_are_clear_errors(target, prompts, kwargs, message):
+    with pytest.raises(DRelayError, match=message):
+        SpeculativeEngine(target).generate(prompts, GenerationConfig(**kwargs))

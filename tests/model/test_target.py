@@ -1,0 +1,95 @@
+"""Target adapter: our cached forward against Hugging Face's, per-row cache cropping, loading errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drelay_model.errors import DRelayError
+from drelay_model.target import load_target
+
+
+def test_forward_matches_huggingface_logits_and_hidden_states(target, prompts_of):
+    ids = torch.tensor(prompts_of(target.vocab_size, (20, 20)))
+    ref = target.hf(ids, output_hidden_states=True)
+    cache = target.new_cache(2, 64)
+    first = target(ids[:, :12], cache, feature_layers=(1, 0))  # two chunks through the cache
+    second = target(ids[:, 12:], cache)
+    ours = torch.cat([first.logits, second.logits], dim=1)
+    torch.testing.assert_close(ours, ref.logits, atol=1e-4, rtol=1e-4)
+    # features = concatenated outputs of decoder layers 1 and 0, in the order asked for. (HF's last
+    # hidden state is after the final norm, so only layer 0 compares to HF directly.)
+    D = target.hidden_size
+    torch.testing.assert_close(first.features[..., D:], ref.hidden_states[1][:, :12], atol=1e-4, rtol=1e-4)
+    alone = target(ids[:, :12], target.new_cache(2, 64), feature_layers=(1,)).features
+    torch.testing.assert_close(first.features[..., :D], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_cropped_cache_gives_the_logits_of_a_fresh_prefill(target, prompts_of):
+    """Rows that rejected different numbers of drafts continue exactly as if never drafted."""
+    prompts = prompts_of(target.vocab_size, (10, 10, 10))
+    ids = torch.tensor(prompts)
+    cache = target.new_cache(3, 64)
+    target(ids, cache)
+    junk = torch.randint(0, target.vocab_size, (3, 6))
+    target(junk, cache)  # a rejected draft block
+    keep = torch.tensor([10, 13, 16])  # row 0 rejects all, row 1 keeps 3 drafts, row 2 keeps all
+    cache.crop(keep)
+    nxt = torch.randint(0, target.vocab_size, (3, 2))
+    after = target(nxt, cache).logits  # [3, 2, V]
+    for b in range(3):
+        seq = torch.cat([ids[b], junk[b, : keep[b] - 10], nxt[b]])[None]
+        fresh = target.hf(seq).logits[0, -2:]
+        torch.testing.assert_close(after[b], fresh, atol=1e-4, rtol=1e-4)
+
+
+def test_right_padded_batch_equals_single_rows(target, prompts_of):
+    prompts = prompts_of(target.vocab_size, (4, 11, 7))
+    lengths = torch.tensor([len(p) for p in prompts])
+    ids = torch.zeros(3, 11, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.tensor(p)
+    cache = target.new_cache(3, 32)
+    batched = target(ids, cache, logits_at=(lengths - 1)[:, None]).logits[:, 0]
+    for b, p in enumerate(prompts):
+        single = target.hf(torch.tensor([p])).logits[0, -1]
+        torch.testing.assert_close(batched[b], single, atol=1e-4, rtol=1e-4)
+
+
+def test_cache_capacity_is_a_clear_error(target):
+    cache = target.new_cache(1, 8)
+    with pytest.raises(DRelayError, match="capacity is 8"):
+        target(torch.zeros(1, 9, dtype=torch.long), cache)
+
+
+def test_crop_cannot_grow_a_row(target):
+    cache = target.new_cache(2, 16)
+    target(torch.zeros(2, 4, dtype=torch.long), cache)
+    with pytest.raises(ValueError):
+        cache.crop(torch.tensor([5, 2]))
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("no-such-model", "unknown target 'no-such-model'"),
+        ("tiny-llama:vocab=abc", "bad tiny target option"),
+        ("tiny-llama:colour=3", "bad tiny target option"),
+    ],
+)
+def test_bad_target_specs_name_the_problem(spec, message):
+    with pytest.raises(DRelayError, match=message):
+        load_target(spec)
+
+
+def test_directory_without_config_is_rejected(tmp_path):
+    with pytest.raises(DRelayError, match="has no config.json"):
+        load_target(str(tmp_path))
+
+
+def test_unsupported_architecture_is_rejected(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
+    with pytest.raises(DRelayError, match="model_type 'gpt2' is not supported"):
+        load_target(str(tmp_path))
