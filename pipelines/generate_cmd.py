@@ -80,5 +80,7 @@ def run(args: argparse.Namespace) -> int:
     line = f"[{args.method}] τ={report['tau']:.2f}  {report['tokens_per_s']:.1f} tok/s  ({report['generated_tokens']} tokens, {report['wall_s']:.1f} s)"
     if "speedup" in report:
         line += f"  | AR {report['ar_tokens_per_s']:.1f} tok/s  speedup {report['speedup']:.2f}×"
+        if report["same_output_as_ar"] is not None:
+            line += f"  | output identical to AR: {'yes' if report['same_output_as_ar'] else 'NO'}"
     print(line, file=sys.stderr if args.json else sys.stdout)
     return 0

@@ -118,7 +118,9 @@ class TargetModel(nn.Module):
         )
 
     # ---- the forward ---------------------------------------------------------------------------
-    @torch.inference_mode()
+    # no_grad rather than inference_mode: the features feed drafter training, and inference
+    # tensors cannot be saved for backward.
+    @torch.no_grad()
     def forward(
         self,
         ids: torch.Tensor,

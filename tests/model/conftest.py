@@ -25,14 +25,18 @@ class ScriptedSelector(Selector):
         self.reference = reference
         self.error_rate = error_rate
         self.vocab = vocab
-        self.gen = torch.Generator().manual_seed(seed)
+        self.seed = seed
 
     def select(self, block, ctx: SelectionContext) -> Selection:
         B, H, _ = block.cand_ids.shape
-        path = torch.randint(0, self.vocab, (B, H), generator=self.gen)
+        path = torch.zeros(B, H, dtype=torch.long)
         for i, (row, pos) in enumerate(zip(ctx.row_ids.tolist(), ctx.anchor_pos.tolist())):
+            # Corruption depends only on (seed, row, position): batched decoding and per-row replay
+            # see the same paths.
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + row * 10_007 + pos)
+            path[i] = torch.randint(0, self.vocab, (H,), generator=gen)
             ref = torch.tensor(self.reference[row][pos + 1 : pos + 1 + H], dtype=torch.long)
-            keep = torch.rand(len(ref), generator=self.gen) >= self.error_rate
+            keep = torch.rand(len(ref), generator=gen) >= self.error_rate
             path[i, : len(ref)] = torch.where(keep, ref, path[i, : len(ref)])
         return Selection(pool_index=torch.zeros(B, H, dtype=torch.long), path_ids=path, length=torch.full((B,), H))
 

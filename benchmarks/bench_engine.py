@@ -1,0 +1,292 @@
+"""Engine benchmark on the CPU target smollm2-135m (greedy decoding, fp32).
+
+What it measures, in one run (a shared 2-core machine is noisy, so every comparison is made side by
+side: the two contenders alternate within each repetition and we report medians of paired ratios):
+  1. AR tokens/s of our engine vs Hugging Face `generate()`: 8 chat prompts (one per evaluation
+     benchmark), 128 new tokens, batch 1 (one prompt at a time, the latency setting) and batched
+     (all prompts in one call; HF gets left padding + attention mask). Also checks that our greedy
+     tokens equal HF's, token for token. Wall time includes prefill for both.
+  2. Verification cost: one target forward of T=16 vs T=1 new tokens on a ~200-token cached context
+     (cropped back after every call), median over reps.
+  3. Speculative engine overhead per round: an untrained drafter (τ≈1, fine for timing) + the
+     `native` selector; ms per step for draft / select / verify / other and
+     overhead% = (select + other) / step time.
+
+Run:  .venv/bin/python benchmarks/bench_engine.py            # full run (~15-20 min on 2 cores)
+      .venv/bin/python benchmarks/bench_engine.py --quick    # smoke run (2 prompts, 32 tokens)
+Figures go to --out (JSON) and to MLflow (experiment `drelay-benchmarks`) unless --no-mlflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parent.parent
+EXPERIMENT = "drelay-benchmarks"
+median = statistics.median
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 32 new tokens, 1 rep")
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--reps", type=int, default=None, help="AR repetitions (default 3; 1 with --quick)")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads (default: all cores)")
+    p.add_argument("--no-batched", action="store_true", help="skip the batched AR comparison")
+    p.add_argument("--out", default=str(REPO / "outputs" / "bench_engine.json"))
+    p.add_argument("--no-mlflow", action="store_true")
+    args = p.parse_args()
+    args.n_prompts, args.max_new_tokens = (2, 32) if args.quick else (8, 128)
+    args.reps = args.reps or (1 if args.quick else 3)
+    return args
+
+
+def machine_info(threads: int) -> dict:
+    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                if l.startswith("model name")), platform.processor() or "unknown")
+    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "torch_threads": threads,
+            "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
+
+
+def chat_prompts(target, n: int) -> list[list[int]]:
+    """The first turn of one seeded prompt per benchmark, chat-templated."""
+    from pipelines.benchmarks import BENCHMARKS, load_benchmark
+
+    out = []
+    for name in BENCHMARKS[:n]:
+        message = load_benchmark(name, limit=1)[0].turns[0]
+        enc = target.tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=True)
+        out.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
+    return out
+
+
+# ---- 1. AR: ours vs Hugging Face ---------------------------------------------------------------
+def run_ours(engine, prompts, max_new: int) -> tuple[list[list[int]], float, object]:
+    from drelay_model.decoding import GenerationConfig
+
+    t0 = time.perf_counter()
+    res = engine.generate(prompts, GenerationConfig(max_new_tokens=max_new, temperature=0.0))
+    return res.tokens, time.perf_counter() - t0, res.stats
+
+
+def run_hf(target, prompts, max_new: int) -> tuple[list[list[int]], float]:
+    """HF greedy generate; several prompts are left-padded. Rows are cut after their first EOS."""
+    pad, eos = target.tokenizer.pad_token_id, list(target.eos_token_ids)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = target.hf.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                                 pad_token_id=pad, eos_token_id=eos)
+    seconds = time.perf_counter() - t0
+    rows = []
+    for row in out[:, width:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        rows.append(row[:cut])
+    return rows, seconds
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (or the shorter length), None if equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def compare_ar(target, engine, prompts, max_new: int, reps: int, batched: bool) -> dict:
+    """Alternate ours/HF (order flipped every rep); batch 1 runs prompt by prompt."""
+    groups = [prompts] if batched else [[p] for p in prompts]
+    label = f"AR batch={len(prompts)}" if batched else "AR batch=1"
+    per_rep, ours_tokens, hf_tokens, ours_stats = [], [], [], []
+    for rep in tqdm(range(reps), desc=label):
+        secs, counts = {"ours": 0.0, "hf": 0.0}, {"ours": 0, "hf": 0}
+        for group in tqdm(groups, desc="prompts", leave=False):
+            order = ("ours", "hf") if rep % 2 == 0 else ("hf", "ours")
+            for who in order:
+                if who == "ours":
+                    toks, s, stats = run_ours(engine, group, max_new)
+                    ours_stats.append(stats)
+                else:
+                    toks, s = run_hf(target, group, max_new)
+                secs[who] += s
+                counts[who] += sum(len(t) for t in toks)
+                if rep == 0:
+                    (ours_tokens if who == "ours" else hf_tokens).extend(toks)
+        per_rep.append({k: counts[k] / secs[k] for k in secs})
+    mismatches = [first_mismatch(a, b) for a, b in zip(ours_tokens, hf_tokens)]
+    steps = sum(s.steps for s in ours_stats)
+    return {
+        "batch_size": len(groups[0]),
+        "ours_tok_s": median(r["ours"] for r in per_rep),
+        "hf_tok_s": median(r["hf"] for r in per_rep),
+        "ratio": median(r["ours"] / r["hf"] for r in per_rep),
+        "per_rep_tok_s": per_rep,
+        "tokens_equal": [m is None for m in mismatches],
+        "first_mismatch": mismatches,
+        "ours_ms_verify_per_step": 1e3 * sum(s.time_verify for s in ours_stats) / steps,
+        "ours_ms_other_per_step": 1e3 * sum(s.time_other for s in ours_stats) / steps,
+    }
+
+
+# ---- 2. verification cost: T=16 vs T=1 ---------------------------------------------------------
+def verify_cost(target, prompts, context: int = 200, reps: int = 20, widths=(1, 16)) -> dict:
+    """Median ms of one target forward of T new tokens on a `context`-token cache (A B A B)."""
+    ctx = [t for p in prompts * 4 for t in p][:context]
+    cache = target.new_cache(1, context + max(widths) + 1)
+    target(torch.tensor([ctx]), cache)
+    new = torch.tensor([ctx[: max(widths)]])
+    times = {w: [] for w in widths}
+    for _ in tqdm(range(reps + 2), desc="verify T=1 vs T=16"):
+        for w in widths:
+            t0 = time.perf_counter()
+            target(new[:, :w], cache)
+            times[w].append(time.perf_counter() - t0)
+            cache.crop(cache.lengths - w)
+    ms = {w: 1e3 * median(t[2:]) for w, t in times.items()}  # the first 2 reps are warm-up
+    lo, hi = min(widths), max(widths)
+    paired = median(b / a for a, b in zip(times[lo][2:], times[hi][2:]))
+    return {"context": len(ctx), "reps": reps, **{f"ms_T{w}": v for w, v in ms.items()},
+            "ratio": ms[hi] / ms[lo], "ratio_paired_median": paired}
+
+
+# ---- 3. speculative engine overhead ------------------------------------------------------------
+def spec_overhead(target, prompts, max_new: int) -> dict:
+    """Untrained drafter + native selector, batch 1, summed over prompts."""
+    from drelay_model.decoding import SpeculativeEngine
+    from drelay_model.drafter import BlockDrafter, DrafterConfig
+    from drelay_model.selectors import NativeSelector
+
+    torch.manual_seed(0)
+    drafter = BlockDrafter(DrafterConfig.for_target(target), target).eval()
+    engine = SpeculativeEngine(target, drafter, NativeSelector())
+    run_ours(engine, prompts[:1], 4)  # warm-up
+    phases = {"draft": 0.0, "select": 0.0, "verify": 0.0, "other": 0.0}
+    steps = committed = rounds = 0
+    for p in tqdm(prompts, desc="speculative (native)"):
+        _, _, stats = run_ours(engine, [p], max_new)
+        for k in phases:
+            phases[k] += getattr(stats, f"time_{k}")
+        steps, committed, rounds = steps + stats.steps, committed + stats.committed, rounds + stats.rounds
+    ms = {f"ms_{k}": 1e3 * v / steps for k, v in phases.items()}
+    step_ms = sum(ms.values())
+    return {"block_size": drafter.config.block_size, "steps": steps, "tau": committed / rounds, **ms,
+            "ms_step": step_ms, "overhead_pct": 100 * (ms["ms_select"] + ms["ms_other"]) / step_ms}
+
+
+# ---- reporting ---------------------------------------------------------------------------------
+def print_report(r: dict) -> None:
+    m = r["machine"]
+    print(f"\nmachine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads)")
+    for key in ("ar_batch1", "ar_batched"):
+        if key in r:
+            a = r[key]
+            eq = sum(a["tokens_equal"])
+            print(f"AR batch={a['batch_size']}: ours {a['ours_tok_s']:.1f} tok/s | HF {a['hf_tok_s']:.1f} tok/s | "
+                  f"ratio {a['ratio']:.2f}x | tokens equal to HF: {eq}/{len(a['tokens_equal'])} "
+                  f"(first mismatch per prompt: {a['first_mismatch']})")
+    v = r["verify"]
+    print(f"verify on {v['context']} cached tokens: T=1 {v['ms_T1']:.1f} ms | T=16 {v['ms_T16']:.1f} ms | "
+          f"ratio {v['ratio']:.2f}x (paired median {v['ratio_paired_median']:.2f}x)")
+    s = r["spec_native"]
+    print(f"speculative (native, untrained drafter, tau {s['tau']:.2f}) ms/step: draft {s['ms_draft']:.1f} | "
+          f"select {s['ms_select']:.2f} | verify {s['ms_verify']:.1f} | other {s['ms_other']:.2f} | "
+          f"step {s['ms_step']:.1f} | overhead {s['overhead_pct']:.2f}%")
+
+
+def flat_metrics(d: dict, prefix: str = "") -> dict[str, float]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flat_metrics(v, f"{prefix}{k}."))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[f"{prefix}{k}"] = float(v)
+        elif isinstance(v, list) and v and all(isinstance(x, bool) for x in v):
+            out[f"{prefix}{k}_count"] = float(sum(v))
+    return out
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def start_mlflow(params: dict):
+    import mlflow
+
+    mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{REPO / 'mlflow.db'}")
+    exp = mlflow.get_experiment_by_name(EXPERIMENT)
+    exp_id = exp.experiment_id if exp else mlflow.create_experiment(
+        EXPERIMENT, artifact_location=(REPO / "outputs" / "mlartifacts").as_uri())
+    run = mlflow.start_run(experiment_id=exp_id, run_name="bench_engine" + ("-quick" if params["quick"] else ""))
+    commit = git_commit()
+    mlflow.set_tags({"git_commit": commit, "mlflow.source.git.commit": commit, "benchmark": "engine"})
+    mlflow.log_params(params)
+    return mlflow, run
+
+
+def measure(args) -> dict:
+    from drelay_model.decoding import SpeculativeEngine
+    from drelay_model.target import load_target
+
+    target = load_target(args.target)
+    prompts = chat_prompts(target, args.n_prompts)
+    print(f"{len(prompts)} prompts, lengths {[len(p) for p in prompts]}, {args.max_new_tokens} new tokens")
+    engine = SpeculativeEngine(target)
+    run_ours(engine, prompts[:1], 4)  # warm-up
+    run_hf(target, prompts[:1], 4)
+    report = {"ar_batch1": compare_ar(target, engine, prompts, args.max_new_tokens, args.reps, batched=False)}
+    if not args.no_batched:
+        report["ar_batched"] = compare_ar(target, engine, prompts, args.max_new_tokens, args.reps, batched=True)
+    report["verify"] = verify_cost(target, prompts)
+    report["spec_native"] = spec_overhead(target, prompts, args.max_new_tokens)
+    return report
+
+
+def main() -> int:
+    from transformers.utils import logging as hf_logging
+
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    hf_logging.set_verbosity_error()
+    machine = machine_info(torch.get_num_threads())
+    print(f"torch {machine['torch']} | threads {machine['torch_threads']} | CPU {machine['cpu']} ({machine['cores']} cores)")
+    params = {"target": args.target, "quick": args.quick, "n_prompts": args.n_prompts, "reps": args.reps,
+              "max_new_tokens": args.max_new_tokens, "batched": not args.no_batched, **machine}
+    mlflow, run = start_mlflow(params) if not args.no_mlflow else (None, None)
+    try:
+        report = {"machine": machine, "params": params, **measure(args)}
+        print_report(report)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
+        print(f"wrote {out}")
+        if mlflow:
+            mlflow.log_metrics(flat_metrics({k: v for k, v in report.items() if k not in ("machine", "params")}))
+            mlflow.log_artifact(str(out))
+    except BaseException:
+        if mlflow:
+            mlflow.end_run(status="FAILED")
+        raise
+    if mlflow:
+        mlflow.end_run(status="FINISHED")
+        print(f"MLflow run {run.info.run_id} in experiment '{EXPERIMENT}'")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,68 @@
+"""Lossless decoding on the real CPU target, SmolLM2-135M-Instruct (slow: ~1 min)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drelay_model.decoding import GenerationConfig, SpeculativeEngine, replay
+from drelay_model.drafter import BlockDrafter, DrafterConfig
+from drelay_model.selectors import default_registry
+from drelay_model.target import load_target
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Give three tips for staying healthy.",
+    "What is the capital of France?",
+]
+MAX_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_target("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def prompts(smol):
+    tok = smol.tokenizer
+    return [list(tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True)["input_ids"]) for m in MESSAGES]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(smol, prompts):
+    out = []
+    for p in prompts:
+        gen = smol.hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=list(smol.eos_token_ids), pad_token_id=smol.eos_token_ids[0])
+        out.append(gen[0, len(p):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("method", ["ar", *default_registry().names()])
+def test_greedy_equals_huggingface_generate(smol, prompts, hf_reference, method, batch):
+    drafter = selector = None
+    if method != "ar":
+        torch.manual_seed(0)
+        drafter = BlockDrafter(DrafterConfig.for_target(smol), smol)
+        selector = default_registry().create(method)
+    engine = SpeculativeEngine(smol, drafter, selector)
+    tokens = []
+    for i in range(0, len(prompts), batch):
+        tokens += engine.generate(prompts[i : i + batch], GenerationConfig(max_new_tokens=MAX_NEW)).tokens
+    assert tokens == hf_reference
+
+
+def test_mostly_right_paths_stay_lossless_and_replay_matches(smol, prompts, hf_reference, scripted_selector):
+    torch.manual_seed(0)
+    drafter = BlockDrafter(DrafterConfig.for_target(smol), smol)
+    reference = [p + r for p, r in zip(prompts, hf_reference)]
+    make = lambda: scripted_selector(reference, error_rate=0.15, vocab=smol.vocab_size)  # noqa: E731
+    real = SpeculativeEngine(smol, drafter, make()).generate(prompts, GenerationConfig(max_new_tokens=MAX_NEW))
+    assert real.tokens == hf_reference
+    assert real.stats.tau > 2.0
+    replayed = replay(smol, drafter, prompts, hf_reference, selector=make())
+    assert replayed.tau == real.stats.tau

@@ -1,0 +1,69 @@
+"""`drelay generate`: real runs on the bundled target, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from drelay_model.drafter import BlockDrafter, DrafterConfig, save_drafter
+from drelay_model.target import tiny_target
+from pipelines.cli import main
+
+
+def _run(capsys, *argv):
+    rc = main(["generate", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_ar_generation_on_the_bundled_target(capsys):
+    rc, out, err = _run(capsys, "--chat", "What is 2+3?", "--method", "ar", "--max-new-tokens", "8", "--json")
+    assert rc == 0, err
+    report = json.loads(out)
+    assert 1 <= report["generated_tokens"] <= 8  # EOS may end it early
+    assert report["tau"] == 1.0 and report["outputs"][0].strip()
+
+
+def test_speculative_generation_reports_speedup_and_matches_ar(capsys):
+    rc, out, err = _run(capsys, "--chat", "Name a colour.", "--random-drafter", "--compare-ar", "--max-new-tokens", "12", "--json")
+    assert rc == 0, err
+    report = json.loads(out)
+    assert report["same_output_as_ar"] is True
+    assert report["speedup"] > 0 and report["ar_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--chat", "hi", "--target", "nope"], "unknown target 'nope'"),
+        (["--chat", "hi", "--method", "magic", "--random-drafter"], "unknown method 'magic'"),
+        (["--chat", "hi"], "needs a drafter checkpoint"),
+        (["--chat", "hi", "--checkpoint", "/no/such/dir"], "checkpoint '/no/such/dir' not found"),
+        (["--chat", "hi", "--method", "ar", "--max-new-tokens", "0"], "--max-new-tokens must be"),
+        (["--prompts-file", "/no/file.txt", "--method", "ar"], "not found"),
+        (["--chat", "word " * 9000, "--method", "ar"], "context window"),
+    ],
+)
+def test_bad_input_is_one_line_and_nonzero(capsys, argv, message):
+    rc, out, err = _run(capsys, *argv)
+    assert rc == 2
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_checkpoint_for_another_target_is_rejected(capsys, tmp_path):
+    tiny = tiny_target("tiny-llama")
+    save_drafter(BlockDrafter(DrafterConfig.for_target(tiny, num_layers=1), tiny), tmp_path / "ckpt")
+    rc, _, err = _run(capsys, "--chat", "hi", "--checkpoint", str(tmp_path / "ckpt"))
+    assert rc == 2 and "does not match target 'smollm2-135m'" in err
+
+
+def test_console_script_never_prints_a_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "generate", "--chat", "hi", "--target", "nope"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "drelay: error: unknown target 'nope': expected smollm2-135m, tiny-llama, tiny-qwen3, a Hugging Face model directory, or a hub id 'org/name'"
