@@ -93,3 +93,15 @@ def test_unsupported_architecture_is_rejected(tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
     with pytest.raises(DRelayError, match="model_type 'gpt2' is not supported"):
         load_target(str(tmp_path))
+
+
+def test_loads_a_hugging_face_directory(tmp_path, target, prompts_of):
+    target.hf.save_pretrained(tmp_path / "model")
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))).save_pretrained(tmp_path / "model")
+    loaded = load_target(str(tmp_path / "model"))
+    ids = torch.tensor(prompts_of(target.vocab_size, (9,)))
+    torch.testing.assert_close(loaded(ids, loaded.new_cache(1, 16)).logits, target(ids, target.new_cache(1, 16)).logits)
+    assert loaded.tokenizer is not None
