@@ -25,8 +25,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _quiet_libraries() -> None:
     """Keep library chatter (weight-loading bars, advisory warnings) off the user's terminal."""
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
