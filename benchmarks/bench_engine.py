@@ -58,6 +58,20 @@ def machine_info(threads: int) -> dict:
             "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
 
 
+def cpu_snapshot() -> tuple[float, float]:
+    """(busy seconds of the whole machine, CPU seconds of this process), to measure contention."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
+    return busy, time.process_time()
+
+
+def contention(start: tuple[float, float], wall: float, cores: int) -> dict:
+    """Share of the machine's CPU capacity used by *other* processes since `start`."""
+    busy, own = (b - a for a, b in zip(start, cpu_snapshot()))
+    return {"other_processes_cpu_pct": round(100 * max(busy - own, 0.0) / (wall * cores), 1),
+            "loadavg_1min_end": os.getloadavg()[0]}
+
+
 def chat_prompts(target, n: int) -> list[list[int]]:
     """The first turn of one seeded prompt per benchmark, chat-templated."""
     from pipelines.benchmarks import BENCHMARKS, load_benchmark
@@ -188,7 +202,8 @@ def spec_overhead(target, prompts, max_new: int) -> dict:
 # ---- reporting ---------------------------------------------------------------------------------
 def print_report(r: dict) -> None:
     m = r["machine"]
-    print(f"\nmachine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads)")
+    print(f"\nmachine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads); "
+          f"other processes used {m['other_processes_cpu_pct']}% of the CPU during the run")
     for key in ("ar_batch1", "ar_batched"):
         if key in r:
             a = r[key]
@@ -269,7 +284,10 @@ def main() -> int:
               "max_new_tokens": args.max_new_tokens, "batched": not args.no_batched, **machine}
     mlflow, run = start_mlflow(params) if not args.no_mlflow else (None, None)
     try:
-        report = {"machine": machine, "params": params, **measure(args)}
+        snap, t0 = cpu_snapshot(), time.perf_counter()
+        figures = measure(args)
+        machine.update(contention(snap, time.perf_counter() - t0, machine["cores"]))
+        report = {"machine": machine, "params": params, **figures}
         print_report(report)
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

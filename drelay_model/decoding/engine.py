@@ -18,10 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from drelay_model.decoding.history import VerifiedHistory
 from drelay_model.decoding.stats import DecodeStats
 from drelay_model.decoding.verify import accept, pick_tokens
 from drelay_model.drafter.model import BlockDrafter
 from drelay_model.errors import DRelayError
+from drelay_model.kv_cache import KVCache
 from drelay_model.selectors.base import SelectionContext, Selector
 from drelay_model.selectors.native import NativeSelector
 from drelay_model.target.model import TargetModel
@@ -42,6 +44,39 @@ class GenerationConfig:
 
 
 @dataclass
+class _BatchState:
+    """Everything per row that lives across rounds; `rows` maps batch rows to request ids."""
+
+    rows: list[int]
+    cache: KVCache
+    ctx: KVCache | None = None  # drafter context keys/values
+    history: VerifiedHistory | None = None
+    anchor: torch.Tensor | None = None  # [R] int64
+
+    def selection_context(self) -> SelectionContext:
+        hist = self.history
+        return SelectionContext(
+            anchor_ids=self.anchor,
+            anchor_pos=self.cache.lengths.clone(),
+            row_ids=torch.tensor(self.rows, dtype=torch.long),
+            history=hist.feats if hist is not None else None,
+            history_mask=hist.mask() if hist is not None else None,
+        )
+
+    def keep(self, rows: list[int]) -> None:
+        """Drop finished rows from every per-row state (no-op when all stay)."""
+        if rows == self.rows:
+            return
+        index = torch.tensor([self.rows.index(b) for b in rows], dtype=torch.long)
+        self.cache.select_rows(index)
+        for part in (self.ctx, self.history):
+            if part is not None:
+                part.select_rows(index)
+        self.anchor = self.anchor[index]
+        self.rows = rows
+
+
+@dataclass
 class GenerationResult:
     """tokens[b] = the generated ids of prompt b (prompt excluded, EOS included if hit)."""
 
@@ -56,13 +91,12 @@ class SpeculativeEngine:
         if drafter is not None:
             drafter.config.check_target(target)
             selector = selector if selector is not None else NativeSelector()
-            if selector.capabilities.history_len > 0:
-                raise DRelayError(f"selector {type(selector).__name__} needs verified history, which this engine does not provide")
         self.target = target
         self.drafter = drafter.eval() if drafter is not None else None
         self.selector = selector.eval() if selector is not None else None
         self.feature_layers = drafter.config.target_layer_ids if drafter is not None else ()
         self.num_slots = drafter.config.num_slots if drafter is not None else 0
+        self.history_len = self.selector.capabilities.history_len if self.selector is not None else 0
 
     # ---- public --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -74,35 +108,26 @@ class SpeculativeEngine:
         eos = set(self.target.eos_token_ids) if config.stop_on_eos else set()
         t_start = time.perf_counter()
 
-        cache, ctx, anchor = self._prefill(prompts, config, gen)
+        state = self._prefill(prompts, config, gen)
         stats.time_prefill = time.perf_counter() - t_start
-        out: list[list[int]] = [[t] for t in anchor.tolist()]
-        rows = [b for b in range(len(prompts)) if not self._finished(out[b], config, eos)]
-        if len(rows) < len(prompts):
-            cache, ctx, anchor = self._keep(rows, range(len(prompts)), cache, ctx, anchor)
-        while rows:
-            row_ids = torch.tensor(rows, dtype=torch.long)
-            accepted, next_tok, path = self._round(cache, ctx, anchor, row_ids, config, gen, stats)
-            done, committed = [], []
+        out: list[list[int]] = [[t] for t in state.anchor.tolist()]
+        state.keep([b for b in state.rows if not self._finished(out[b], config, eos)])
+        while state.rows:
+            accepted, next_tok, path = self._round(state, config, gen, stats)
+            committed = []
             n_list, x_list, p_list = accepted.tolist(), next_tok.tolist(), path.tolist()  # one host copy
-            for i, b in enumerate(rows):
+            for i, b in enumerate(state.rows):
                 committed.append(self._commit(out[b], p_list[i][: n_list[i]] + [x_list[i]], config, eos))
-                if self._finished(out[b], config, eos):
-                    done.append(b)
             stats.record_round(n_list, committed)
             stats.steps += 1
-            if done:
-                keep = [b for b in rows if b not in done]
-                cache, ctx, anchor = self._keep(keep, rows, cache, ctx, next_tok)
-                rows = keep
-            else:
-                anchor = next_tok
+            state.anchor = next_tok
+            state.keep([b for b in state.rows if not self._finished(out[b], config, eos)])
         stats.generated = sum(len(o) for o in out)
         stats.time_total = time.perf_counter() - t_start
         return GenerationResult(tokens=out, stats=stats)
 
     # ---- phases --------------------------------------------------------------------------------
-    def _prefill(self, prompts, config: GenerationConfig, gen):
+    def _prefill(self, prompts, config: GenerationConfig, gen) -> "_BatchState":
         B = len(prompts)
         lengths = torch.tensor([len(p) for p in prompts])
         P = int(lengths.max())
@@ -110,24 +135,27 @@ class SpeculativeEngine:
         for b, p in enumerate(prompts):
             ids[b, : len(p)] = torch.tensor(p)
         capacity = P + config.max_new_tokens + self.num_slots + 2
-        cache = self.target.new_cache(B, capacity)
-        res = self.target(ids, cache, feature_layers=self.feature_layers, logits_at=(lengths - 1)[:, None])
-        cache.crop(lengths)
-        ctx = None
+        state = _BatchState(rows=list(range(B)), cache=self.target.new_cache(B, capacity))
+        res = self.target(ids, state.cache, feature_layers=self.feature_layers, logits_at=(lengths - 1)[:, None])
+        state.cache.crop(lengths)
         if self.drafter is not None:
-            ctx = self.drafter.new_context_cache(B, capacity)
-            self.drafter.extend_context(res.features, ctx)
-            ctx.crop(lengths)
-        first = pick_tokens(res.logits[:, 0], config.temperature, gen)  # [B]
-        return cache, ctx, first
+            state.ctx = self.drafter.new_context_cache(B, capacity)
+            self.drafter.extend_context(res.features, state.ctx)
+            state.ctx.crop(lengths)
+        if self.history_len:
+            state.history = VerifiedHistory(B, self.history_len, res.features.shape[-1], dtype=res.features.dtype)
+            state.history.push(res.features, lengths)
+        state.anchor = pick_tokens(res.logits[:, 0], config.temperature, gen)  # [B]
+        return state
 
-    def _round(self, cache, ctx, anchor, row_ids, config: GenerationConfig, gen, stats: DecodeStats):
+    def _round(self, state: "_BatchState", config: GenerationConfig, gen, stats: DecodeStats):
         """One batched round; returns accepted [R], next token [R], path [R, G].
 
         Timing: `draft` = drafter forwards (block + context extension), `select` = the selector,
         `verify` = the target forward; everything else (acceptance, cache crops, host bookkeeping)
         lands in `other`, the engine's own overhead.
         """
+        anchor, cache = state.anchor, state.cache
         R = anchor.shape[0]
         clock = time.perf_counter
         if self.drafter is None:
@@ -135,10 +163,9 @@ class SpeculativeEngine:
             length = torch.zeros(R, dtype=torch.long)
         else:
             t0 = clock()
-            block = self.drafter.draft(anchor, ctx)
+            block = self.drafter.draft(anchor, state.ctx)
             t1 = clock()
-            sctx = SelectionContext(anchor_ids=anchor, anchor_pos=cache.lengths.clone(), row_ids=row_ids)
-            selection = self.selector.select(block, sctx)
+            selection = self.selector.select(block, state.selection_context())
             path, length = selection.path_ids, selection.length
             stats.time_draft += t1 - t0
             stats.time_select += clock() - t1
@@ -149,11 +176,13 @@ class SpeculativeEngine:
         accepted, next_tok = accept(path, res.logits, length, temperature=config.temperature, generator=gen)
         # Keep the anchor and the accepted drafts; the next token becomes the new (uncached) anchor.
         cache.crop(start + 1 + accepted)
-        if ctx is not None:
+        if state.ctx is not None:
             t0 = clock()
-            self.drafter.extend_context(res.features, ctx)
+            self.drafter.extend_context(res.features, state.ctx)
             stats.time_draft += clock() - t0
-            ctx.crop(start + 1 + accepted)
+            state.ctx.crop(start + 1 + accepted)
+        if state.history is not None:
+            state.history.push(res.features, accepted + 1)
         return accepted, next_tok, path
 
     # ---- host-side bookkeeping -----------------------------------------------------------------
@@ -171,15 +200,6 @@ class SpeculativeEngine:
     @staticmethod
     def _finished(row: list[int], config: GenerationConfig, eos: set[int]) -> bool:
         return len(row) >= config.max_new_tokens or (bool(row) and row[-1] in eos)
-
-    @staticmethod
-    def _keep(keep: list[int], rows, cache, ctx, anchor):
-        """Drop finished rows from every per-row state."""
-        index = torch.tensor([list(rows).index(b) for b in keep], dtype=torch.long)
-        cache.select_rows(index)
-        if ctx is not None:
-            ctx.select_rows(index)
-        return cache, ctx, anchor[index]
 
     def _check_prompts(self, prompts: list[list[int]], config: GenerationConfig) -> None:
         if not prompts:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from drelay_model.decoding.history import history_window
 from drelay_model.decoding.stats import DecodeStats
 from drelay_model.drafter.model import BlockDrafter, DraftBlock
 from drelay_model.selectors.base import SelectionContext, Selector
@@ -65,7 +66,12 @@ def _replay_row(target, drafter, selector, prompt, cont, row: int, oracle: bool,
         if oracle:
             path = oracle_path(block, ref)
         else:
-            sctx = SelectionContext(anchor_ids=seq[:, a], anchor_pos=torch.tensor([a]), row_ids=torch.tensor([row]))
+            hist = hmask = None
+            if selector.capabilities.history_len:
+                hist, hmask = history_window(feats, a, selector.capabilities.history_len)
+            sctx = SelectionContext(
+                anchor_ids=seq[:, a], anchor_pos=torch.tensor([a]), row_ids=torch.tensor([row]), history=hist, history_mask=hmask
+            )
             sel = selector.select(block, sctx)
             path = sel.path_ids[0, : int(sel.length[0])]
         G = min(len(path), len(ref))

@@ -1,0 +1,140 @@
+"""Regenerate training responses with the target's own greedy decoding (`drelay data regenerate`).
+
+A drafter learns to predict what the *target* writes, not what a dataset's reference answer says (a
+calibration run on reference answers lost a third of slot-1 accuracy to the style mismatch). So every
+assistant turn of the training corpus is replaced, once, by the target's greedy continuation given the
+conversation so far (with earlier turns already regenerated), and the exact token ids are kept: they
+are the labels for drafter training.
+
+Output: one JSON object per line, appended batch by batch and flushed, so an interrupted run resumes
+where it stopped (a torn last line is dropped on restart):
+    {"conv_id", "source", "messages": [{"role", "content"}, ...], "turn_token_ids": [[...], ...],
+     "finished": bool}          # finished = every turn ended with EOS (not cut by the token budget)
+A conversation whose prompt outgrows `max_prompt_tokens` is recorded as {"conv_id", "source",
+"skipped": reason}, so a resumed run does not retry it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from drelay_model.decoding import GenerationConfig, SpeculativeEngine
+from drelay_model.errors import DRelayError
+from pipelines.corpora import Conversation
+
+
+@dataclass(frozen=True)
+class RegenerationSummary:
+    done_before: int
+    generated: int
+    skipped_too_long: int
+    tokens: int
+    seconds: float
+
+
+def read_done(path: Path) -> set[str]:
+    """Conversation ids already regenerated in `path`; truncates a torn last line in place."""
+    if not path.exists():
+        return set()
+    done, good_bytes = set(), 0
+    with path.open("rb") as f:
+        for line in f:
+            try:
+                done.add(json.loads(line)["conv_id"])
+            except (json.JSONDecodeError, KeyError, UnicodeDecodeError):
+                break  # a torn write from an interrupted run: everything after it is dropped
+            good_bytes += len(line)
+    if good_bytes < path.stat().st_size:
+        with path.open("r+b") as f:
+            f.truncate(good_bytes)
+    return done
+
+
+def _render(tokenizer, messages: list[dict]) -> list[int]:
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+
+def _regenerate_batch(engine, tokenizer, convs: list[Conversation], config: GenerationConfig, max_prompt: int):
+    """Regenerate every assistant turn of a batch of conversations, turn index by turn index."""
+    histories = [[m for m in c.messages if m["role"] == "system"] for c in convs]
+    users = [[m["content"] for m in c.messages if m["role"] == "user"] for c in convs]
+    turn_ids: list[list[list[int]]] = [[] for _ in convs]
+    finished = [True] * len(convs)
+    too_long: set[int] = set()
+    eos = set(engine.target.eos_token_ids)
+    for t in range(max(len(u) for u in users)):
+        rows = [i for i in range(len(convs)) if t < len(users[i]) and i not in too_long]
+        prompts = []
+        for i in list(rows):
+            histories[i].append({"role": "user", "content": users[i][t]})
+            ids = _render(tokenizer, histories[i])
+            if len(ids) > max_prompt:
+                too_long.add(i)
+                rows.remove(i)
+            else:
+                prompts.append(ids)
+        if not rows:
+            continue
+        result = engine.generate(prompts, config)
+        for i, toks in zip(rows, result.tokens):
+            ended = bool(toks) and toks[-1] in eos
+            finished[i] &= ended
+            text = tokenizer.decode(toks[:-1] if ended else toks, skip_special_tokens=True)
+            histories[i].append({"role": "assistant", "content": text})
+            turn_ids[i].append(toks)
+    records = [
+        {"conv_id": c.conv_id, "source": c.source, "skipped": "prompt too long"}
+        if i in too_long
+        else {"conv_id": c.conv_id, "source": c.source, "messages": histories[i], "turn_token_ids": turn_ids[i], "finished": finished[i]}
+        for i, c in enumerate(convs)
+    ]
+    return records, len(too_long), sum(len(t) for ids in turn_ids for t in ids)
+
+
+def regenerate(
+    target,
+    conversations: list[Conversation],
+    out_path: str | Path,
+    *,
+    batch_size: int = 16,
+    max_new_tokens: int = 256,
+    max_prompt_tokens: int = 1024,
+    progress: bool = True,
+) -> RegenerationSummary:
+    """Greedy-regenerate the assistant turns of `conversations` into `out_path` (resumable)."""
+    import time
+
+    if target.tokenizer is None:
+        raise DRelayError(f"target '{target.name}' has no tokenizer; regeneration needs a chat template")
+    if batch_size < 1 or max_new_tokens < 1:
+        raise DRelayError("batch_size and max_new_tokens must be ≥ 1")
+    out_path = Path(out_path)
+    try:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        done = read_done(out_path)
+        out_path.touch()
+    except OSError as exc:
+        raise DRelayError(f"cannot write regenerated data to '{out_path}': {exc.strerror}") from exc
+    todo = [c for c in conversations if c.conv_id not in done]
+    # Similar lengths together: less padding in each batched prefill.
+    todo.sort(key=lambda c: sum(len(m["content"]) for m in c.messages if m["role"] == "user"))
+    engine = SpeculativeEngine(target)
+    config = GenerationConfig(max_new_tokens=max_new_tokens)
+    skipped = tokens = 0
+    start = time.perf_counter()
+    bar = tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not progress)
+    with out_path.open("a", encoding="utf-8") as out:
+        for i in range(0, len(todo), batch_size):
+            records, n_long, n_tok = _regenerate_batch(engine, target.tokenizer, todo[i : i + batch_size], config, max_prompt_tokens)
+            out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+            out.flush()
+            skipped, tokens = skipped + n_long, tokens + n_tok
+            bar.update(len(todo[i : i + batch_size]))
+            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
+    bar.close()
+    return RegenerationSummary(len(done), len(todo) - skipped, skipped, tokens, time.perf_counter() - start)
