@@ -42,15 +42,16 @@ def load_method(
         raise DRelayError(f"unknown method '{method}' (choose from: {', '.join(method_names())})")
     if random_drafter:
         torch.manual_seed(0)
-        return BlockDrafter(DrafterConfig.for_target(target), target).eval(), registry.create(method)
+        drafter = BlockDrafter(DrafterConfig.for_target(target), target).eval()
+        return drafter, registry.create(method, drafter=drafter).eval()
     path = checkpoint or bundled_checkpoint(target_spec)
     if path is None:
         raise DRelayError(
             f"method '{method}' needs a drafter checkpoint: none is bundled for target '{target_spec}'; "
             "pass --checkpoint DIR (or --method ar)"
         )
-    drafter, _extra, _meta = load_drafter(path, target)
-    return drafter, registry.create(method)
+    drafter, extra, meta = load_drafter(path, target)
+    return drafter, registry.from_checkpoint(method, drafter=drafter, tensors=extra, meta=meta)
 
 
 def load_target_spec(spec: str) -> TargetModel:

@@ -66,6 +66,16 @@ class Selector(nn.Module):
 
     capabilities: ClassVar[SelectorCapabilities] = SelectorCapabilities()
 
+    @classmethod
+    def build(cls, *, drafter=None, config: dict | None = None) -> "Selector":
+        """Construct for a drafter (trainable selectors size themselves from it and share its frozen
+        embedding). `config` holds selector hyper-parameters, as saved in a checkpoint's meta."""
+        if config:
+            from drelay_model.errors import DRelayError
+
+            raise DRelayError(f"selector {cls.__name__} takes no config, got keys {sorted(config)}")
+        return cls()
+
     def select(self, block: DraftBlock, ctx: SelectionContext) -> Selection:  # pragma: no cover - abstract
         raise NotImplementedError
 

@@ -1,4 +1,4 @@
-"""An explicit selector registry: names → factories, no import-time side effects.
+"""An explicit selector registry: names → selector classes, no import-time side effects.
 
 `default_registry()` lists every selector the project ships, in one place. Tests and plugins build
 their own `SelectorRegistry` or extend a copy. Duplicate names are rejected; an unknown name is
@@ -7,12 +7,10 @@ answered with the list of registered ones.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from drelay_model.errors import DRelayError
 from drelay_model.selectors.base import Selector
 
-SelectorFactory = Callable[..., Selector]
+SelectorFactory = type[Selector]
 
 
 class SelectorRegistry:
@@ -34,8 +32,30 @@ class SelectorRegistry:
             raise DRelayError(f"unknown selector '{name}' (registered: {', '.join(self.names())})")
         return self._factories[name]
 
-    def create(self, name: str, **kwargs) -> Selector:
-        return self.factory(name)(**kwargs)
+    def create(self, name: str, *, drafter=None, config: dict | None = None) -> Selector:
+        """A fresh (untrained) selector; load trained weights with `load_state_dict`."""
+        return self.factory(name).build(drafter=drafter, config=config)
+
+    def from_checkpoint(self, name: str, *, drafter, tensors: dict, meta: dict) -> Selector:
+        """The selector `name` for a loaded drafter checkpoint.
+
+        Convention: a checkpoint that holds a trained selector stores its weights as tensors named
+        `selector.<param>` and `meta["selector"] = {"name": ..., "config": {...}}`. Untrainable
+        selectors ignore both; a trainable one must find weights saved under its own name.
+        """
+        cls = self.factory(name)
+        if not cls.capabilities.trainable:
+            return cls.build(drafter=drafter)
+        saved = meta.get("selector") or {}
+        if saved.get("name") != name:
+            raise DRelayError(f"the checkpoint holds no trained '{name}' selector (it has: {saved.get('name') or 'none'})")
+        selector = cls.build(drafter=drafter, config=saved.get("config"))
+        state = {k.removeprefix("selector."): v for k, v in tensors.items() if k.startswith("selector.")}
+        try:
+            selector.load_state_dict(state)
+        except RuntimeError as exc:
+            raise DRelayError(f"the checkpoint's '{name}' selector weights do not fit: {str(exc).splitlines()[0]}") from exc
+        return selector.eval()
 
     def __contains__(self, name: str) -> bool:
         return name in self._factories

@@ -35,7 +35,8 @@ def test_greedy_output_equals_huggingface_generate(target, make_drafter, prompts
     if method == "ar":
         engine = SpeculativeEngine(target)
     else:
-        engine = SpeculativeEngine(target, make_drafter(target), default_registry().create(method))
+        drafter = make_drafter(target)
+        engine = SpeculativeEngine(target, drafter, default_registry().create(method, drafter=drafter))
     result = engine.generate(prompts, GenerationConfig(max_new_tokens=MAX_NEW))
     for b, p in enumerate(prompts):
         assert result.tokens[b] == hf_greedy(target, p, MAX_NEW), f"row {b} differs from HF generate"

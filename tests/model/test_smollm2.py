@@ -48,7 +48,7 @@ def test_greedy_equals_huggingface_generate(smol, prompts, hf_reference, method,
     if method != "ar":
         torch.manual_seed(0)
         drafter = BlockDrafter(DrafterConfig.for_target(smol), smol)
-        selector = default_registry().create(method)
+        selector = default_registry().create(method, drafter=drafter)
     engine = SpeculativeEngine(smol, drafter, selector)
     tokens = []
     for i in range(0, len(prompts), batch):
