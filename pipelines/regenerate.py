@@ -96,6 +96,18 @@ def _regenerate_batch(engine, tokenizer, convs: list[Conversation], config: Gene
     return records, len(too_long), sum(len(t) for ids in turn_ids for t in ids)
 
 
+def _schedule(convs: list[Conversation], window: int) -> list[Conversation]:
+    """Order the work so that any finished prefix is a useful sample of every source: sources
+    round-robin, then similar prompt lengths together inside each window (less padding per batch)."""
+    by_source: dict[str, list[Conversation]] = {}
+    for c in convs:
+        by_source.setdefault(c.source, []).append(c)
+    queues = list(by_source.values())
+    mixed = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+    prompt_len = lambda c: sum(len(m["content"]) for m in c.messages if m["role"] == "user")  # noqa: E731
+    return [c for i in range(0, len(mixed), window) for c in sorted(mixed[i : i + window], key=prompt_len)]
+
+
 def regenerate(
     target,
     conversations: list[Conversation],
@@ -120,9 +132,7 @@ def regenerate(
         out_path.touch()
     except OSError as exc:
         raise DRelayError(f"cannot write regenerated data to '{out_path}': {exc.strerror}") from exc
-    todo = [c for c in conversations if c.conv_id not in done]
-    # Similar lengths together: less padding in each batched prefill.
-    todo.sort(key=lambda c: sum(len(m["content"]) for m in c.messages if m["role"] == "user"))
+    todo = _schedule([c for c in conversations if c.conv_id not in done], window=16 * batch_size)
     engine = SpeculativeEngine(target)
     config = GenerationConfig(max_new_tokens=max_new_tokens)
     skipped = tokens = 0

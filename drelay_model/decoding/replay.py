@@ -11,9 +11,15 @@ Because the engine is lossless, this reproduces real greedy decoding round for r
 checks that replay τ equals τ from real decoding), at the cost of the drafter and selector only.
 `oracle=True` replaces the selector by one that knows y: it takes the target's token whenever the
 pool holds it — the ceiling for any selector over that pool (oracle τ).
+
+`on_round` (optional) receives a `ReplayRound` per round — pool, served path, reference tokens — for
+offline diagnostics (`drelay_model.diagnostics`); it observes only and never changes the result.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +31,30 @@ from drelay_model.selectors.native import NativeSelector
 from drelay_model.target.model import TargetModel
 
 
+@dataclass(frozen=True)
+class ReplayRound:
+    """One replayed round, as seen by a trace hook.
+
+    row        index of the prompt in the `replay` call.
+    anchor_pos absolute position of the anchor (prompt + generated tokens before it).
+    block      the drafted pool (batch of one: cand_ids [1, H, K], cand_logq [1, H, K]).
+    path       [G] int64 the path submitted for verification (G ≤ H; the oracle path when `oracle`).
+    ref        [R] int64 the target's tokens after the anchor (R ≤ H; shorter at the end).
+    accepted   drafts accepted; committed: tokens committed (accepted + 1, cut at the end).
+    """
+
+    row: int
+    anchor_pos: int
+    block: DraftBlock
+    path: torch.Tensor
+    ref: torch.Tensor
+    accepted: int
+    committed: int
+
+
+RoundHook = Callable[[ReplayRound], None]
+
+
 @torch.inference_mode()
 def replay(
     target: TargetModel,
@@ -34,6 +64,7 @@ def replay(
     *,
     selector: Selector | None = None,
     oracle: bool = False,
+    on_round: RoundHook | None = None,
 ) -> DecodeStats:
     """Replay greedy speculative decoding over cached greedy continuations.
 
@@ -42,17 +73,20 @@ def replay(
         continuations  the target's greedy continuation of each prompt (as real decoding returns it:
                        first token from prefill, truncated at EOS or the token budget).
         selector       the selector under test (default: native); ignored when `oracle`.
+        on_round       optional trace hook, called once per replayed round (observes only).
     Returns:
         DecodeStats with τ, the acceptance histogram and round counts (no timings).
     """
     selector = (selector if selector is not None else NativeSelector()).eval()
     stats = DecodeStats(num_slots=drafter.config.num_slots)
     for row, (prompt, cont) in enumerate(zip(prompts, continuations)):
-        _replay_row(target, drafter, selector, prompt, cont, row, oracle, stats)
+        _replay_row(target, drafter, selector, prompt, cont, row, oracle, stats, on_round)
     return stats
 
 
-def _replay_row(target, drafter, selector, prompt, cont, row: int, oracle: bool, stats: DecodeStats) -> None:
+def _replay_row(
+    target, drafter, selector, prompt, cont, row: int, oracle: bool, stats: DecodeStats, on_round: RoundHook | None = None
+) -> None:
     seq = torch.tensor(prompt + cont)[None]  # [1, N]
     N, P = seq.shape[1], len(prompt)
     cache = target.new_cache(1, N)
@@ -80,6 +114,8 @@ def _replay_row(target, drafter, selector, prompt, cont, row: int, oracle: bool,
         committed = min(n + 1, left)
         stats.record_round([n], [committed])
         stats.steps += 1
+        if on_round is not None:
+            on_round(ReplayRound(row=row, anchor_pos=a, block=block, path=path, ref=ref, accepted=n, committed=committed))
         a += n + 1
         left -= committed
     stats.generated += len(cont)

@@ -119,8 +119,12 @@ class BlockDrafter(nn.Module):
                 raise ValueError(f"draft_to_target must be [{config.draft_vocab_size}] int64")
             head = head[draft_to_target]
             self.register_buffer("draft_to_target", draft_to_target.long().clone())
+            inverse = torch.full((target.vocab_size,), -1, dtype=torch.long)
+            inverse[draft_to_target] = torch.arange(config.draft_vocab_size)
+            self.register_buffer("target_to_draft", inverse, persistent=False)  # -1: not draftable
         else:
             self.draft_to_target = None
+            self.target_to_draft = None
         self.register_buffer("head_weight", head, persistent=False)
 
     # ---- context -------------------------------------------------------------------------------
@@ -155,6 +159,13 @@ class BlockDrafter(nn.Module):
         for i, (k, v) in enumerate(self.context_kv(features, positions)):
             cache.append(i, k, v)
         cache.end()
+
+    def forward(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """Training entry point (what DDP wraps): blocks at anchors [B, M] from the features
+        [B, N, L*D] of whole sequences (block m sees positions < anchor_pos[b, m]) → [B, M, S, D]."""
+        B, N, _ = features.shape
+        positions = torch.arange(N, device=features.device)[None].expand(B, N)
+        return self.block_hidden(anchor_ids, anchor_pos, self.context_kv(features, positions))
 
     # ---- blocks --------------------------------------------------------------------------------
     def block_hidden(

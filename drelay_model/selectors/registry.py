@@ -68,8 +68,10 @@ class SelectorRegistry:
 
 def default_registry() -> SelectorRegistry:
     """Every selector the project ships."""
+    from drelay_model.selectors.drelay import DRelaySelector
     from drelay_model.selectors.native import NativeSelector
 
     registry = SelectorRegistry()
     registry.register("native", NativeSelector)
+    registry.register("drelay", DRelaySelector)
     return registry

@@ -1,0 +1,118 @@
+"""DRelay selector overhead per round on the CPU target's dimensions (smollm2-135m).
+
+Dims: D = 576, H = 15 slots, K = 16 candidates, F = 3·576 target features, V = 49,152.
+A random drafter (DrafterConfig.for_target: 2 layers, full-vocabulary head) and a freshly built
+`drelay` selector (default config: d_sel = 256, history_len = 64); batch 1, fp32, one block drafted
+after a ~200-token verified context. Per repetition the three phases alternate (draft → select →
+verify), so machine load hits them alike; medians are reported:
+  draft        drafter.draft(anchor, ctx)                         one block + the top-K pool
+  select       selector.select(block, ctx)                        Global Read + H sequential decisions
+  verify       target forward over anchor + 15 drafts = 16 tokens on the cached context (cropped back)
+  select %     select / (draft + select + verify), the selector's share of a round
+The selector's cost does not depend on its decisions (every slot runs the same ops), which the
+"repairing" row checks with randomised residual heads. Also printed: the split of `select` into its
+prefix-independent part (Global Read + history/memory precompute) and the sequential loop, and the
+selector's trainable parameter count (the frozen embedding is shared, not counted).
+
+Run:  .venv/bin/python benchmarks/bench_selector.py                 # 1 thread (default), ~1 min
+      .venv/bin/python benchmarks/bench_selector.py --threads 2 --reps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--context", type=int, default=200, help="verified tokens before the block")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def timed(fn, *args):
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0
+
+
+def setup(args):
+    """Target, random drafter, fresh selector and one round's inputs after a verified context."""
+    from drelay_model.decoding.history import VerifiedHistory
+    from drelay_model.drafter import BlockDrafter, DrafterConfig
+    from drelay_model.selectors import SelectionContext, default_registry
+    from drelay_model.target import load_target
+
+    torch.manual_seed(args.seed)
+    target = load_target(args.target)
+    drafter = BlockDrafter(DrafterConfig.for_target(target), target).eval()
+    selector = default_registry().create("drelay", drafter=drafter).eval()
+    layers = drafter.config.target_layer_ids
+    prompt = torch.randint(0, target.vocab_size, (1, args.context))
+    cache = target.new_cache(1, args.context + 64)
+    res = target(prompt, cache, feature_layers=layers, logits_at=torch.tensor([[args.context - 1]]))
+    ctx_cache = drafter.new_context_cache(1, args.context + 64)
+    drafter.extend_context(res.features, ctx_cache)
+    hist = VerifiedHistory(1, selector.capabilities.history_len, res.features.shape[-1])
+    hist.push(res.features, torch.tensor([args.context]))
+    anchor = res.logits[:, 0].argmax(-1)  # [1]
+    sctx = SelectionContext(
+        anchor_ids=anchor, anchor_pos=cache.lengths.clone(), row_ids=torch.tensor([0]),
+        history=hist.feats, history_mask=hist.mask(),
+    )
+    return target, drafter, selector, cache, ctx_cache, anchor, sctx
+
+
+@torch.inference_mode()
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    target, drafter, selector, cache, ctx_cache, anchor, sctx = setup(args)
+    repairing = type(selector).build(drafter=drafter).eval()
+    repairing.load_state_dict(selector.state_dict())
+    g = torch.Generator().manual_seed(args.seed)
+    for p in repairing.residual_heads():
+        p.copy_(torch.randn(p.shape, generator=g))
+    layers = drafter.config.target_layer_ids
+    start = cache.lengths.clone()
+    t = {k: [] for k in ("draft", "select", "select_repairing", "evidence", "loop", "verify")}
+    repairs = 0
+    for rep in range(args.reps + 3):  # 3 warm-up repetitions
+        block, t_draft = timed(drafter.draft, anchor, ctx_cache)
+        sel, t_select = timed(selector.select, block, sctx)
+        sel_r, t_select_r = timed(repairing.select, block, sctx)
+        (ev, cand_emb), t_ev = timed(selector.evidence, block, sctx.history, sctx.history_mask)
+        _, t_loop = timed(selector.causal.sequential, ev, selector.embed(anchor), cand_emb)
+        ids = torch.cat([anchor[:, None], sel.path_ids], dim=1)  # [1, 16]
+        _, t_verify = timed(lambda: target(ids, cache, feature_layers=layers))
+        cache.crop(start)
+        if rep >= 3:
+            for k, v in zip(t, (t_draft, t_select, t_select_r, t_ev, t_loop, t_verify)):
+                t[k].append(v * 1e3)
+            repairs += int((sel_r.pool_index != 0).sum())
+            assert int((sel.pool_index != 0).sum()) == 0  # a fresh selector is exactly native
+    med = {k: statistics.median(v) for k, v in t.items()}
+    round_ms = med["draft"] + med["select"] + med["verify"]
+    n_params = sum(p.numel() for p in selector.parameters())
+    cfg = drafter.config
+    print(f"target {args.target}: D={cfg.hidden_size} H={cfg.num_slots} K={cfg.top_k} "
+          f"F={len(cfg.target_layer_ids) * cfg.hidden_size} V={target.vocab_size}; "
+          f"torch threads={args.threads}, reps={args.reps}, context={args.context}")
+    print(f"selector: drelay {selector.config.to_dict()}")
+    print(f"selector parameters: {n_params:,} trainable ({n_params / 1e6:.2f}M; frozen embedding shared, not counted)")
+    print(f"  draft            {med['draft']:7.2f} ms")
+    print(f"  select           {med['select']:7.2f} ms   (evidence {med['evidence']:.2f} ms + sequential loop {med['loop']:.2f} ms)")
+    print(f"  select repairing {med['select_repairing']:7.2f} ms   ({repairs / args.reps:.1f} repairs per block)")
+    print(f"  verify (16 tok)  {med['verify']:7.2f} ms")
+    print(f"  round            {round_ms:7.2f} ms   select = {100 * med['select'] / round_ms:.1f}% of a round")
+
+
+if __name__ == "__main__":
+    main()

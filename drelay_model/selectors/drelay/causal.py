@@ -1,0 +1,220 @@
+"""Causal Selector (§4.3, Appendix B): KEEP or REPAIR each slot against the selected prefix.
+
+Prefix-independent evidence (computed once per block, before any decision):
+  states    a_ik = LN(z_i + c_ik + R_k + w_q·log q_ik)  (k < K: candidates),  a_iK = LN(z_i + t_slot)
+  history   y_ik = W_o NullAttn(W_q a_ik; keys/values of LN(W_F f_t) + P_t)   last N verified target
+            features f_t (all-masked → zero read)
+  compact   pre_ik = W_a a_ik + W_y y_ik + b
+  rank base S⁰_ik = log q_ik + ⟨W_ρ s_i, ê_ik⟩/√d      native log-prob + shared hidden residual
+  gate base g⁰_i  = log Σ_{k>0} q_ik − log q_i0                              native log-odds (Eq. 6)
+
+Prefix memory: entry 0 is the anchor, entry j ≥ 1 the token x_j chosen at slot j (position j):
+  m_0 = LN(g_a + p_0 + W_x E(x_0)),   m_j = LN(W_m [s_j ; z_j] + p_j + W_x E(x_j))
+Decision at position i (slot i−1 in 0-based tensors) reads entries j < i only, and the latest chosen
+token conditions its query directly:
+  o_ik = Attn(W_p a_ik + W_e E(x_{i−1}); keys/values W_kv m_j for j < i)
+  [ρ'_ik, δ_ik] = W_h GELU(pre_ik + W_c o_ik)         W_h zero-initialised (terminal)
+  S_ik = S⁰_ik + ρ'_ik   (k < K),   g_i = g⁰_i + Δg_i with Δg_i = δ_iK (the slot query)
+  decision (Eq. 2): REPAIR with k* = argmax_{k>0} S_ik iff g_i + log r_ik* > 0 (ties → KEEP)
+
+With W_ρ = 0 and W_h = 0 (the initialisation) S = log q and g = g⁰: p_act is the native
+distribution renormalised over the pool and the rule keeps candidate 0 everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drelay_model.selectors.drelay.config import DRelayConfig
+from drelay_model.selectors.drelay.global_read import null_attention
+
+# A decision margin g + log r* within this many nats of zero is a numerical tie and resolves to KEEP.
+# (float32 log-probs near −20 carry ~2e-6 rounding; 1e-4 nats is a probability ratio of 1.0001.)
+TIE_TOL = 1e-4
+_LOGQ_FLOOR = -30.0  # log q below this carries no extra information as an input feature
+
+
+def decide(gate: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+    """The KEEP/REPAIR rule of Eq. 2.
+
+    r_ik = softmax_{k>0}(S_ik); REPAIR with k* = argmax_{k>0} r_ik iff g_i + log r_ik* > TIE_TOL,
+    else KEEP (pool index 0). Among equal alternatives the lowest pool index wins.
+
+    Args:
+        gate [...] gate logits g; rank [..., K] scores S (column 0, the native score, is unused).
+    Returns:
+        [...] int64 pool index.
+    """
+    alt = rank[..., 1:]
+    best, arg = alt.max(dim=-1)
+    margin = gate + (best - alt.logsumexp(dim=-1))  # g + log r_k*
+    return torch.where(margin > TIE_TOL, arg + 1, torch.zeros_like(arg))
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Everything a decision needs that does not depend on the chosen prefix.
+
+    rank0     [B, H, K]         S⁰ = log q + shared hidden residual
+    gate0     [B, H]            native pool-mass log-odds (Eq. 6 without Δg)
+    pre       [B, H, K+1, C]    compact pre-activations (global + history evidence); row K = slot query
+    query     [B, H, nh, K+1, dh] prefix-read query base
+    slot_mem  [B, H, d]         the slot part W_m [s_j ; z_j] + p_j of memory entries j = 1..H
+    """
+
+    rank0: torch.Tensor
+    gate0: torch.Tensor
+    pre: torch.Tensor
+    query: torch.Tensor
+    slot_mem: torch.Tensor
+
+
+class CausalSelector(nn.Module):
+    def __init__(self, cfg: DRelayConfig, *, num_slots: int, top_k: int, feature_dim: int) -> None:
+        super().__init__()
+        d, C, H = cfg.d_sel, cfg.compact_dim, num_slots
+        self.heads, self.history_len = cfg.heads, cfg.history_len
+        self.rank_pos = nn.Parameter(torch.randn(top_k, d) * 0.02)  # R_k
+        self.logq_feat = nn.Parameter(torch.randn(d) * 0.02)  # w_q
+        self.slot_token = nn.Parameter(torch.randn(d) * 0.02)  # t_slot
+        self.state_norm = nn.LayerNorm(d, eps=cfg.ln_eps)
+        if cfg.history_len:
+            self.hist_in = nn.Linear(feature_dim, d)  # W_F: verified target features F → d_sel
+            self.hist_pos = nn.Parameter(torch.randn(cfg.history_len, d) * 0.02)  # P_t, right-aligned
+            self.hist_norm = nn.LayerNorm(d, eps=cfg.ln_eps)
+            self.hist_q = nn.Linear(d, d, bias=False)
+            self.hist_kv = nn.Linear(d, 2 * d, bias=False)
+            self.hist_out = nn.Linear(d, d, bias=False)
+        self.static_a = nn.Linear(d, C)
+        self.static_y = nn.Linear(d, C, bias=False)
+        self.shared = nn.Linear(d, d, bias=False)  # W_ρ (terminal: zero-init)
+        self.anchor_flag = nn.Parameter(torch.randn(d) * 0.02)  # g_a
+        self.mem_pos = nn.Parameter(torch.randn(H + 1, d) * 0.02)  # p_j, j = 0 (anchor) .. H
+        self.mem_slot = nn.Linear(2 * d, d)  # W_m on [s_j ; z_j]
+        self.mem_tok = nn.Linear(d, d, bias=False)  # W_x on E(x_j)
+        self.mem_norm = nn.LayerNorm(d, eps=cfg.ln_eps)
+        self.mem_kv = nn.Linear(d, 2 * d, bias=False)
+        self.prefix_q = nn.Linear(d, d, bias=False)  # W_p
+        self.prev_q = nn.Linear(d, d, bias=False)  # W_e: E(x_{i−1}) conditions the query
+        self.prefix_out = nn.Linear(d, C, bias=False)  # W_c
+        self.head = nn.Linear(C, 2)  # W_h: [rank correction, gate correction] (terminal: zero-init)
+        for p in (self.shared.weight, self.head.weight, self.head.bias):
+            nn.init.zeros_(p)
+
+    def residual_heads(self) -> list[nn.Parameter]:
+        """The zero-initialised terminal layers (W_ρ, W_h)."""
+        return [self.shared.weight, self.head.weight, self.head.bias]
+
+    # ---- prefix-independent evidence -----------------------------------------------------------
+    def evidence(self, s, z, c, cand_emb, cand_logq, history, history_mask) -> Evidence:
+        """s, z [B, H, d]; c, cand_emb [B, H, K, d]; cand_logq [B, H, K]; history [B, N, F] or None,
+        history_mask [B, N] bool or None. Returns the block's Evidence."""
+        B, H, K, d = c.shape
+        nh = self.heads
+        feat = self.rank_pos + self.logq_feat * cand_logq.clamp(min=_LOGQ_FLOOR).unsqueeze(-1).to(c.dtype)
+        rows = torch.cat([c + feat, self.slot_token.expand(B, H, 1, d)], dim=2)  # [B, H, K+1, d]
+        a = self.state_norm(z.unsqueeze(2) + rows)  # [B, H, K+1, d]
+        pre = self.static_a(a)  # [B, H, K+1, C]
+        if self.history_len and history is not None:
+            pre = pre + self.static_y(self._history_read(a, history, history_mask))
+        rho = (cand_emb @ self.shared(s).unsqueeze(-1)).squeeze(-1) / math.sqrt(d)  # [B, H, K]
+        logq = cand_logq.to(c.dtype)
+        return Evidence(
+            rank0=logq + rho,
+            gate0=logq[..., 1:].logsumexp(dim=-1) - logq[..., 0],
+            pre=pre,
+            query=self.prefix_q(a).view(B, H, K + 1, nh, d // nh).transpose(2, 3),
+            slot_mem=self.mem_slot(torch.cat([s, z], dim=-1)) + self.mem_pos[1 : H + 1],
+        )
+
+    def _history_read(self, a: torch.Tensor, history: torch.Tensor, history_mask: torch.Tensor | None) -> torch.Tensor:
+        """Candidate-specific reads of the verified history. a [B, H, K+1, d] → [B, H, K+1, d]."""
+        B, H, K1, d = a.shape
+        N, nh = history.shape[1], self.heads
+        if N > self.history_len:
+            raise ValueError(f"history holds {N} entries; this selector reads at most {self.history_len}")
+        mem = self.hist_norm(self.hist_in(history.to(a.dtype))) + self.hist_pos[self.history_len - N :]  # [B, N, d]
+        k, v = self.hist_kv(mem).view(B, N, 2, nh, d // nh).permute(2, 0, 3, 1, 4)  # [B, nh, N, dh]
+        q = self.hist_q(a).view(B, H * K1, nh, d // nh).transpose(1, 2)  # [B, nh, H(K+1), dh]
+        read = null_attention(q, k, v, key_mask=history_mask)  # all-masked rows read zero
+        return self.hist_out(read.transpose(1, 2).reshape(B, H, K1, d))
+
+    # ---- prefix memory ---------------------------------------------------------------------------
+    def entry_kv(self, base: torch.Tensor, tok_emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Memory keys/values of entries m = LN(base + W_x E(x)). base, tok_emb [..., d] (broadcast)
+        → k, v [..., d]."""
+        return self.mem_kv(self.mem_norm(base + self.mem_tok(tok_emb))).chunk(2, dim=-1)
+
+    def anchor_kv(self, anchor_emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, d] → anchor entry k, v [B, d]."""
+        return self.entry_kv(self.anchor_flag + self.mem_pos[0], anchor_emb)
+
+    def _corrections(self, pre: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+        """Compact MLP. pre [..., K+1, C], read [..., K+1, d] → [..., K+1, 2] (rank, gate)."""
+        return self.head(F.gelu(pre + self.prefix_out(read)))
+
+    # ---- decisions -------------------------------------------------------------------------------
+    def teacher_forced(self, ev: Evidence, anchor_emb: torch.Tensor, prefix_emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """All H decisions in parallel with given prefix tokens (training).
+
+        Args:
+            anchor_emb [B, d]; prefix_emb [B, H, d] embeddings of the tokens at slots 0..H−1.
+        Returns:
+            gate [B, H], rank [B, H, K].
+        """
+        B, H, nh, K1, dh = ev.query.shape
+        ak, av = self.anchor_kv(anchor_emb)  # [B, d]
+        sk, sv = self.entry_kv(ev.slot_mem[:, : H - 1], prefix_emb[:, : H - 1])  # [B, H−1, d]
+        keys = torch.cat([ak[:, None], sk], dim=1).view(B, H, nh, dh).transpose(1, 2)  # [B, nh, H, dh] entries 0..H−1
+        values = torch.cat([av[:, None], sv], dim=1).view(B, H, nh, dh).transpose(1, 2)
+        prev = torch.cat([anchor_emb[:, None], prefix_emb[:, : H - 1]], dim=1)  # [B, H, d]: x_{i−1}
+        q = ev.query + self.prev_q(prev).view(B, H, nh, 1, dh)  # [B, H, nh, K+1, dh]
+        q = q.transpose(1, 2).reshape(B, nh, H * K1, dh)
+        slot = torch.arange(H, device=q.device).repeat_interleave(K1)  # [H(K+1)] slot of each query
+        visible = torch.arange(H, device=q.device)[None, :] <= slot[:, None]  # entry e visible to slot s iff e ≤ s
+        read = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)  # [B, nh, H(K+1), dh]
+        read = read.view(B, nh, H, K1, dh).permute(0, 2, 3, 1, 4).reshape(B, H, K1, nh * dh)
+        out = self._corrections(ev.pre, read)  # [B, H, K+1, 2]
+        return ev.gate0 + out[..., K1 - 1, 1], ev.rank0 + out[..., : K1 - 1, 0]
+
+    def sequential(self, ev: Evidence, anchor_emb: torch.Tensor, cand_emb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The H dependent decisions of inference: decision i sees only the entries chosen before it.
+
+        Candidate memory entries and query terms are precomputed for the whole pool; after each
+        decision only the chosen candidate's entry is written into the memory.
+
+        Args:
+            anchor_emb [B, d]; cand_emb [B, H, K, d].
+        Returns:
+            pool_index [B, H] int64, gate [B, H], rank [B, H, K].
+        """
+        B, H, nh, K1, dh = ev.query.shape
+        K, d = K1 - 1, nh * dh
+        cand_k, cand_v = self.entry_kv(ev.slot_mem.unsqueeze(2), cand_emb)  # [B, H, K, d]
+        cand_k, cand_v = cand_k.view(B, H, K, nh, dh), cand_v.view(B, H, K, nh, dh)
+        cand_q = self.prev_q(cand_emb).view(B, H, K, nh, 1, dh)  # query term if chosen
+        keys = cand_k.new_empty(B, nh, H, dh)  # entries 0..H−1 (the last slot's is never read)
+        values = cand_v.new_empty(B, nh, H, dh)
+        ak, av = self.anchor_kv(anchor_emb)
+        keys[:, :, 0], values[:, :, 0] = ak.view(B, nh, dh), av.view(B, nh, dh)
+        q_prev = self.prev_q(anchor_emb).view(B, nh, 1, dh)
+        query, pre = ev.query.transpose(0, 1).contiguous(), ev.pre.transpose(0, 1).contiguous()  # slot-major
+        rows = torch.arange(B, device=keys.device)
+        picks, gates, ranks = [], [], []
+        for i in range(H):
+            read = F.scaled_dot_product_attention(query[i] + q_prev, keys[:, :, : i + 1], values[:, :, : i + 1])
+            out = self._corrections(pre[i], read.transpose(1, 2).reshape(B, K1, d))  # [B, K+1, 2]
+            gate, rank = ev.gate0[:, i] + out[:, K, 1], ev.rank0[:, i] + out[:, :K, 0]
+            pick = decide(gate, rank)  # [B]
+            if i + 1 < H:  # only the chosen entry becomes visible to later decisions
+                keys[:, :, i + 1], values[:, :, i + 1] = cand_k[rows, i, pick], cand_v[rows, i, pick]
+                q_prev = cand_q[rows, i, pick]
+            picks.append(pick)
+            gates.append(gate)
+            ranks.append(rank)
+        return torch.stack(picks, 1), torch.stack(gates, 1), torch.stack(ranks, 1)

@@ -1,0 +1,74 @@
+"""DRelay selector hyper-parameters (saved as `meta["selector"]["config"]` in a drafter checkpoint).
+
+Sizes that follow from the drafter (its width D, H slots, K candidates, the feature width F =
+len(target_layer_ids)·D) are not part of the config: `DRelaySelector.build` reads them off the
+drafter, so a checkpoint's config stays valid for any drafter it is paired with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from drelay_model.errors import DRelayError
+
+
+@dataclass(frozen=True)
+class DRelayConfig:
+    """The DRelay selector (§4): Global Read + Causal Selector.
+
+    d_sel          selector width (256 for the CPU target; the paper's Qwen3-4B selector is 35M
+                   parameters, i.e. a much wider d_sel).
+    heads          attention heads of every read (Global Read blocks, candidate reads Eq. 1,
+                   history and prefix reads); d_sel must be divisible by it.
+    global_blocks  bidirectional attention–FFN blocks of the slot mixing stage.
+    history_len    N: how many of the last strictly verified target features the selector reads
+                   (0 turns the history read off).
+    ffn_mult       FFN width of the Global Read blocks, as a multiple of d_sel.
+    compact_dim    width of the compact candidate-specific correction MLP (rank and gate heads).
+    global_read    False = the "No Global Read" ablation: no slot mixing and no candidate reads;
+                   the causal selector then sees local slot and candidate features only.
+    ln_eps         LayerNorm epsilon.
+    """
+
+    d_sel: int = 256
+    heads: int = 4
+    global_blocks: int = 2
+    history_len: int = 64
+    ffn_mult: int = 4
+    compact_dim: int = 64
+    global_read: bool = True
+    ln_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        checks = {
+            "d_sel": isinstance(self.d_sel, int) and self.d_sel >= 8,
+            "heads": isinstance(self.heads, int) and self.heads >= 1 and self.d_sel % max(self.heads, 1) == 0,
+            "global_blocks": isinstance(self.global_blocks, int) and self.global_blocks >= 0,
+            "history_len": isinstance(self.history_len, int) and self.history_len >= 0,
+            "ffn_mult": isinstance(self.ffn_mult, int) and self.ffn_mult >= 1,
+            "compact_dim": isinstance(self.compact_dim, int) and self.compact_dim >= 1,
+            "global_read": isinstance(self.global_read, bool),
+            "ln_eps": isinstance(self.ln_eps, float) and 0.0 < self.ln_eps < 1e-2,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise DRelayError(f"invalid drelay selector config: bad value for {', '.join(bad)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_sel // self.heads
+
+    def to_dict(self) -> dict:
+        """JSON-able dict (round-trips through `from_dict`)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "DRelayConfig":
+        """Build from a (possibly partial) dict; unknown keys are a one-line DRelayError."""
+        data = dict(data or {})
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise DRelayError(f"drelay selector config has unknown keys: {', '.join(unknown)}")
+        if "ln_eps" in data and isinstance(data["ln_eps"], int):
+            data["ln_eps"] = float(data["ln_eps"])
+        return cls(**data)

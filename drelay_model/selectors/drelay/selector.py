@@ -1,0 +1,171 @@
+"""`drelay`: Global Read once per block, then H causal KEEP/REPAIR decisions (§4, Appendix B).
+
+Inputs per block: the drafter's slot hidden states h [B, H, D], the pool (cand_ids, cand_logq)
+[B, H, K], the anchor, and the last N strictly verified target features [B, N, F]. Local features:
+    s_i  = LN(W_s h_i) + p_i              slot feature (p_i: learned slot position)
+    ê_ik = W_e E(v_ik)                    E: the target's frozen embedding, shared with the drafter as a
+                                          non-persistent buffer (never saved, never trained)
+Global Read (global_read.py) turns them into z_i, c_ik; the causal selector (causal.py) scores and
+decides. Inference (`select`) runs the decisions sequentially, each one writing only the chosen
+token into the prefix memory; training (`forward_train`) runs them in parallel with given prefix
+tokens (the target's greedy labels) under the same strict j < i visibility.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drelay_model.drafter.model import DraftBlock
+from drelay_model.errors import DRelayError
+from drelay_model.selectors.base import Selection, SelectionContext, Selector, SelectorCapabilities
+from drelay_model.selectors.drelay.causal import CausalSelector, Evidence, decide
+from drelay_model.selectors.drelay.config import DRelayConfig
+from drelay_model.selectors.drelay.global_read import GlobalRead
+
+
+@dataclass(frozen=True)
+class SelectorOutput:
+    """Gate and rank scores of one block (Eq. 2, Eq. 6).
+
+    gate  [B, H]     float32 gate logit g_i = log Σ_{k>0} q_ik − log q_i0 + Δg_i
+    rank  [B, H, K]  float32 rank scores S_ik; r_ik = softmax over k > 0 (column 0 is unused)
+    """
+
+    gate: torch.Tensor
+    rank: torch.Tensor
+
+    def log_p_act(self) -> torch.Tensor:
+        """[B, H, K] log p_act: log σ(−g_i) for k = 0, log σ(g_i) + log r_ik for k > 0."""
+        log_r = self.rank[..., 1:].log_softmax(dim=-1)
+        return torch.cat([F.logsigmoid(-self.gate)[..., None], F.logsigmoid(self.gate)[..., None] + log_r], dim=-1)
+
+    def decisions(self) -> torch.Tensor:
+        """[B, H] int64 pool index chosen by the rule of Eq. 2 at every slot."""
+        return decide(self.gate, self.rank)
+
+
+@dataclass(frozen=True)
+class SelectionTrace:
+    """`select` together with the scores each sequential decision saw."""
+
+    selection: Selection
+    output: SelectorOutput
+
+
+class DRelaySelector(Selector):
+    """Global Read + Causal Selector; see the module docstring."""
+
+    # Class-level for the registry (`trainable`); the instance's history_len follows its config.
+    capabilities = SelectorCapabilities(trainable=True, needs_hidden=True, history_len=64, supports_sampling=True)
+
+    def __init__(self, config: DRelayConfig, *, embed_weight: torch.Tensor, num_slots: int, top_k: int, feature_dim: int):
+        super().__init__()
+        d, D = config.d_sel, embed_weight.shape[1]
+        self.config = config
+        self.num_slots, self.top_k = num_slots, top_k
+        self.capabilities = SelectorCapabilities(
+            trainable=True, needs_hidden=True, history_len=config.history_len, supports_sampling=True
+        )
+        # Frozen, shared with the drafter/target; never saved in a checkpoint.
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        self.embed_in = nn.Linear(D, d, bias=False)  # W_e
+        self.slot_in = nn.Linear(D, d)  # W_s
+        self.slot_norm = nn.LayerNorm(d, eps=config.ln_eps)
+        self.slot_pos = nn.Parameter(torch.randn(num_slots, d) * 0.02)
+        self.global_read = GlobalRead(config, num_slots=num_slots, top_k=top_k) if config.global_read else None
+        self.causal = CausalSelector(config, num_slots=num_slots, top_k=top_k, feature_dim=feature_dim)
+
+    @classmethod
+    def build(cls, *, drafter=None, config: dict | None = None) -> "DRelaySelector":
+        """Size the selector from `drafter` (D, H, K, F) and share its frozen embedding."""
+        if drafter is None:
+            raise DRelayError("selector 'drelay' needs a drafter to size itself (build(drafter=...))")
+        dc = drafter.config
+        return cls(
+            DRelayConfig.from_dict(config),
+            embed_weight=drafter.embed_weight,
+            num_slots=dc.num_slots,
+            top_k=dc.top_k,
+            feature_dim=len(dc.target_layer_ids) * dc.hidden_size,
+        )
+
+    def residual_heads(self) -> list[nn.Parameter]:
+        """The zero-initialised terminal residual layers (a fresh selector is exactly native)."""
+        return self.causal.residual_heads()
+
+    # ---- shared front end ----------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [...] → projected frozen embeddings ê [..., d]."""
+        return self.embed_in(F.embedding(ids, self.embed_weight).to(self.embed_in.weight.dtype))
+
+    def evidence(self, block: DraftBlock, history: torch.Tensor | None, history_mask: torch.Tensor | None) -> tuple[Evidence, torch.Tensor]:
+        """Global Read and every prefix-independent part of the causal selector, once per block.
+
+        Returns:
+            (Evidence, cand_emb [B, H, K, d]).
+        """
+        B, H, K = block.cand_ids.shape
+        if (H, K) != (self.num_slots, self.top_k):
+            raise DRelayError(f"drelay selector was built for H={self.num_slots}, K={self.top_k}; got a pool [{B}, {H}, {K}]")
+        dtype = self.embed_in.weight.dtype
+        s = self.slot_norm(self.slot_in(block.hidden.to(dtype))) + self.slot_pos  # [B, H, d]
+        cand_emb = self.embed(block.cand_ids)  # [B, H, K, d]
+        if self.global_read is not None:
+            g = self.global_read(s, cand_emb, block.cand_logq)
+            z, c = g.z, g.c
+        else:  # ablation "No Global Read": local features only
+            z, c = s, cand_emb
+        if history is not None and history_mask is None:
+            history_mask = torch.ones(history.shape[:2], dtype=torch.bool, device=history.device)
+        return self.causal.evidence(s, z, c, cand_emb, block.cand_logq, history, history_mask), cand_emb
+
+    # ---- training ------------------------------------------------------------------------------
+    def forward_train(
+        self,
+        block: DraftBlock,
+        *,
+        anchor_ids: torch.Tensor,
+        prefix_tokens: torch.Tensor,
+        history: torch.Tensor | None = None,
+        history_mask: torch.Tensor | None = None,
+    ) -> SelectorOutput:
+        """Teacher-forced scores, all slots in parallel.
+
+        The prefix memory holds `prefix_tokens` (the target's greedy labels during training; their
+        identities are fixed, gradients flow through draft features and memory projections) and
+        decision i sees only the anchor and prefix_tokens[:, :i] (strict j < i).
+
+        Args:
+            block          DraftBlock with hidden [B, H, D], cand_ids/cand_logq [B, H, K].
+            anchor_ids     [B] int64.
+            prefix_tokens  [B, H] int64 target-vocabulary ids (any id, in the pool or not).
+            history        [B, N, F] last N verified target features (right-aligned), or None.
+            history_mask   [B, N] bool, True = a real entry.
+        Returns:
+            SelectorOutput(gate [B, H], rank [B, H, K]).
+        """
+        B, H, K = block.cand_ids.shape
+        assert anchor_ids.shape == (B,) and prefix_tokens.shape == (B, H), "anchor_ids [B], prefix_tokens [B, H]"
+        ev, _ = self.evidence(block, history, history_mask)
+        gate, rank = self.causal.teacher_forced(ev, self.embed(anchor_ids), self.embed(prefix_tokens))
+        return SelectorOutput(gate=gate, rank=rank)
+
+    def forward(self, block: DraftBlock, **kwargs) -> SelectorOutput:
+        """Alias of `forward_train`, so wrappers that call the module (DDP) work."""
+        return self.forward_train(block, **kwargs)
+
+    # ---- inference -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def select_with_scores(self, block: DraftBlock, ctx: SelectionContext) -> SelectionTrace:
+        """Global Read once, then the H sequential decisions; also returns the scores they saw."""
+        history = ctx.history if self.config.history_len else None
+        ev, cand_emb = self.evidence(block, history, ctx.history_mask if history is not None else None)
+        pick, gate, rank = self.causal.sequential(ev, self.embed(ctx.anchor_ids), cand_emb)
+        return SelectionTrace(selection=self.gather(block, pick), output=SelectorOutput(gate=gate, rank=rank))
+
+    def select(self, block: DraftBlock, ctx: SelectionContext) -> Selection:
+        return self.select_with_scores(block, ctx).selection

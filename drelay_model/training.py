@@ -1,0 +1,202 @@
+"""Training math for the block drafter (pure PyTorch; the loop, Ray and MLflow live in pipelines/).
+
+A training sequence is prompt + the target's own greedy response, so every response token is the
+target's greedy label. A block anchored at position a (a response token whose successor is also a
+response token — exactly the states greedy decoding visits) predicts tokens a+1 … a+H from target
+features at positions < a. Many blocks per sequence run in one drafter pass (`block_hidden` masks
+each block to its own context).
+
+Anchors mix uniform samples with boundaries traced by a no-gradient **scout** (DRelay §5): starting
+from a response position, run native selection under the teacher prefix, accept the leading matches
+A, and advance by A + 1 — the anchors the current drafter would actually reach when decoding.
+
+Shapes: B sequences, N positions, M anchors per sequence, H slots, V (draft) vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from drelay_model.drafter.model import BlockDrafter
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Anchors and their labels.
+
+    anchors  [B, M] int64 anchor positions (padding anchors point at 0 and are invalid)
+    labels   [B, M, H] int64 target tokens at a+1 … a+H (0 where invalid)
+    valid    [B, M, H] bool: slot i counts iff a+1 … a+i are all response positions (contiguous)
+    """
+
+    anchors: torch.Tensor
+    labels: torch.Tensor
+    valid: torch.Tensor
+
+
+def eligible_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[B, N] bool response mask → [B, N] bool: positions a with a and a+1 both response tokens."""
+    ok = torch.zeros_like(loss_mask)
+    ok[:, :-1] = loss_mask[:, :-1] & loss_mask[:, 1:]
+    return ok
+
+
+def make_blocks(label_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, anchor_ok: torch.Tensor, H: int) -> Blocks:
+    """Labels and validity for anchors [B, M] (anchor_ok [B, M] marks real ones)."""
+    B, N = label_ids.shape
+    offs = torch.arange(1, H + 1, device=anchors.device)
+    pos = anchors[:, :, None] + offs  # [B, M, H]
+    inside = pos < N
+    pos_c = pos.clamp(max=N - 1)
+    labels = torch.gather(label_ids[:, None, :].expand(-1, anchors.shape[1], -1), 2, pos_c)
+    resp = torch.gather(loss_mask[:, None, :].expand(-1, anchors.shape[1], -1), 2, pos_c) & inside
+    valid = resp.long().cumprod(dim=2).bool() & anchor_ok[:, :, None]  # contiguous response run
+    return Blocks(anchors=anchors, labels=torch.where(valid, labels, 0), valid=valid)
+
+
+def sample_uniform_anchors(eligible: torch.Tensor, m: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to m distinct eligible positions per row, uniformly. → (anchors [B, m], ok [B, m])."""
+    B, N = eligible.shape
+    scores = torch.rand(B, N, generator=generator) + eligible.float() * 2.0  # eligible first, random order
+    top = scores.topk(min(m, N), dim=1).indices
+    ok = torch.gather(eligible, 1, top)
+    if top.shape[1] < m:
+        pad = m - top.shape[1]
+        top = F.pad(top, (0, pad))
+        ok = F.pad(ok, (0, pad))
+    return torch.where(ok, top, 0), ok
+
+
+@torch.no_grad()
+def scout_anchors(
+    drafter: BlockDrafter,
+    ctx_kv,
+    input_ids: torch.Tensor,
+    label_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    m: int,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trace m decoding boundaries per row with native selection under teacher prefixes.
+
+    Each row starts at a uniformly random eligible position a; a block at a proposes the native
+    path (argmax per slot); A = leading matches with the teacher tokens; the next boundary is
+    a + A + 1. Rows advance in lock-step, one batched no-grad block per step.
+    Returns (anchors [B, m], ok [B, m]).
+    """
+    B, N = input_ids.shape
+    H = drafter.config.num_slots
+    eligible = eligible_anchors(loss_mask)
+    start, has = sample_uniform_anchors(eligible, 1, generator)
+    a = start[:, 0].clone()
+    alive = has[:, 0].clone()
+    anchors = torch.zeros(B, m, dtype=torch.long)
+    ok = torch.zeros(B, m, dtype=torch.bool)
+    for step in range(m):
+        alive &= torch.gather(eligible, 1, a[:, None].clamp(max=N - 1))[:, 0]
+        if not bool(alive.any()):
+            break
+        anchors[:, step] = torch.where(alive, a, 0)
+        ok[:, step] = alive
+        hidden = drafter.block_hidden(torch.gather(input_ids, 1, a[:, None]), a[:, None], ctx_kv)  # [B, 1, S, D]
+        native = drafter.to_target_ids(drafter.logits(hidden[:, 0, 1:]).argmax(-1))  # [B, H]
+        blocks = make_blocks(label_ids, loss_mask, a[:, None], alive[:, None], H)
+        match = (native == blocks.labels[:, 0]) & blocks.valid[:, 0]
+        accepted = match.long().cumprod(dim=1).sum(dim=1)  # [B]
+        a = (a + accepted + 1).clamp(max=N - 1)
+    return anchors, ok
+
+
+def slot_weights(H: int, decay: float | None) -> torch.Tensor:
+    """[H] support-loss weight per slot: exp(-(i-1)/decay) (DFlash's decay), or uniform."""
+    i = torch.arange(H, dtype=torch.float32)
+    return torch.ones(H) if decay is None else torch.exp(-i / decay)
+
+
+def support_loss_terms(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, target_to_draft: torch.Tensor | None) -> torch.Tensor:
+    """Dense CE −log q(y) per slot. logits [B, M, H, V], labels [B, M, H] target ids → [B, M, H]
+    (0 where invalid or where the label is outside the draft vocabulary)."""
+    y = labels if target_to_draft is None else target_to_draft[labels]
+    ok = valid & (y >= 0)
+    ce = F.cross_entropy(logits.flatten(0, 2), y.clamp(min=0).flatten(), reduction="none").view_as(labels)
+    return torch.where(ok, ce, torch.zeros_like(ce))
+
+
+def lr_at(step: int, *, base: float, warmup: int, total: int) -> float:
+    """Linear warm-up, then cosine decay to 10% of the base rate."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """Per-step knobs (schedules are evaluated by the caller)."""
+
+    anchors_per_seq: int
+    native_fraction: float  # share of anchors traced by the scout
+    slot_decay: float | None = 7.0
+    support_loss: bool = True
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor  # scalar, differentiable
+    blocks: Blocks
+    hidden: torch.Tensor  # [B, M, H, D] slot states (for a selector)
+    logits: torch.Tensor  # [B, M, H, V]
+    metrics: dict[str, float]
+
+
+def drafter_step(
+    drafter: BlockDrafter,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    features: torch.Tensor,
+    cfg: StepConfig,
+    generator: torch.Generator,
+    *,
+    scout_drafter: BlockDrafter | None = None,
+    label_ids: torch.Tensor | None = None,
+) -> StepOutput:
+    """Support loss of one batch: Σ m · w_slot · (−log q(y)) / Σ m over valid (block, slot) pairs.
+
+    input_ids, loss_mask [B, N]; features [B, N, L*D] target features of every position.
+    `scout_drafter` is the unwrapped module (no DDP) used for the no-grad scout. `label_ids` [B, N]
+    is the token each position should hold (default: input_ids, i.e. the target's own greedy
+    response; the reference-answer fallback passes the target's teacher-forced argmax).
+    """
+    label_ids = input_ids if label_ids is None else label_ids
+    B, N = input_ids.shape
+    core = scout_drafter if scout_drafter is not None else drafter
+    H = core.config.num_slots
+    positions = torch.arange(N)[None].expand(B, N)
+    n_native = int(round(cfg.anchors_per_seq * cfg.native_fraction))
+    uni, uni_ok = sample_uniform_anchors(eligible_anchors(loss_mask), cfg.anchors_per_seq - n_native, generator)
+    if n_native:
+        with torch.no_grad():
+            scout_ctx = core.context_kv(features, positions)
+        nat, nat_ok = scout_anchors(core, scout_ctx, input_ids, label_ids, loss_mask, n_native, generator)
+        anchors, ok = torch.cat([uni, nat], 1), torch.cat([uni_ok, nat_ok], 1)
+    else:
+        anchors, ok = uni, uni_ok
+    blocks = make_blocks(label_ids, loss_mask, anchors, ok, H)
+    hidden = drafter(anchor_ids=torch.gather(input_ids, 1, anchors), anchor_pos=anchors, features=features)
+    hidden = hidden[:, :, 1:]  # [B, M, H, D]
+    logits = core.logits(hidden)  # [B, M, H, V]
+    ce = support_loss_terms(logits, blocks.labels, blocks.valid, core.target_to_draft)
+    m = blocks.valid.float()
+    denom = m.sum().clamp(min=1.0)
+    w_slot = slot_weights(H, cfg.slot_decay).to(ce.dtype)
+    support = (ce * w_slot * m).sum() / denom
+    with torch.no_grad():
+        top1 = (core.to_target_ids(logits.argmax(-1)) == blocks.labels) & blocks.valid
+        acc1 = (top1[:, :, 0].sum() / blocks.valid[:, :, 0].sum().clamp(min=1)).item()
+    metrics = {"loss/support": support.item(), "acc/slot1": acc1, "valid_tokens": denom.item(), "anchors": float(ok.sum())}
+    loss = support if cfg.support_loss else support * 0.0
+    return StepOutput(loss=loss, blocks=blocks, hidden=hidden, logits=logits, metrics=metrics)

@@ -1,0 +1,134 @@
+"""Evaluation plots (matplotlib, Agg backend) drawn from per-method flat metrics.
+
+    tau_speedup.png      τ and S per benchmark per method (grouped bars, ± std at T > 0)
+    slot_acceptance.png  P(draft at slot i accepted), pooled over benchmarks, one line per method
+    latency.png          ms per round split into draft / select / verify / other (stacked bars)
+    throughput.png       tokens/s against concurrency, one line per method (AR included)
+
+Inputs are the metric dicts of pipelines/eval_metrics.py, so plots can be redrawn from MLflow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from pipelines.eval_results import PHASES
+from pipelines.report import BENCHMARK_LABELS
+
+PHASE_COLORS = {"draft": "#4C72B0", "select": "#DD8452", "verify": "#55A868", "other": "#8C8C8C"}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _numbered(metrics: dict[str, float], prefix: str) -> list[tuple[int, float]]:
+    out = [(int(k[len(prefix) :]), v) for k, v in metrics.items() if k.startswith(prefix) and k[len(prefix) :].isdigit()]
+    return sorted(out)
+
+
+def plot_tau_speedup(methods: dict[str, dict[str, float]], benchmarks: Sequence[str], path: Path, title: str) -> Path:
+    """Two panels (τ, S): groups = benchmarks + Avg., one bar per speculative method."""
+    plt = _pyplot()
+    spec = {m: v for m, v in methods.items() if m != "ar"}
+    labels = [BENCHMARK_LABELS.get(b, b) for b in benchmarks] + ["Avg."]
+    fig, axes = plt.subplots(2, 1, figsize=(max(7.0, 1.1 * len(labels) + 2), 6.5), sharex=True)
+    width = 0.8 / max(len(spec), 1)
+    for ax, key, ylabel in ((axes[0], "tau", "τ (tokens / round)"), (axes[1], "speedup", "S (× AR tokens/s)")):
+        for i, (m, v) in enumerate(spec.items()):
+            vals = [v.get(f"{b}/{key}", 0.0) for b in benchmarks] + [v.get(f"mean_{key}", 0.0)]
+            errs = [v.get(f"{b}/{key}_std", 0.0) for b in benchmarks] + [0.0]
+            xs = [j + (i - (len(spec) - 1) / 2) * width for j in range(len(labels))]
+            ax.bar(xs, vals, width, yerr=errs if any(errs) else None, label=m, capsize=2)
+        ax.axhline(1.0, color="black", lw=0.8, ls="--", label="AR" if key == "speedup" else None)
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+    axes[1].set_xticks(range(len(labels)), labels, rotation=20)
+    axes[0].legend(ncols=max(len(spec), 1), fontsize=8, loc="upper left")
+    axes[0].set_title(title)
+    return _save(fig, path)
+
+
+def plot_slot_acceptance(methods: dict[str, dict[str, float]], path: Path, title: str) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for m, v in methods.items():
+        pts = _numbered(v, "slot_acceptance/")
+        if m == "ar" or not pts:
+            continue
+        ax.plot([s for s, _ in pts], [a for _, a in pts], marker="o", ms=3, label=m)
+    ax.set_xlabel("draft slot i")
+    ax.set_ylabel("P(slot i accepted)")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title)
+    return _save(fig, path)
+
+
+def plot_latency(methods: dict[str, dict[str, float]], path: Path, title: str) -> Path:
+    """Stacked ms per round by phase; the label on top gives ms per generated token (ms/round ÷ τ)."""
+    plt = _pyplot()
+    names = list(methods)
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(names) + 2), 4.5))
+    bottom = [0.0] * len(names)
+    for phase in PHASES:
+        vals = [methods[m].get(f"ms_{phase}", 0.0) for m in names]
+        ax.bar(names, vals, 0.6, bottom=bottom, label=phase, color=PHASE_COLORS[phase])
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for i, m in enumerate(names):
+        tau = methods[m].get("mean_tau") or 1.0
+        ax.text(i, bottom[i], f"{bottom[i]:.0f} ms\n{bottom[i] / tau:.0f} ms/token", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("ms per round (concurrency 1: one request)")
+    ax.set_ylim(0, max(bottom + [1.0]) * 1.25)
+    ax.legend(fontsize=8)
+    ax.set_title(title)
+    return _save(fig, path)
+
+
+def plot_throughput(methods: dict[str, dict[str, float]], path: Path, title: str) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for m, v in methods.items():
+        pts = _numbered(v, "throughput/c")
+        if not pts:
+            continue
+        ax.plot([c for c, _ in pts], [t for _, t in pts], marker="o", label=m, ls="--" if m == "ar" else "-")
+        if m != "ar":
+            for c, _ in pts:
+                s = v.get(f"speedup/c{c}")
+                if s is not None:
+                    ax.annotate(f"{s:.2f}×", (c, v[f"throughput/c{c}"]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency (simultaneous requests)")
+    ax.set_ylabel("output tokens / s")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title)
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_all(methods: dict[str, dict[str, float]], benchmarks: Sequence[str], out_dir: Path, title: str) -> list[Path]:
+    """All four plots into `out_dir`; returns their paths."""
+    return [
+        plot_tau_speedup(methods, benchmarks, out_dir / "tau_speedup.png", f"τ and speedup — {title}"),
+        plot_slot_acceptance(methods, out_dir / "slot_acceptance.png", f"Acceptance by slot — {title}"),
+        plot_latency(methods, out_dir / "latency.png", f"Latency per round — {title}"),
+        plot_throughput(methods, out_dir / "throughput.png", f"Throughput vs concurrency — {title}"),
+    ]

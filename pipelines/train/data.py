@@ -1,0 +1,134 @@
+"""Training sequences: token ids + a response mask, from regenerated conversations or token files.
+
+Formats (by file content):
+  regenerated  lines from `drelay data regenerate`: one sequence per assistant turn, = the chat
+               template of the conversation up to that user turn (with generation prompt) followed
+               by the exact token ids the target generated. The mask covers those generated ids.
+  tokenized    lines {"seq_id", "input_ids": [...], "response_start": int} (tests, custom data).
+  reference    (data.fallback_reference_answers) the corpora's own answers, rendered with the chat
+               template; labels then come from the target's teacher-forced argmax (weaker).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from drelay_model.errors import DRelayError
+
+
+@dataclass(frozen=True)
+class TrainSequence:
+    seq_id: str
+    input_ids: tuple[int, ...]
+    response_start: int  # positions ≥ response_start are the target's response
+
+
+def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+
+def _from_regenerated(record: dict, tokenizer) -> list[TrainSequence]:
+    out, history = [], []
+    turns = iter(record["turn_token_ids"])
+    for message in record["messages"]:
+        if message["role"] == "assistant":
+            ids = next(turns)
+            prompt = _render(tokenizer, history, True)
+            out.append(TrainSequence(f"{record['conv_id']}#{len(out)}", tuple(prompt + ids), len(prompt)))
+        history.append(message)
+    return out
+
+
+def read_sequences(path: str | Path, tokenizer=None, *, max_seq_len: int) -> list[TrainSequence]:
+    """All sequences of a regenerated or tokenized JSONL file, cut to max_seq_len tokens."""
+    path = Path(path)
+    if not path.is_file():
+        raise DRelayError(f"training data file '{path}' not found (run `drelay data regenerate` first)")
+    seqs: list[TrainSequence] = []
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DRelayError(f"{path}:{n}: not valid JSON ({exc.msg})") from exc
+            if rec.get("skipped"):
+                continue
+            if "input_ids" in rec:
+                seqs.append(TrainSequence(str(rec.get("seq_id", n)), tuple(rec["input_ids"]), int(rec["response_start"])))
+            elif "turn_token_ids" in rec:
+                if tokenizer is None:
+                    raise DRelayError(f"{path}: regenerated conversations need a target with a tokenizer")
+                seqs.extend(_from_regenerated(rec, tokenizer))
+            else:
+                raise DRelayError(f"{path}:{n}: expected 'input_ids' or 'turn_token_ids'")
+    seqs = [TrainSequence(s.seq_id, s.input_ids[:max_seq_len], s.response_start) for s in seqs]
+    seqs = [s for s in seqs if len(s.input_ids) - s.response_start >= 2]  # room for one anchor
+    if not seqs:
+        raise DRelayError(f"training data file '{path}' holds no usable sequences")
+    return seqs
+
+
+def reference_sequences(conversations, tokenizer, *, max_seq_len: int) -> list[TrainSequence]:
+    """Fallback: the corpora's reference answers (first assistant turn), template-rendered."""
+    seqs = []
+    for c in conversations:
+        msgs = list(c.messages)
+        first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), None)
+        if first is None:
+            continue
+        prompt = _render(tokenizer, msgs[:first], True)
+        full = _render(tokenizer, msgs[: first + 1], False)
+        if len(full) - len(prompt) >= 2:
+            seqs.append(TrainSequence(c.conv_id, tuple(full[:max_seq_len]), len(prompt)))
+    return seqs
+
+
+def split_validation(seqs: list[TrainSequence], fraction: float) -> tuple[list[TrainSequence], list[TrainSequence]]:
+    """Deterministic split by a hash of the conversation id (all turns of a conversation together)."""
+    def bucket(s: TrainSequence) -> float:
+        digest = hashlib.sha1(s.seq_id.split("#")[0].encode()).digest()
+        return int.from_bytes(digest[:4], "big") / 2**32
+
+    train = [s for s in seqs if bucket(s) >= fraction]
+    val = [s for s in seqs if bucket(s) < fraction]
+    return train, val
+
+
+def batch_order(n_seqs: int, lengths: list[int], batch: int, seed: int, epoch: int) -> list[list[int]]:
+    """Length-bucketed batches in a seeded, per-epoch random order (same on every worker)."""
+    rng = random.Random(seed * 1_000_003 + epoch)
+    idx = list(range(n_seqs))
+    rng.shuffle(idx)
+    chunk = batch * 32  # sort within chunks: similar lengths per batch, still random overall
+    idx = [i for c in range(0, n_seqs, chunk) for i in sorted(idx[c : c + chunk], key=lambda i: lengths[i])]
+    batches = [idx[i : i + batch] for i in range(0, n_seqs, batch)]
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(seqs: list[TrainSequence], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """→ input_ids [B, N] int64 (right-padded), loss_mask [B, N] bool (response positions)."""
+    N = max(len(s.input_ids) for s in seqs)
+    ids = torch.full((len(seqs), N), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), N, dtype=torch.bool)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s.input_ids)] = torch.tensor(s.input_ids)
+        mask[b, s.response_start : len(s.input_ids)] = True
+    return ids, mask
+
+
+def label_counts(seqs: list[TrainSequence], vocab_size: int) -> torch.Tensor:
+    """[V] how often each token is a response label (for the draft vocabulary)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in seqs:
+        counts += torch.bincount(torch.tensor(s.input_ids[s.response_start :]), minlength=vocab_size)
+    return counts

@@ -1,0 +1,102 @@
+"""The training driver: validate inputs, open the MLflow run, run a Ray Train `TorchTrainer`, export.
+
+    drelay train --config platform/experiments/smollm2-135m/train.yaml [section.key=value ...]
+
+Runs locally (a Ray cluster started on demand) or on a cluster (`ray.address`, or submit this same
+command as a Ray job). Resume: re-running with the same `ray.run_name` and `ray.storage_path`
+continues from the latest checkpoint; a killed worker is restarted from it (`ray.max_failures`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from drelay_model.errors import DRelayError
+from pipelines.config import RunConfig
+from pipelines.tracking import REPO_ROOT, fail_stale_runs, get_client, git_commit, hardware_description, tracked_run
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    checkpoint: Path  # the exported drafter checkpoint (drafter.safetensors + drafter_config.json)
+    metrics: dict
+    mlflow_run_id: str
+
+
+def _abs(path: str) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else REPO_ROOT / p
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    """Fail fast, before any cluster starts, on what the user can get wrong."""
+    data = _abs(cfg.data.regenerated)
+    if not data.is_file():
+        raise DRelayError(f"data.regenerated: file '{data}' not found (run `drelay data regenerate` first)")
+    for field, path in (("output_dir", cfg.output_dir), ("ray.storage_path", cfg.ray.storage_path)):
+        folder = _abs(path)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DRelayError(f"{field}: cannot create '{folder}' ({exc.strerror})") from exc
+        if not os.access(folder, os.W_OK):
+            raise DRelayError(f"{field}: '{folder}' is not writable")
+
+
+def run_training(cfg: RunConfig, *, extra_worker_config: dict | None = None) -> TrainResult:
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from pipelines.train.worker import train_loop_per_worker
+
+    check_inputs(cfg)
+    client = get_client(cfg.mlflow.tracking_uri)
+    fail_stale_runs(cfg.mlflow.experiment, client=client, run_name=cfg.ray.run_name)
+    worker_cfg = cfg.model_dump(mode="json")
+    worker_cfg["data"]["regenerated"] = str(_abs(cfg.data.regenerated))
+    tags = {"target": cfg.target.spec, "selector": cfg.selector.name, "git_commit": git_commit(), "hardware": hardware_description()}
+    with tracked_run(cfg.mlflow.experiment, run_name=cfg.ray.run_name, tags=tags, client=client) as run:
+        run.log_params(_flat(cfg.model_dump(mode="json")))
+        worker_cfg.update(extra_worker_config or {}, _mlflow_run_id=run.run_id, _mlflow_uri=client.tracking_uri)
+        if not ray.is_initialized():
+            ray.init(address=cfg.ray.address, include_dashboard=True, log_to_driver=True, configure_logging=True)
+        trainer = TorchTrainer(
+            train_loop_per_worker,
+            train_loop_config=worker_cfg,
+            scaling_config=ScalingConfig(
+                num_workers=cfg.ray.num_workers, use_gpu=cfg.ray.use_gpu, resources_per_worker={"CPU": cfg.ray.cpus_per_worker}
+            ),
+            run_config=RayRunConfig(
+                name=cfg.ray.run_name,
+                storage_path=str(_abs(cfg.ray.storage_path)),
+                failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
+                checkpoint_config=CheckpointConfig(num_to_keep=2),
+            ),
+        )
+        result = trainer.fit()
+        if result.checkpoint is None:
+            raise DRelayError("training produced no checkpoint")
+        final = _abs(cfg.output_dir) / cfg.ray.run_name / "drafter"
+        with result.checkpoint.as_directory() as d:
+            tmp = final.with_name(final.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(Path(d) / "drafter", tmp)
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+        run.log_artifact(final, artifact_path="drafter")
+        return TrainResult(checkpoint=final, metrics=dict(result.metrics or {}), mlflow_run_id=run.run_id)
+
+
+def _flat(doc: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in doc.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, name + "."))
+        else:
+            out[name] = value
+    return out
