@@ -15,12 +15,14 @@ from drelay_model.errors import DRelayError
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from pipelines import data_cmd, generate_cmd
+    from pipelines import data_cmd, generate_cmd, train_cmd
 
     parser = argparse.ArgumentParser(prog="drelay", description="DRelay speculative decoding platform")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate_cmd.add_parser(sub)
     data_cmd.add_parser(sub)
+    from pipelines import eval_cmd; eval_cmd.add_parser(sub)  # noqa: E702 — registers `eval` and `report`
+    train_cmd.add_parser(sub)
     return parser
 
 

@@ -2,9 +2,9 @@
 
 Prefix-independent evidence (computed once per block, before any decision):
   states    a_ik = LN(z_i + c_ik + R_k + w_q·log q_ik)  (k < K: candidates),  a_iK = LN(z_i + t_slot)
-  history   y_ik = W_o NullAttn(W_q a_ik; keys/values of LN(W_F f_t) + P_t)   last N verified target
-            features f_t (all-masked → zero read)
-  compact   pre_ik = W_a a_ik + W_y y_ik + b
+  history   y_ik = NullAttn(W_q a_ik; keys/values of LN(W_F f_t) + P_t)   the last N strictly verified
+            target features f_t, read once per block (all-masked → zero read)
+  compact   pre_ik = W_a a_ik + W_y y_ik + b     (W_y also serves as the history read's output map)
   rank base S⁰_ik = log q_ik + ⟨W_ρ s_i, ê_ik⟩/√d      native log-prob + shared hidden residual
   gate base g⁰_i  = log Σ_{k>0} q_ik − log q_i0                              native log-odds (Eq. 6)
 
@@ -19,6 +19,10 @@ token conditions its query directly:
 
 With W_ρ = 0 and W_h = 0 (the initialisation) S = log q and g = g⁰: p_act is the native
 distribution renormalised over the pool and the rule keeps candidate 0 everywhere.
+
+Execution: `sequential` is the literal algorithm (H dependent decisions); `decide_block` reaches
+the same decisions with a few parallel passes (see there); `teacher_forced` is one such pass with
+given tokens (training).
 """
 
 from __future__ import annotations
@@ -89,21 +93,19 @@ class CausalSelector(nn.Module):
             self.hist_norm = nn.LayerNorm(d, eps=cfg.ln_eps)
             self.hist_q = nn.Linear(d, d, bias=False)
             self.hist_kv = nn.Linear(d, 2 * d, bias=False)
-            self.hist_out = nn.Linear(d, d, bias=False)
-        self.static_a = nn.Linear(d, C)
-        self.static_y = nn.Linear(d, C, bias=False)
+            self.static_y = nn.Linear(d, C, bias=False)  # W_y (the read's output projection folded in)
+        self.static_a = nn.Linear(d, C)  # W_a, b
         self.shared = nn.Linear(d, d, bias=False)  # W_ρ (terminal: zero-init)
         self.anchor_flag = nn.Parameter(torch.randn(d) * 0.02)  # g_a
         self.mem_pos = nn.Parameter(torch.randn(H + 1, d) * 0.02)  # p_j, j = 0 (anchor) .. H
         self.mem_slot = nn.Linear(2 * d, d)  # W_m on [s_j ; z_j]
-        self.mem_tok = nn.Linear(d, d, bias=False)  # W_x on E(x_j)
+        self.tok_proj = nn.Linear(d, 2 * d, bias=False)  # [W_x ; W_e] on E(x): memory part, query part
         self.mem_norm = nn.LayerNorm(d, eps=cfg.ln_eps)
         self.mem_kv = nn.Linear(d, 2 * d, bias=False)
         self.prefix_q = nn.Linear(d, d, bias=False)  # W_p
-        self.prev_q = nn.Linear(d, d, bias=False)  # W_e: E(x_{i−1}) conditions the query
         self.prefix_out = nn.Linear(d, C, bias=False)  # W_c
         self.head = nn.Linear(C, 2)  # W_h: [rank correction, gate correction] (terminal: zero-init)
-        for p in (self.shared.weight, self.head.weight, self.head.bias):
+        for p in self.residual_heads():
             nn.init.zeros_(p)
 
     def residual_heads(self) -> list[nn.Parameter]:
@@ -133,7 +135,8 @@ class CausalSelector(nn.Module):
         )
 
     def _history_read(self, a: torch.Tensor, history: torch.Tensor, history_mask: torch.Tensor | None) -> torch.Tensor:
-        """Candidate-specific reads of the verified history. a [B, H, K+1, d] → [B, H, K+1, d]."""
+        """Candidate-specific reads of the verified history (heads concatenated, before W_y).
+        a [B, H, K+1, d] → [B, H, K+1, d]."""
         B, H, K1, d = a.shape
         N, nh = history.shape[1], self.heads
         if N > self.history_len:
@@ -142,17 +145,20 @@ class CausalSelector(nn.Module):
         k, v = self.hist_kv(mem).view(B, N, 2, nh, d // nh).permute(2, 0, 3, 1, 4)  # [B, nh, N, dh]
         q = self.hist_q(a).view(B, H * K1, nh, d // nh).transpose(1, 2)  # [B, nh, H(K+1), dh]
         read = null_attention(q, k, v, key_mask=history_mask)  # all-masked rows read zero
-        return self.hist_out(read.transpose(1, 2).reshape(B, H, K1, d))
+        return read.transpose(1, 2).reshape(B, H, K1, d)
 
     # ---- prefix memory ---------------------------------------------------------------------------
-    def entry_kv(self, base: torch.Tensor, tok_emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Memory keys/values of entries m = LN(base + W_x E(x)). base, tok_emb [..., d] (broadcast)
-        → k, v [..., d]."""
-        return self.mem_kv(self.mem_norm(base + self.mem_tok(tok_emb))).chunk(2, dim=-1)
+    def token_terms(self, base: torch.Tensor, tok_emb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What a chosen token x contributes: its memory entry m = LN(base + W_x E(x)) as key and
+        value, and the query term W_e E(x) of the next decision.
 
-    def anchor_kv(self, anchor_emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, d] → anchor entry k, v [B, d]."""
-        return self.entry_kv(self.anchor_flag + self.mem_pos[0], anchor_emb)
+        base, tok_emb [..., d] (base = W_m [s_j ; z_j] + p_j, or g_a + p_0 for the anchor).
+        Returns:
+            k, v, q_term, each [..., d].
+        """
+        mem, q_term = self.tok_proj(tok_emb).chunk(2, dim=-1)
+        k, v = self.mem_kv(self.mem_norm(base + mem)).chunk(2, dim=-1)
+        return k, v, q_term
 
     def _corrections(self, pre: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
         """Compact MLP. pre [..., K+1, C], read [..., K+1, d] → [..., K+1, 2] (rank, gate)."""
@@ -160,7 +166,7 @@ class CausalSelector(nn.Module):
 
     # ---- decisions -------------------------------------------------------------------------------
     def teacher_forced(self, ev: Evidence, anchor_emb: torch.Tensor, prefix_emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """All H decisions in parallel with given prefix tokens (training).
+        """All H decisions in parallel with given prefix tokens (training; inference passes).
 
         Args:
             anchor_emb [B, d]; prefix_emb [B, H, d] embeddings of the tokens at slots 0..H−1.
@@ -168,13 +174,11 @@ class CausalSelector(nn.Module):
             gate [B, H], rank [B, H, K].
         """
         B, H, nh, K1, dh = ev.query.shape
-        ak, av = self.anchor_kv(anchor_emb)  # [B, d]
-        sk, sv = self.entry_kv(ev.slot_mem[:, : H - 1], prefix_emb[:, : H - 1])  # [B, H−1, d]
-        keys = torch.cat([ak[:, None], sk], dim=1).view(B, H, nh, dh).transpose(1, 2)  # [B, nh, H, dh] entries 0..H−1
-        values = torch.cat([av[:, None], sv], dim=1).view(B, H, nh, dh).transpose(1, 2)
-        prev = torch.cat([anchor_emb[:, None], prefix_emb[:, : H - 1]], dim=1)  # [B, H, d]: x_{i−1}
-        q = ev.query + self.prev_q(prev).view(B, H, nh, 1, dh)  # [B, H, nh, K+1, dh]
-        q = q.transpose(1, 2).reshape(B, nh, H * K1, dh)
+        tokens = torch.cat([anchor_emb[:, None], prefix_emb[:, : H - 1]], dim=1)  # [B, H, d] positions 0..H−1
+        base = torch.cat([(self.anchor_flag + self.mem_pos[0]).expand(B, 1, -1), ev.slot_mem[:, : H - 1]], dim=1)
+        k, v, q_term = self.token_terms(base, tokens)  # entry e = position e; q_term[:, e] is x_{i−1} of slot e
+        keys, values = (t.view(B, H, nh, dh).transpose(1, 2) for t in (k, v))  # [B, nh, H, dh]
+        q = (ev.query + q_term.view(B, H, nh, 1, dh)).transpose(1, 2).reshape(B, nh, H * K1, dh)
         slot = torch.arange(H, device=q.device).repeat_interleave(K1)  # [H(K+1)] slot of each query
         visible = torch.arange(H, device=q.device)[None, :] <= slot[:, None]  # entry e visible to slot s iff e ≤ s
         read = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)  # [B, nh, H(K+1), dh]
@@ -183,10 +187,8 @@ class CausalSelector(nn.Module):
         return ev.gate0 + out[..., K1 - 1, 1], ev.rank0 + out[..., : K1 - 1, 0]
 
     def sequential(self, ev: Evidence, anchor_emb: torch.Tensor, cand_emb: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The H dependent decisions of inference: decision i sees only the entries chosen before it.
-
-        Candidate memory entries and query terms are precomputed for the whole pool; after each
-        decision only the chosen candidate's entry is written into the memory.
+        """The H dependent decisions, one after another: after decision i only the chosen token's
+        entry is written into the memory that decision i + 1 reads.
 
         Args:
             anchor_emb [B, d]; cand_emb [B, H, K, d].
@@ -195,26 +197,45 @@ class CausalSelector(nn.Module):
         """
         B, H, nh, K1, dh = ev.query.shape
         K, d = K1 - 1, nh * dh
-        cand_k, cand_v = self.entry_kv(ev.slot_mem.unsqueeze(2), cand_emb)  # [B, H, K, d]
-        cand_k, cand_v = cand_k.view(B, H, K, nh, dh), cand_v.view(B, H, K, nh, dh)
-        cand_q = self.prev_q(cand_emb).view(B, H, K, nh, 1, dh)  # query term if chosen
-        keys = cand_k.new_empty(B, nh, H, dh)  # entries 0..H−1 (the last slot's is never read)
-        values = cand_v.new_empty(B, nh, H, dh)
-        ak, av = self.anchor_kv(anchor_emb)
-        keys[:, :, 0], values[:, :, 0] = ak.view(B, nh, dh), av.view(B, nh, dh)
-        q_prev = self.prev_q(anchor_emb).view(B, nh, 1, dh)
+        keys = cand_emb.new_empty(B, nh, H, dh)  # entries 0..H−1 (the last slot's is never read)
+        values = cand_emb.new_empty(B, nh, H, dh)
+        k, v, q_term = self.token_terms(self.anchor_flag + self.mem_pos[0], anchor_emb)  # [B, d]
         query, pre = ev.query.transpose(0, 1).contiguous(), ev.pre.transpose(0, 1).contiguous()  # slot-major
         rows = torch.arange(B, device=keys.device)
         picks, gates, ranks = [], [], []
         for i in range(H):
-            read = F.scaled_dot_product_attention(query[i] + q_prev, keys[:, :, : i + 1], values[:, :, : i + 1])
+            keys[:, :, i], values[:, :, i] = k.view(B, nh, dh), v.view(B, nh, dh)
+            q = query[i] + q_term.view(B, nh, 1, dh)  # [B, nh, K+1, dh]
+            read = F.scaled_dot_product_attention(q, keys[:, :, : i + 1], values[:, :, : i + 1])
             out = self._corrections(pre[i], read.transpose(1, 2).reshape(B, K1, d))  # [B, K+1, 2]
             gate, rank = ev.gate0[:, i] + out[:, K, 1], ev.rank0[:, i] + out[:, :K, 0]
             pick = decide(gate, rank)  # [B]
-            if i + 1 < H:  # only the chosen entry becomes visible to later decisions
-                keys[:, :, i + 1], values[:, :, i + 1] = cand_k[rows, i, pick], cand_v[rows, i, pick]
-                q_prev = cand_q[rows, i, pick]
+            if i + 1 < H:  # only the chosen token becomes visible to later decisions
+                k, v, q_term = self.token_terms(ev.slot_mem[:, i], cand_emb[rows, i, pick])
             picks.append(pick)
             gates.append(gate)
             ranks.append(rank)
         return torch.stack(picks, 1), torch.stack(gates, 1), torch.stack(ranks, 1)
+
+    def decide_block(self, ev: Evidence, anchor_emb: torch.Tensor, cand_emb: torch.Tensor, *, max_passes: int = 4) -> tuple[torch.Tensor, ...]:
+        """The same decisions as `sequential`, found by parallel passes (fewer small ops on CPU).
+
+        Pass t evaluates all H decisions at once under an assumed path P (first the native one) and
+        gets D = decide(P). If D == P, every decision was made with exactly the prefix it chose:
+        that is the sequential result. Otherwise P ← D; the slots up to the first change are
+        settled, so each pass settles at least one more slot and a block with r repairs usually
+        needs r + 1 passes or fewer. After `max_passes` it falls back to `sequential`.
+
+        Returns:
+            pool_index [B, H] int64, gate [B, H], rank [B, H, K].
+        """
+        B, H, K, d = cand_emb.shape
+        path = torch.zeros(B, H, dtype=torch.long, device=cand_emb.device)
+        for _ in range(max_passes):
+            chosen = cand_emb.gather(2, path[:, :, None, None].expand(B, H, 1, d)).squeeze(2)  # [B, H, d]
+            gate, rank = self.teacher_forced(ev, anchor_emb, chosen)
+            new = decide(gate, rank)
+            if torch.equal(new, path):
+                return path, gate, rank
+            path = new
+        return self.sequential(ev, anchor_emb, cand_emb)

@@ -55,7 +55,7 @@ def null_attention(
     if bias is not None:
         scores = scores + bias
     if key_mask is not None:
-        scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+        scores = scores.masked_fill(key_mask[:, None, None, :].logical_not(), float("-inf"))
     null = scores.new_zeros(scores.shape[:-1] + (1,))  # logit of the zero key
     attn = torch.softmax(torch.cat([scores, null], dim=-1), dim=-1)[..., :-1]  # null value is zero
     return attn @ v
@@ -115,8 +115,8 @@ class GlobalRead(nn.Module):
         self.rel_bias = nn.Parameter(torch.zeros(cfg.heads, 2 * H - 1))  # b_{j−i}, j − i ∈ [1−H, H−1]
         self.slot_out = nn.Linear(d, d, bias=False)  # W_u: global slot residual
         self.fusion = nn.Parameter(torch.ones(H))  # λ_i
-        slot = torch.arange(H).repeat_interleave(K)  # slot of each flattened (i, k)
-        self.register_buffer("rel_index", slot[None, :] - slot[:, None] + H - 1, persistent=False)  # [HK, HK]
+        slot = torch.arange(H)
+        self.register_buffer("rel_index", slot[None, :] - slot[:, None] + H - 1, persistent=False)  # [H, H]: j − i + H − 1
 
     def forward(
         self,
@@ -152,8 +152,9 @@ class GlobalRead(nn.Module):
         B, H, K, d = n.shape
         nh = self.heads
         q, k, v = self.read_qkv(n).view(B, H * K, 3, nh, d // nh).permute(2, 0, 3, 1, 4)  # [B, nh, HK, dg]
-        prior = cand_logq.reshape(B, 1, 1, H * K).to(n.dtype)  # log q_j(v_jl), per key
-        bias = prior + self.rel_bias[:, self.rel_index]  # [B, nh, HK, HK]
+        prior = cand_logq.reshape(B, 1, 1, 1, H, K).to(n.dtype)  # log q_j(v_jl), per key (j, l)
+        rel = self.rel_bias[:, self.rel_index][:, :, None, :, None]  # [nh, H, 1, H, 1]: b_{j−i}
+        bias = (prior + rel).expand(B, nh, H, K, H, K).reshape(B, nh, H * K, H * K)
         mask = key_mask.reshape(B, H * K) if key_mask is not None else None
         out = null_attention(q, k, v, bias=bias, key_mask=mask)  # [B, nh, HK, dg]
         return self.read_out(out.transpose(1, 2).reshape(B, H, K, d))

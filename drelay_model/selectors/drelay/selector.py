@@ -161,10 +161,11 @@ class DRelaySelector(Selector):
     # ---- inference -----------------------------------------------------------------------------
     @torch.inference_mode()
     def select_with_scores(self, block: DraftBlock, ctx: SelectionContext) -> SelectionTrace:
-        """Global Read once, then the H sequential decisions; also returns the scores they saw."""
+        """Global Read once, then the H causal decisions (`CausalSelector.decide_block`: identical
+        to deciding slot by slot); also returns the scores the final decisions saw."""
         history = ctx.history if self.config.history_len else None
         ev, cand_emb = self.evidence(block, history, ctx.history_mask if history is not None else None)
-        pick, gate, rank = self.causal.sequential(ev, self.embed(ctx.anchor_ids), cand_emb)
+        pick, gate, rank = self.causal.decide_block(ev, self.embed(ctx.anchor_ids), cand_emb)
         return SelectionTrace(selection=self.gather(block, pick), output=SelectorOutput(gate=gate, rank=rank))
 
     def select(self, block: DraftBlock, ctx: SelectionContext) -> Selection:
