@@ -16,7 +16,7 @@ DEFAULT_EXPERIMENT = "drelay-eval"
 
 def add_parser(sub) -> None:
     p = sub.add_parser("report", help="comparison table (Table 1 layout) from MLflow evaluation runs", description=__doc__)
-    p.add_argument("--run", action="append", default=[], metavar="NAME_OR_ID", help="evaluation run (repeatable; default: latest)")
+    p.add_argument("--run", dest="runs", action="append", default=[], metavar="NAME_OR_ID", help="evaluation run (repeatable; default: latest)")
     p.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help=f"MLflow experiment (default: {DEFAULT_EXPERIMENT})")
     p.add_argument("--out", metavar="DIR", help="also write report.md, report.csv and relative.csv here")
     p.add_argument("--plots", action="store_true", help="with --out: redraw the plots from the logged metrics")
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from pipelines.tracking import get_client
 
     client = get_client()
-    table, title, everything = build_table(client, args.experiment, args.run)
+    table, title, everything = build_table(client, args.experiment, args.runs)
     print(render(table, title))
     if args.out:
         paths = write_report(table, args.out, title)

@@ -22,6 +22,7 @@ from drelay_model.drafter import BlockDrafter, DrafterConfig, build_draft_vocab,
 from drelay_model.target import load_target
 from drelay_model.training import StepConfig, drafter_step, lr_at
 from pipelines.config import RunConfig
+from pipelines.train.features import FeatureSource
 from pipelines.train.data import batch_order, collate, label_counts, read_sequences, split_validation
 
 TRAINER_STATE = "trainer_state.pt"
@@ -44,11 +45,11 @@ def build_drafter(cfg: RunConfig, target, train_seqs) -> BlockDrafter:
     return BlockDrafter(DrafterConfig.for_target(target, **overrides), target, draft_to_target=mapping)
 
 
-def _features(target, ids: torch.Tensor, layers, dtype) -> torch.Tensor:
-    """Target features [B, N, L*D] of right-padded sequences (padding sits after every real token)."""
-    cache = target.new_cache(ids.shape[0], ids.shape[1])
-    out = target(ids, cache, feature_layers=layers, logits_at=torch.zeros(ids.shape[0], 1, dtype=torch.long))
-    return out.features.to(dtype)
+def _abs_path(path: str) -> Path:
+    from pipelines.tracking import REPO_ROOT
+
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else REPO_ROOT / p
 
 
 def validate(target, drafter, val_seqs, n: int) -> dict[str, float]:
@@ -93,6 +94,8 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
     seqs = read_sequences(cfg.data.regenerated, target.tokenizer, max_seq_len=cfg.data.max_seq_len)
     train_seqs, val_seqs = split_validation(seqs, cfg.data.validation_fraction)
     drafter = build_drafter(cfg, target, train_seqs)
+    cache_dir = _abs_path(cfg.data.feature_cache_dir) if cfg.data.feature_cache == "disk" else None
+    features = FeatureSource(target, drafter.config.target_layer_ids, cache_dir)
     model = ray.train.torch.prepare_model(
         drafter, parallel_strategy=cfg.ray.strategy if world > 1 else None,
         # Frozen buffers (target embedding, LM head) are identical on every rank: synced once at init,
@@ -118,8 +121,9 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
         _maybe_kill(cfg_dict, step, rank)
         epoch, i = divmod(step, per_epoch)
         order = batch_order(len(train_seqs), lengths, cfg.train.seqs_per_step, cfg.train.seed, epoch)
-        ids, mask = collate([train_seqs[j] for j in order[(i * world + rank) % len(order)]])
-        feats = _features(target, ids, drafter.config.target_layer_ids, torch.float32)
+        batch = [train_seqs[j] for j in order[(i * world + rank) % len(order)]]
+        ids, mask = collate(batch)
+        feats = features(batch)
         progress = step / cfg.train.max_steps
         step_cfg = StepConfig(
             anchors_per_seq=cfg.train.anchors_per_seq,

@@ -1,0 +1,117 @@
+"""Training math: block labels, anchors, the scout against a sequential reference, support loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drelay_model.decoding import GenerationConfig, SpeculativeEngine, replay
+from drelay_model.training import (
+    StepConfig,
+    drafter_step,
+    eligible_anchors,
+    lr_at,
+    make_blocks,
+    sample_uniform_anchors,
+    scout_anchors,
+    support_loss_terms,
+)
+
+
+def test_block_labels_stop_at_the_first_non_response_position():
+    ids = torch.arange(10)[None]
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    blocks = make_blocks(ids, mask, torch.tensor([[2, 6, 8]]), torch.tensor([[True, True, True]]), H=4)
+    assert blocks.valid[0].tolist() == [
+        [True, True, False, False],  # 3, 4 are response; 5 is not, so 6.. are not contiguous
+        [True, True, True, False],  # 7, 8, 9 then the sequence ends
+        [True, False, False, False],
+    ]
+    assert blocks.labels[0, 0, :2].tolist() == [3, 4] and blocks.labels[0, 0, 2:].tolist() == [0, 0]
+    assert eligible_anchors(mask)[0].tolist() == [False, False, True, True, False, False, True, True, True, False]
+
+
+def test_uniform_anchors_are_distinct_and_eligible():
+    eligible = torch.zeros(2, 50, dtype=torch.bool)
+    eligible[0, 10:40] = True
+    eligible[1, 45:48] = True
+    anchors, ok = sample_uniform_anchors(eligible, 8, torch.Generator().manual_seed(0))
+    assert ok[0].all() and len(set(anchors[0].tolist())) == 8 and all(10 <= a < 40 for a in anchors[0].tolist())
+    assert ok[1].sum() == 3 and sorted(anchors[1][ok[1]].tolist()) == [45, 46, 47]
+
+
+def _data(target, n=24, new=40):
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, target.vocab_size, (6,), generator=g).tolist() for _ in range(n)]
+    outs = SpeculativeEngine(target).generate(prompts, GenerationConfig(max_new_tokens=new)).tokens
+    ids = torch.tensor([p + o for p, o in zip(prompts, outs)])
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[:, 6:] = True
+    return prompts, outs, ids, mask
+
+
+def test_scout_traces_the_boundaries_of_native_greedy_decoding(target, make_drafter):
+    """From the same start, the scout's boundaries are exactly the anchors replay visits."""
+    drafter = make_drafter(target, top_k=8)
+    prompts, outs, ids, mask = _data(target, n=3)
+    feats = target(ids, target.new_cache(3, ids.shape[1]), feature_layers=drafter.config.target_layer_ids).features
+    ctx = drafter.context_kv(feats, torch.arange(ids.shape[1])[None].expand(3, -1))
+    start_mask = mask.clone()  # make the first response token the only possible start
+    gen = torch.Generator().manual_seed(0)
+    elig = eligible_anchors(mask)
+    only_first = torch.zeros_like(elig)
+    only_first[:, 6] = True
+    import drelay_model.training as tr
+
+    real = tr.sample_uniform_anchors
+    tr.sample_uniform_anchors = lambda e, m, g: real(only_first, m, g)
+    try:
+        anchors, ok = scout_anchors(drafter, ctx, ids, ids, start_mask, 50, gen)
+    finally:
+        tr.sample_uniform_anchors = real
+    for b in range(3):  # sequential reference: native rounds over the greedy continuation
+        a, expect = 6, []
+        while a < ids.shape[1] - 1:
+            expect.append(a)
+            hidden = drafter.block_hidden(ids[b : b + 1, a : a + 1], torch.tensor([[a]]), [(k[b : b + 1], v[b : b + 1]) for k, v in ctx])
+            native = drafter.logits(hidden[:, 0, 1:]).argmax(-1)[0]
+            ref = ids[b, a + 1 : a + 1 + drafter.config.num_slots]
+            n = int((native[: len(ref)] == ref).long().cumprod(0).sum())
+            a += n + 1
+        assert anchors[b][ok[b]].tolist() == expect
+
+
+def test_support_loss_ignores_labels_outside_the_draft_vocabulary():
+    logits = torch.randn(1, 1, 3, 5)
+    labels = torch.tensor([[[4, 7, 2]]])
+    t2d = torch.full((10,), -1)
+    t2d[torch.tensor([2, 4, 9, 1, 0])] = torch.arange(5)
+    terms = support_loss_terms(logits, labels, torch.ones(1, 1, 3, dtype=torch.bool), t2d)
+    assert terms[0, 0, 1] == 0
+    ref = torch.nn.functional.cross_entropy(logits[0, 0, [0, 2]], torch.tensor([1, 0]), reduction="none")
+    torch.testing.assert_close(terms[0, 0, [0, 2]], ref)
+
+
+def test_lr_schedule_warms_up_then_decays():
+    lrs = [lr_at(s, base=1.0, warmup=10, total=100) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[99] == pytest.approx(0.1, abs=0.01) and all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+
+
+@pytest.mark.slow
+def test_a_short_training_run_raises_replay_tau(target, make_drafter):
+    drafter = make_drafter(target, num_layers=2).train()
+    prompts, outs, ids, mask = _data(target, n=48)
+    feats = target(ids, target.new_cache(48, ids.shape[1]), feature_layers=drafter.config.target_layer_ids).features
+    before = replay(target, drafter.eval(), prompts[:6], outs[:6]).tau
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    drafter.train()
+    for _ in range(120):
+        i = torch.randint(0, 48, (8,), generator=gen)
+        out = drafter_step(drafter, ids[i], mask[i], feats[i], StepConfig(anchors_per_seq=16, native_fraction=0.3), gen)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    after = replay(target, drafter.eval(), prompts[:6], outs[:6]).tau
+    assert after > before + 0.2, (before, after)

@@ -1,0 +1,90 @@
+"""Training data: sequence files, regenerated conversations, splits, batches, the feature cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from drelay_model.errors import DRelayError
+from drelay_model.target import load_target, tiny_target
+from pipelines.train.data import batch_order, collate, label_counts, read_sequences, split_validation
+from pipelines.train.features import FeatureSource, target_features
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_tokenized_file_roundtrip_and_errors(tmp_path):
+    path = _write(tmp_path / "d.jsonl", [{"seq_id": "a", "input_ids": [1, 2, 3, 4, 5], "response_start": 2}, {"seq_id": "b", "input_ids": [1, 2], "response_start": 1}])
+    seqs = read_sequences(path, max_seq_len=4)
+    assert [s.seq_id for s in seqs] == ["a"] and seqs[0].input_ids == (1, 2, 3, 4)  # b has no room for an anchor
+    with pytest.raises(DRelayError, match="not found"):
+        read_sequences(tmp_path / "none.jsonl", max_seq_len=8)
+    (tmp_path / "bad.jsonl").write_text('{"seq_id": 1}\n{oops\n')
+    with pytest.raises(DRelayError, match="bad.jsonl:1: expected"):
+        read_sequences(tmp_path / "bad.jsonl", max_seq_len=8)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DRelayError, match="no usable sequences"):
+        read_sequences(tmp_path / "empty.jsonl", max_seq_len=8)
+
+
+def test_regenerated_conversations_keep_the_exact_generated_ids(tmp_path):
+    smol = load_target("smollm2-135m")
+    rec = {
+        "conv_id": "c1", "source": "test",
+        "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                     {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye!"}],
+        "turn_token_ids": [[9, 8, 7, 2], [6, 5, 2]], "finished": True,
+    }
+    seqs = read_sequences(_write(tmp_path / "r.jsonl", [rec, {"conv_id": "c2", "skipped": "prompt too long"}]), smol.tokenizer, max_seq_len=512)
+    assert len(seqs) == 2
+    assert seqs[0].input_ids[seqs[0].response_start :] == (9, 8, 7, 2)
+    assert seqs[1].input_ids[seqs[1].response_start :] == (6, 5, 2)
+    second_prompt = smol.tokenizer.decode(seqs[1].input_ids[: seqs[1].response_start])
+    assert "Hello!" in second_prompt and second_prompt.rstrip().endswith("assistant")
+
+
+def test_split_keeps_conversations_together_and_is_stable(tmp_path):
+    rows = [{"seq_id": f"c{i // 2}#{i % 2}", "input_ids": list(range(6)), "response_start": 2} for i in range(400)]
+    seqs = read_sequences(_write(tmp_path / "d.jsonl", rows), max_seq_len=16)
+    train, val = split_validation(seqs, 0.1)
+    assert 0 < len(val) < 80 and len(train) + len(val) == 400
+    assert not {s.seq_id.split("#")[0] for s in val} & {s.seq_id.split("#")[0] for s in train}
+    assert split_validation(seqs, 0.1)[1] == val
+
+
+def test_batches_cover_every_sequence_once_per_epoch():
+    lengths = [5 + (i * 7) % 30 for i in range(103)]
+    batches = batch_order(103, lengths, 4, seed=1, epoch=0)
+    assert sorted(i for b in batches for i in b) == list(range(103))
+    assert batches == batch_order(103, lengths, 4, seed=1, epoch=0) != batch_order(103, lengths, 4, seed=1, epoch=1)
+
+
+def test_collate_and_label_counts(tmp_path):
+    seqs = read_sequences(_write(tmp_path / "d.jsonl", [{"seq_id": "a", "input_ids": [3, 4, 5], "response_start": 1}, {"seq_id": "b", "input_ids": [3, 4, 4, 6], "response_start": 2}]), max_seq_len=8)
+    ids, mask = collate(seqs)
+    assert ids.tolist() == [[3, 4, 5, 0], [3, 4, 4, 6]]
+    assert mask.tolist() == [[False, True, True, False], [False, False, True, True]]
+    assert label_counts(seqs, 8).tolist() == [0, 0, 0, 0, 2, 1, 1, 0]
+
+
+def test_disk_feature_cache_matches_fresh_features_and_is_reused(tmp_path):
+    target = tiny_target("tiny-llama")
+    rows = [{"seq_id": f"s{i}", "input_ids": torch.randint(0, 256, (5 + i,)).tolist(), "response_start": 2} for i in range(4)]
+    seqs = read_sequences(_write(tmp_path / "d.jsonl", rows), max_seq_len=32)
+    layers = (0, 1)
+    fresh = target_features(target, collate(seqs)[0], layers)
+    source = FeatureSource(target, layers, tmp_path / "cache")
+    first = source(seqs[:2])
+    second = source(seqs)  # two hits, two misses
+    assert (source.hits, source.misses) == (2, 4)
+    for b, s in enumerate(seqs):
+        n = len(s.input_ids)
+        torch.testing.assert_close(second[b, :n], fresh[b, :n], atol=0.05, rtol=0.02)  # stored as bf16
+        assert second[b, n:].abs().sum() == 0
+    torch.testing.assert_close(first, second[:2, : first.shape[1]])
+    assert len(list((tmp_path / "cache").rglob("*.pt"))) == 4
