@@ -116,7 +116,7 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
     lengths = [len(s.input_ids) for s in train_seqs]
     per_epoch = max(len(train_seqs) // (cfg.train.seqs_per_step * world), 1)
     gen = torch.Generator().manual_seed(cfg.train.seed * 7919 + rank)
-    t_last, tokens = time.perf_counter(), 0
+    t_last, tokens, step_last = time.perf_counter(), 0, start
     for step in range(start, cfg.train.max_steps):
         _maybe_kill(cfg_dict, step, rank)
         epoch, i = divmod(step, per_epoch)
@@ -145,8 +145,9 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
         last = step + 1 == cfg.train.max_steps
         if (step + 1) % cfg.train.checkpoint_every == 0 or last:
             now = time.perf_counter()
-            metrics["throughput/tokens_per_s"] = tokens * world / (now - t_last)
-            t_last, tokens = now, 0
+            metrics["throughput/tokens_per_s"] = tokens * world / (now - t_last)  # response tokens, all workers
+            metrics["throughput/samples_per_s"] = (step + 1 - step_last) * cfg.train.seqs_per_step * world / (now - t_last)
+            t_last, tokens, step_last = now, 0, step + 1
             if rank == 0 and ((step + 1) % cfg.train.validate_every == 0 or last):
                 metrics.update(validate(target, drafter, val_seqs, cfg.train.validation_prompts))
             _report(metrics, rank, drafter, optimizer, step + 1, cfg, Checkpoint)

@@ -67,7 +67,7 @@ class Evidence:
     rank0     [B, H, K]         S⁰ = log q + shared hidden residual
     gate0     [B, H]            native pool-mass log-odds (Eq. 6 without Δg)
     pre       [B, H, K+1, C]    compact pre-activations (global + history evidence); row K = slot query
-    query     [B, H, nh, K+1, dh] prefix-read query base
+    query     [B, H, nh, K+1, dg] prefix-read query base (r = nh·dg = read_dim)
     slot_mem  [B, H, d]         the slot part W_m [s_j ; z_j] + p_j of memory entries j = 1..H
     """
 
@@ -81,7 +81,7 @@ class Evidence:
 class CausalSelector(nn.Module):
     def __init__(self, cfg: DRelayConfig, *, num_slots: int, top_k: int, feature_dim: int) -> None:
         super().__init__()
-        d, C, H = cfg.d_sel, cfg.compact_dim, num_slots
+        d, r, C, H = cfg.d_sel, cfg.read_dim, cfg.compact_dim, num_slots
         self.heads, self.history_len = cfg.heads, cfg.history_len
         self.rank_pos = nn.Parameter(torch.randn(top_k, d) * 0.02)  # R_k
         self.logq_feat = nn.Parameter(torch.randn(d) * 0.02)  # w_q
@@ -91,19 +91,19 @@ class CausalSelector(nn.Module):
             self.hist_in = nn.Linear(feature_dim, d)  # W_F: verified target features F → d_sel
             self.hist_pos = nn.Parameter(torch.randn(cfg.history_len, d) * 0.02)  # P_t, right-aligned
             self.hist_norm = nn.LayerNorm(d, eps=cfg.ln_eps)
-            self.hist_q = nn.Linear(d, d, bias=False)
-            self.hist_kv = nn.Linear(d, 2 * d, bias=False)
-            self.static_y = nn.Linear(d, C, bias=False)  # W_y (the read's output projection folded in)
+            self.hist_q = nn.Linear(d, r, bias=False)
+            self.hist_kv = nn.Linear(d, 2 * r, bias=False)
+            self.static_y = nn.Linear(r, C, bias=False)  # W_y (the read's output projection folded in)
         self.static_a = nn.Linear(d, C)  # W_a, b
         self.shared = nn.Linear(d, d, bias=False)  # W_ρ (terminal: zero-init)
         self.anchor_flag = nn.Parameter(torch.randn(d) * 0.02)  # g_a
         self.mem_pos = nn.Parameter(torch.randn(H + 1, d) * 0.02)  # p_j, j = 0 (anchor) .. H
         self.mem_slot = nn.Linear(2 * d, d)  # W_m on [s_j ; z_j]
-        self.tok_proj = nn.Linear(d, 2 * d, bias=False)  # [W_x ; W_e] on E(x): memory part, query part
+        self.tok_proj = nn.Linear(d, d + r, bias=False)  # [W_x ; W_e] on E(x): memory part, query part
         self.mem_norm = nn.LayerNorm(d, eps=cfg.ln_eps)
-        self.mem_kv = nn.Linear(d, 2 * d, bias=False)
-        self.prefix_q = nn.Linear(d, d, bias=False)  # W_p
-        self.prefix_out = nn.Linear(d, C, bias=False)  # W_c
+        self.mem_kv = nn.Linear(d, 2 * r, bias=False)
+        self.prefix_q = nn.Linear(d, r, bias=False)  # W_p
+        self.prefix_out = nn.Linear(r, C, bias=False)  # W_c
         self.head = nn.Linear(C, 2)  # W_h: [rank correction, gate correction] (terminal: zero-init)
         for p in self.residual_heads():
             nn.init.zeros_(p)
@@ -117,7 +117,7 @@ class CausalSelector(nn.Module):
         """s, z [B, H, d]; c, cand_emb [B, H, K, d]; cand_logq [B, H, K]; history [B, N, F] or None,
         history_mask [B, N] bool or None. Returns the block's Evidence."""
         B, H, K, d = c.shape
-        nh = self.heads
+        nh, r = self.heads, self.prefix_q.out_features
         feat = self.rank_pos + self.logq_feat * cand_logq.clamp(min=_LOGQ_FLOOR).unsqueeze(-1).to(c.dtype)
         rows = torch.cat([c + feat, self.slot_token.expand(B, H, 1, d)], dim=2)  # [B, H, K+1, d]
         a = self.state_norm(z.unsqueeze(2) + rows)  # [B, H, K+1, d]
@@ -130,22 +130,22 @@ class CausalSelector(nn.Module):
             rank0=logq + rho,
             gate0=logq[..., 1:].logsumexp(dim=-1) - logq[..., 0],
             pre=pre,
-            query=self.prefix_q(a).view(B, H, K + 1, nh, d // nh).transpose(2, 3),
+            query=self.prefix_q(a).view(B, H, K + 1, nh, r // nh).transpose(2, 3),
             slot_mem=self.mem_slot(torch.cat([s, z], dim=-1)) + self.mem_pos[1 : H + 1],
         )
 
     def _history_read(self, a: torch.Tensor, history: torch.Tensor, history_mask: torch.Tensor | None) -> torch.Tensor:
         """Candidate-specific reads of the verified history (heads concatenated, before W_y).
-        a [B, H, K+1, d] → [B, H, K+1, d]."""
+        a [B, H, K+1, d] → [B, H, K+1, r]."""
         B, H, K1, d = a.shape
-        N, nh = history.shape[1], self.heads
+        N, nh, r = history.shape[1], self.heads, self.hist_q.out_features
         if N > self.history_len:
             raise ValueError(f"history holds {N} entries; this selector reads at most {self.history_len}")
         mem = self.hist_norm(self.hist_in(history.to(a.dtype))) + self.hist_pos[self.history_len - N :]  # [B, N, d]
-        k, v = self.hist_kv(mem).view(B, N, 2, nh, d // nh).permute(2, 0, 3, 1, 4)  # [B, nh, N, dh]
-        q = self.hist_q(a).view(B, H * K1, nh, d // nh).transpose(1, 2)  # [B, nh, H(K+1), dh]
+        k, v = self.hist_kv(mem).view(B, N, 2, nh, r // nh).permute(2, 0, 3, 1, 4)  # [B, nh, N, dg]
+        q = self.hist_q(a).view(B, H * K1, nh, r // nh).transpose(1, 2)  # [B, nh, H(K+1), dg]
         read = null_attention(q, k, v, key_mask=history_mask)  # all-masked rows read zero
-        return read.transpose(1, 2).reshape(B, H, K1, d)
+        return read.transpose(1, 2).reshape(B, H, K1, r)
 
     # ---- prefix memory ---------------------------------------------------------------------------
     def token_terms(self, base: torch.Tensor, tok_emb: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -154,14 +154,14 @@ class CausalSelector(nn.Module):
 
         base, tok_emb [..., d] (base = W_m [s_j ; z_j] + p_j, or g_a + p_0 for the anchor).
         Returns:
-            k, v, q_term, each [..., d].
+            k, v, q_term, each [..., r].
         """
-        mem, q_term = self.tok_proj(tok_emb).chunk(2, dim=-1)
+        mem, q_term = self.tok_proj(tok_emb).split((base.shape[-1], self.prefix_q.out_features), dim=-1)
         k, v = self.mem_kv(self.mem_norm(base + mem)).chunk(2, dim=-1)
         return k, v, q_term
 
     def _corrections(self, pre: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
-        """Compact MLP. pre [..., K+1, C], read [..., K+1, d] → [..., K+1, 2] (rank, gate)."""
+        """Compact MLP. pre [..., K+1, C], read [..., K+1, r] → [..., K+1, 2] (rank, gate)."""
         return self.head(F.gelu(pre + self.prefix_out(read)))
 
     # ---- decisions -------------------------------------------------------------------------------

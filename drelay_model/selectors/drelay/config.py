@@ -19,7 +19,9 @@ class DRelayConfig:
     d_sel          selector width (256 for the CPU target; the paper's Qwen3-4B selector is 35M
                    parameters, i.e. a much wider d_sel).
     heads          attention heads of every read (Global Read blocks, candidate reads Eq. 1,
-                   history and prefix reads); d_sel must be divisible by it.
+                   history and prefix reads); d_sel and read_dim must be divisible by it.
+    read_dim       total query/key/value width of the candidate, history and prefix reads (head
+                   width d_g = read_dim / heads); below d_sel it keeps the per-block cost low on CPU.
     global_blocks  bidirectional attention–FFN blocks of the slot mixing stage.
     history_len    N: how many of the last strictly verified target features the selector reads
                    (0 turns the history read off).
@@ -32,6 +34,7 @@ class DRelayConfig:
 
     d_sel: int = 256
     heads: int = 4
+    read_dim: int = 128
     global_blocks: int = 2
     history_len: int = 64
     ffn_mult: int = 4
@@ -43,6 +46,7 @@ class DRelayConfig:
         checks = {
             "d_sel": isinstance(self.d_sel, int) and self.d_sel >= 8,
             "heads": isinstance(self.heads, int) and self.heads >= 1 and self.d_sel % max(self.heads, 1) == 0,
+            "read_dim": isinstance(self.read_dim, int) and self.read_dim >= 1 and self.read_dim % max(self.heads, 1) == 0,
             "global_blocks": isinstance(self.global_blocks, int) and self.global_blocks >= 0,
             "history_len": isinstance(self.history_len, int) and self.history_len >= 0,
             "ffn_mult": isinstance(self.ffn_mult, int) and self.ffn_mult >= 1,
@@ -55,8 +59,9 @@ class DRelayConfig:
             raise DRelayError(f"invalid drelay selector config: bad value for {', '.join(bad)}")
 
     @property
-    def head_dim(self) -> int:
-        return self.d_sel // self.heads
+    def read_head_dim(self) -> int:
+        """d_g, the head width of the candidate, history and prefix reads."""
+        return self.read_dim // self.heads
 
     def to_dict(self) -> dict:
         """JSON-able dict (round-trips through `from_dict`)."""

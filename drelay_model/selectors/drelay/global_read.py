@@ -13,7 +13,7 @@ states and the candidate distributions; never a teacher or an unverified target 
 
 Here s_i is the local slot feature (a projection of the drafter's hidden state h_i) and ê_ik the
 projected frozen target embedding of candidate k of slot i. Shapes: B rows, H slots, K candidates,
-d = d_sel, nh heads of width d_g = d / nh.
+d = d_sel, nh heads of width d_g = read_dim / nh.
 """
 
 from __future__ import annotations
@@ -103,15 +103,15 @@ class GlobalRead(nn.Module):
 
     def __init__(self, cfg: DRelayConfig, *, num_slots: int, top_k: int) -> None:
         super().__init__()
-        d, H, K = cfg.d_sel, num_slots, top_k
+        d, r, H, K = cfg.d_sel, cfg.read_dim, num_slots, top_k
         self.heads = cfg.heads
         self.mix_in = nn.Linear(d, d, bias=False)  # W_m on the soft candidate summary
         self.blocks = nn.ModuleList(MixBlock(cfg) for _ in range(cfg.global_blocks))
         self.u_norm = nn.LayerNorm(d, eps=cfg.ln_eps)
         self.n_proj = nn.Linear(d, d, bias=False)  # W_n
         self.n_norm = nn.LayerNorm(d, eps=cfg.ln_eps)
-        self.read_qkv = nn.Linear(d, 3 * d, bias=False)  # W_Q, W_K, W_V
-        self.read_out = nn.Linear(d, d, bias=False)  # W_O (no bias: a content-free read stays zero)
+        self.read_qkv = nn.Linear(d, 3 * r, bias=False)  # W_Q, W_K, W_V (nh heads of width d_g = r / nh)
+        self.read_out = nn.Linear(r, d, bias=False)  # W_O (no bias: a content-free read stays zero)
         self.rel_bias = nn.Parameter(torch.zeros(cfg.heads, 2 * H - 1))  # b_{j−i}, j − i ∈ [1−H, H−1]
         self.slot_out = nn.Linear(d, d, bias=False)  # W_u: global slot residual
         self.fusion = nn.Parameter(torch.ones(H))  # λ_i
@@ -150,11 +150,11 @@ class GlobalRead(nn.Module):
         """Eq. 1: queries from every (i, k), keys/values from every (j, l), prior log q_j(v_jl) and
         relative bias b_{j−i}, joint normalisation with the null key. n [B, H, K, d] → [B, H, K, d]."""
         B, H, K, d = n.shape
-        nh = self.heads
-        q, k, v = self.read_qkv(n).view(B, H * K, 3, nh, d // nh).permute(2, 0, 3, 1, 4)  # [B, nh, HK, dg]
+        nh, r = self.heads, self.read_out.in_features
+        q, k, v = self.read_qkv(n).view(B, H * K, 3, nh, r // nh).permute(2, 0, 3, 1, 4)  # [B, nh, HK, dg]
         prior = cand_logq.reshape(B, 1, 1, 1, H, K).to(n.dtype)  # log q_j(v_jl), per key (j, l)
         rel = self.rel_bias[:, self.rel_index][:, :, None, :, None]  # [nh, H, 1, H, 1]: b_{j−i}
         bias = (prior + rel).expand(B, nh, H, K, H, K).reshape(B, nh, H * K, H * K)
         mask = key_mask.reshape(B, H * K) if key_mask is not None else None
         out = null_attention(q, k, v, bias=bias, key_mask=mask)  # [B, nh, HK, dg]
-        return self.read_out(out.transpose(1, 2).reshape(B, H, K, d))
+        return self.read_out(out.transpose(1, 2).reshape(B, H, K, r))
