@@ -36,7 +36,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--context", type=int, default=200, help="verified tokens before the block")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repair-bias", type=float, default=2.0, help="gate bias of the repairing selector")
+    p.add_argument("--repair-bias", type=float, default=6.0, help="gate bias of the repairing selector")
     return p.parse_args()
 
 

@@ -9,12 +9,11 @@ half-written checkpoint. Loading validates everything a user can get wrong and r
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from drelay_model.atomic import atomic_directory
 from drelay_model.drafter.config import DrafterConfig
 from drelay_model.drafter.model import BlockDrafter
 from drelay_model.errors import DRelayError
@@ -28,20 +27,12 @@ def save_drafter(drafter: BlockDrafter, path: str | Path, *, extra_tensors: dict
     from safetensors.torch import save_file
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp.", dir=path.parent))
-    try:
+    with atomic_directory(path) as tmp:
         tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
         tensors.update({k: v.detach().contiguous().cpu() for k, v in (extra_tensors or {}).items()})
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         doc = {"drafter": drafter.config.to_dict(), "meta": meta or {}}
         (tmp / CONFIG).write_text(json.dumps(doc, indent=2))
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

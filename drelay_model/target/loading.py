@@ -14,12 +14,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from drelay_model.atomic import atomic_directory
 from drelay_model.errors import DRelayError
 from drelay_model.target.model import TargetModel
 
@@ -132,9 +131,7 @@ def _convert_gguf(gguf_dir: Path, gguf_file: str, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
         model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -147,9 +144,3 @@ def _convert_gguf(gguf_dir: Path, gguf_file: str, out: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)

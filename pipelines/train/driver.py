@@ -14,6 +14,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from drelay_model.atomic import atomic_directory
 from drelay_model.errors import DRelayError
 from pipelines.config import RunConfig
 from pipelines.tracking import REPO_ROOT, fail_stale_runs, get_client, git_commit, hardware_description, tracked_run
@@ -81,12 +82,8 @@ def run_training(cfg: RunConfig, *, extra_worker_config: dict | None = None) -> 
         if result.checkpoint is None:
             raise DRelayError("training produced no checkpoint")
         final = _abs(cfg.output_dir) / cfg.ray.run_name / "drafter"
-        with result.checkpoint.as_directory() as d:
-            tmp = final.with_name(final.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(Path(d) / "drafter", tmp)
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
+        with result.checkpoint.as_directory() as d, atomic_directory(final) as tmp:
+            shutil.copytree(Path(d) / "drafter", tmp, dirs_exist_ok=True)
         run.log_artifact(final, artifact_path="drafter")
         return TrainResult(checkpoint=final, metrics=dict(result.metrics or {}), mlflow_run_id=run.run_id)
 

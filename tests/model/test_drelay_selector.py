@@ -16,7 +16,7 @@ from drelay_model.losses import joint_loss, selector_loss, support_ce
 from drelay_model.selectors import SelectionContext, default_registry
 from drelay_model.selectors.drelay import DRelayConfig, DRelaySelector, decide, null_attention
 
-SMALL = {"d_sel": 32, "heads": 4, "history_len": 8, "compact_dim": 16, "ffn_mult": 2}
+SMALL = {"d_sel": 32, "heads": 4, "read_dim": 16, "history_len": 8, "compact_dim": 16, "ffn_mult": 2}
 V, D, F_DIM, H, K = 97, 24, 48, 6, 5
 
 
@@ -68,7 +68,7 @@ def test_config_is_validated_and_json_roundtrips():
     cfg = DRelayConfig(d_sel=64, global_read=False)
     assert DRelayConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert DRelayConfig().d_sel == 256 and DRelayConfig().heads == 4 and DRelayConfig().history_len == 64
-    for bad in ({"d_sel": 30, "heads": 4}, {"history_len": -1}, {"global_blocks": -1}, {"global_read": "yes"}):
+    for bad in ({"d_sel": 30, "heads": 4}, {"read_dim": 6}, {"history_len": -1}, {"global_blocks": -1}, {"global_read": "yes"}):
         with pytest.raises(DRelayError, match="invalid drelay selector config"):
             DRelayConfig.from_dict(bad)
     with pytest.raises(DRelayError, match="unknown keys: nope"):

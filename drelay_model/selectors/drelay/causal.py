@@ -196,7 +196,7 @@ class CausalSelector(nn.Module):
             pool_index [B, H] int64, gate [B, H], rank [B, H, K].
         """
         B, H, nh, K1, dh = ev.query.shape
-        K, d = K1 - 1, nh * dh
+        K, r = K1 - 1, nh * dh
         keys = cand_emb.new_empty(B, nh, H, dh)  # entries 0..H−1 (the last slot's is never read)
         values = cand_emb.new_empty(B, nh, H, dh)
         k, v, q_term = self.token_terms(self.anchor_flag + self.mem_pos[0], anchor_emb)  # [B, d]
@@ -207,7 +207,7 @@ class CausalSelector(nn.Module):
             keys[:, :, i], values[:, :, i] = k.view(B, nh, dh), v.view(B, nh, dh)
             q = query[i] + q_term.view(B, nh, 1, dh)  # [B, nh, K+1, dh]
             read = F.scaled_dot_product_attention(q, keys[:, :, : i + 1], values[:, :, : i + 1])
-            out = self._corrections(pre[i], read.transpose(1, 2).reshape(B, K1, d))  # [B, K+1, 2]
+            out = self._corrections(pre[i], read.transpose(1, 2).reshape(B, K1, r))  # [B, K+1, 2]
             gate, rank = ev.gate0[:, i] + out[:, K, 1], ev.rank0[:, i] + out[:, :K, 0]
             pick = decide(gate, rank)  # [B]
             if i + 1 < H:  # only the chosen token becomes visible to later decisions
