@@ -14,7 +14,9 @@ side: the two contenders alternate within each repetition and we report medians 
 
 Run:  .venv/bin/python benchmarks/bench_engine.py            # full run (~15-20 min on 2 cores)
       .venv/bin/python benchmarks/bench_engine.py --quick    # smoke run (2 prompts, 32 tokens)
-Figures go to --out (JSON) and to MLflow (experiment `drelay-benchmarks`) unless --no-mlflow.
+Figures go to --out (JSON) and to MLflow (experiment `drelay-benchmarks`, via pipelines.tracking:
+$MLFLOW_TRACKING_URI, else sqlite:///<repo>/outputs/mlflow.db; the run is always ended, FAILED on
+error, and tagged with the git commit) unless --no-mlflow.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import json
 import os
 import platform
 import statistics
-import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -32,6 +34,9 @@ import torch
 from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from pipelines.tracking import git_commit, tracked_run  # noqa: E402
 EXPERIMENT = "drelay-benchmarks"
 median = statistics.median
 
@@ -232,28 +237,6 @@ def flat_metrics(d: dict, prefix: str = "") -> dict[str, float]:
     return out
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def start_mlflow(params: dict):
-    import mlflow
-
-    mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{REPO / 'mlflow.db'}")
-    exp = mlflow.get_experiment_by_name(EXPERIMENT)
-    exp_id = exp.experiment_id if exp else mlflow.create_experiment(
-        EXPERIMENT, artifact_location=(REPO / "outputs" / "mlartifacts").as_uri())
-    run = mlflow.start_run(experiment_id=exp_id, run_name="bench_engine" + ("-quick" if params["quick"] else ""))
-    commit = git_commit()
-    mlflow.set_tags({"git_commit": commit, "mlflow.source.git.commit": commit, "benchmark": "engine"})
-    mlflow.log_params(params)
-    return mlflow, run
-
-
 def measure(args) -> dict:
     from drelay_model.decoding import SpeculativeEngine
     from drelay_model.target import load_target
@@ -282,28 +265,31 @@ def main() -> int:
     print(f"torch {machine['torch']} | threads {machine['torch_threads']} | CPU {machine['cpu']} ({machine['cores']} cores)")
     params = {"target": args.target, "quick": args.quick, "n_prompts": args.n_prompts, "reps": args.reps,
               "max_new_tokens": args.max_new_tokens, "batched": not args.no_batched, **machine}
-    mlflow, run = start_mlflow(params) if not args.no_mlflow else (None, None)
-    try:
-        snap, t0 = cpu_snapshot(), time.perf_counter()
-        figures = measure(args)
-        machine.update(contention(snap, time.perf_counter() - t0, machine["cores"]))
-        report = {"machine": machine, "params": params, **figures}
-        print_report(report)
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2))
-        print(f"wrote {out}")
-        if mlflow:
-            mlflow.log_metrics(flat_metrics({k: v for k, v in report.items() if k not in ("machine", "params")}))
-            mlflow.log_artifact(str(out))
-    except BaseException:
-        if mlflow:
-            mlflow.end_run(status="FAILED")
-        raise
-    if mlflow:
-        mlflow.end_run(status="FINISHED")
-        print(f"MLflow run {run.info.run_id} in experiment '{EXPERIMENT}'")
+    if args.no_mlflow:
+        run_and_save(args, machine, params, None)
+        return 0
+    with tracked_run(EXPERIMENT, run_name="bench_engine" + ("-quick" if args.quick else ""),
+                     tags={"git_commit": git_commit(), "benchmark": "engine"}, params=params) as run:
+        run_and_save(args, machine, params, run)
+        print(f"MLflow run {run.run_id} in experiment '{EXPERIMENT}'")
     return 0
+
+
+def run_and_save(args, machine: dict, params: dict, run) -> None:
+    """Measure, print, write the JSON and (if `run`) log metrics + the JSON to MLflow."""
+    snap, t0 = cpu_snapshot(), time.perf_counter()
+    figures = measure(args)
+    machine.update(contention(snap, time.perf_counter() - t0, machine["cores"]))
+    report = {"machine": machine, "params": params, **figures}
+    print_report(report)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    if run is not None:
+        run.log_metrics(flat_metrics(figures))
+        run.log_params({k: machine[k] for k in ("other_processes_cpu_pct", "loadavg_1min_end")})
+        run.log_artifact(out)
 
 
 if __name__ == "__main__":

@@ -2,16 +2,16 @@
 
 Dims: D = 576, H = 15 slots, K = 16 candidates, F = 3·576 target features, V = 49,152.
 A random drafter (DrafterConfig.for_target: 2 layers, full-vocabulary head) and a freshly built
-`drelay` selector (default config: d_sel = 256, history_len = 64); batch 1, fp32, one block drafted
+`drelay` selector (default config: d_sel = 256, read_dim = 128, history_len = 64); batch 1, fp32, one block drafted
 after a ~200-token verified context. Per repetition the three phases alternate (draft → select →
 verify), so machine load hits them alike; medians are reported:
   draft        drafter.draft(anchor, ctx)                         one block + the top-K pool
-  select       selector.select(block, ctx)                        Global Read + H sequential decisions
+  select       selector.select(block, ctx)                        Global Read + the H causal decisions
   verify       target forward over anchor + 15 drafts = 16 tokens on the cached context (cropped back)
   select %     select / (draft + select + verify), the selector's share of a round
 A fresh selector keeps every native token, so its decisions settle in one parallel pass; the
-"repairing" row randomises the zero-initialised residual heads (plus a gate bias) so that blocks
-carry several repairs and the decisions need more passes (or the sequential fallback). Also
+"repairing" row randomises the zero-initialised residual heads (plus a gate bias; the default
+gives ~4 repairs per block) so that the decisions need more passes (or the sequential fallback). Also
 printed: the split into the prefix-independent part (Global Read + history read + evidence) and
 the decisions (parallel passes vs the literal slot-by-slot loop), and the selector's trainable
 parameter count (the frozen embedding is shared, not counted).
@@ -36,7 +36,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--context", type=int, default=200, help="verified tokens before the block")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repair-bias", type=float, default=6.0, help="gate bias of the repairing selector")
+    p.add_argument("--repair-bias", type=float, default=5.0, help="gate bias of the repairing selector")
     return p.parse_args()
 
 

@@ -89,8 +89,8 @@ def selector_loss(gate: torch.Tensor, rank: torch.Tensor, cand_ids: torch.Tensor
     """Eq. 3 per token.
 
     Args:
-        gate [B, H] gate logits g; rank [B, H, K] rank scores S; cand_ids [B, H] K pool ids;
-        labels [B, H] int64 target tokens; mask [B, H] bool.
+        gate [B, H] gate logits g; rank [B, H, K] rank scores S; cand_ids [B, H, K] int64 pool ids
+        (target vocabulary); labels [B, H] int64 target tokens; mask [B, H] bool.
     Returns:
         SelectorLoss.
     """

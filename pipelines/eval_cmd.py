@@ -1,7 +1,8 @@
 """`drelay eval`: τ, speedup S and pool diagnostics on the eight benchmarks, tracked in MLflow.
 
 Everything a user can get wrong (names, numbers, checkpoints, prompt files) is checked before any
-model loads or any MLflow run starts; errors are one line (exit 2) and leave no run behind.
+model loads, and first-turn prompt lengths before decoding or any MLflow run starts; errors are one
+line (exit 2) and leave no run behind.
 Results of finished (benchmark, method) cells are kept in `--out`, so rerunning the same command
 resumes. See docs/evaluation.md.
 """
@@ -18,7 +19,9 @@ from pathlib import Path
 
 from drelay_model.errors import DRelayError
 from pipelines.benchmarks import BENCHMARKS, BenchmarkPrompt, load_benchmark
+from pipelines.eval_prompts import encoder_for
 from pipelines.eval_results import CellStore
+from pipelines.eval_session import run_session
 from pipelines.evaluate import EvalConfig, Evaluation, MethodUnderTest
 from pipelines.resolve import AR, REPO_ROOT, bundled_checkpoint, load_method, load_target_spec, method_names
 
@@ -183,18 +186,17 @@ def sigterm_as_exit() -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipelines.eval_session import run_session
-
     config = build_config(args)
     run_name = args.run_name or default_run_name(config)
+    if any(q in run_name for q in "'\"`"):
+        raise DRelayError(f"--run-name must not contain quotes, got {run_name!r}")
     out_dir = Path(args.out) if args.out else REPO_ROOT / "outputs" / "eval" / run_name
     prompts = load_prompts(config)
     target = load_target_spec(config.target)
-    from pipelines.eval_prompts import encoder_for
-
     evaluation = Evaluation(
         config, target, load_methods(config, target), prompts, encoder_for(target), CellStore(out_dir), progress=not args.no_progress
     )
+    evaluation.check_prompt_lengths()
     with sigterm_as_exit(), ExitStack() as stack:
         summary = run_session(evaluation, run_name=run_name, out_dir=out_dir, experiment=None if args.no_mlflow else args.experiment, stack=stack)
     print(summary.text)

@@ -112,7 +112,10 @@ def replay_metrics(cell: CellResult, tau: float) -> dict[str, float]:
 
 
 def _matches(cell: CellResult, ar: CellResult) -> float | None:
-    """Share of (prompt, turn, seed) outputs identical to AR's; None if AR has no such records."""
+    """Share of (prompt, turn) outputs identical to AR's greedy ones; None unless greedy (AR cached
+    outputs only then: sampled outputs differ by design)."""
+    if not ar.outputs:
+        return None
     ref = {(p.prompt_id, p.turn, p.seed): p.output_digest for p in ar.prompts}
     pairs = [(p.output_digest, ref.get((p.prompt_id, p.turn, p.seed))) for p in cell.prompts]
     pairs = [(a, b) for a, b in pairs if b is not None]

@@ -46,13 +46,21 @@ def plot_tau_speedup(methods: dict[str, dict[str, float]], benchmarks: Sequence[
             errs = [v.get(f"{b}/{key}_std", 0.0) for b in benchmarks] + [0.0]
             xs = [j + (i - (len(spec) - 1) / 2) * width for j in range(len(labels))]
             ax.bar(xs, vals, width, yerr=errs if any(errs) else None, label=m, capsize=2)
-        ax.axhline(1.0, color="black", lw=0.8, ls="--", label="AR" if key == "speedup" else None)
+        ref = ax.axhline(1.0, color="black", lw=0.8, ls="--", label="AR (S = τ = 1)")
+        ax.set_ylim(0, 1.3 * _highest(spec, benchmarks, key))
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
     axes[1].set_xticks(range(len(labels)), labels, rotation=20)
-    axes[0].legend(ncols=max(len(spec), 1), fontsize=8, loc="upper left")
-    axes[0].set_title(title)
+    axes[0].legend(ncols=len(spec) + 1, fontsize=8, loc="upper left")
+    axes[1].legend(handles=[ref], fontsize=8, loc="upper left")
+    axes[0].set_title(title, fontsize=10)
     return _save(fig, path)
+
+
+def _highest(spec: dict[str, dict[str, float]], benchmarks: Sequence[str], key: str) -> float:
+    """Top of the tallest bar (value + std) or 1, for axis headroom above the legend."""
+    tops = [v.get(f"{b}/{key}", 0.0) + v.get(f"{b}/{key}_std", 0.0) for v in spec.values() for b in benchmarks]
+    return max([1.0] + tops + [v.get(f"mean_{key}", 0.0) for v in spec.values()])
 
 
 def plot_slot_acceptance(methods: dict[str, dict[str, float]], path: Path, title: str) -> Path:
@@ -68,7 +76,7 @@ def plot_slot_acceptance(methods: dict[str, dict[str, float]], path: Path, title
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=9)
     return _save(fig, path)
 
 
@@ -76,7 +84,7 @@ def plot_latency(methods: dict[str, dict[str, float]], path: Path, title: str) -
     """Stacked ms per round by phase; the label on top gives ms per generated token (ms/round ÷ τ)."""
     plt = _pyplot()
     names = list(methods)
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(names) + 2), 4.5))
+    fig, ax = plt.subplots(figsize=(max(6.5, 1.3 * len(names) + 2), 4.5))
     bottom = [0.0] * len(names)
     for phase in PHASES:
         vals = [methods[m].get(f"ms_{phase}", 0.0) for m in names]
@@ -88,7 +96,7 @@ def plot_latency(methods: dict[str, dict[str, float]], path: Path, title: str) -
     ax.set_ylabel("ms per round (concurrency 1: one request)")
     ax.set_ylim(0, max(bottom + [1.0]) * 1.25)
     ax.legend(fontsize=8)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=9)
     return _save(fig, path)
 
 
@@ -105,12 +113,17 @@ def plot_throughput(methods: dict[str, dict[str, float]], path: Path, title: str
                 s = v.get(f"speedup/c{c}")
                 if s is not None:
                     ax.annotate(f"{s:.2f}×", (c, v[f"throughput/c{c}"]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    levels = sorted({c for v in methods.values() for c, _ in _numbered(v, "throughput/c")})
     ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.minorticks_off()
+    ax.set_xlim(min(levels, default=1) / 1.5, max(levels, default=1) * 1.5)
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("concurrency (simultaneous requests)")
     ax.set_ylabel("output tokens / s")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=9)
     return _save(fig, path)
 
 
@@ -126,9 +139,10 @@ def _save(fig, path: Path) -> Path:
 
 def plot_all(methods: dict[str, dict[str, float]], benchmarks: Sequence[str], out_dir: Path, title: str) -> list[Path]:
     """All four plots into `out_dir`; returns their paths."""
+    title = title.replace(" — ", "\n")
     return [
-        plot_tau_speedup(methods, benchmarks, out_dir / "tau_speedup.png", f"τ and speedup — {title}"),
-        plot_slot_acceptance(methods, out_dir / "slot_acceptance.png", f"Acceptance by slot — {title}"),
-        plot_latency(methods, out_dir / "latency.png", f"Latency per round — {title}"),
-        plot_throughput(methods, out_dir / "throughput.png", f"Throughput vs concurrency — {title}"),
+        plot_tau_speedup(methods, benchmarks, out_dir / "tau_speedup.png", f"τ and speedup S per benchmark\n{title}"),
+        plot_slot_acceptance(methods, out_dir / "slot_acceptance.png", f"Acceptance by draft slot\n{title}"),
+        plot_latency(methods, out_dir / "latency.png", f"Latency per round by phase\n{title}"),
+        plot_throughput(methods, out_dir / "throughput.png", f"Throughput vs concurrency\n{title}"),
     ]

@@ -15,6 +15,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from drelay_model.errors import DRelayError
 from pipelines.eval_metrics import cell_metrics, method_metrics
 from pipelines.eval_plots import plot_all
 from pipelines.eval_results import CellResult
@@ -55,6 +56,20 @@ def eval_tags(c: EvalConfig, run_name: str, out_dir: Path) -> dict[str, str]:
     }  # fmt: skip
 
 
+def connect(experiment: str, run_name: str):
+    """A client for the tracking store, after failing this run name's runs left RUNNING by dead
+    processes; an unreachable store is a one-line error (use --no-mlflow to run without it)."""
+    from mlflow.exceptions import MlflowException
+
+    client = get_client()
+    try:
+        fail_stale_runs(experiment, client=client, run_name=run_name)
+    except (MlflowException, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DRelayError(f"MLflow tracking store {client.tracking_uri} is not usable ({first}); pass --no-mlflow to skip it") from exc
+    return client
+
+
 def run_session(evaluation: Evaluation, *, run_name: str, out_dir: Path, experiment: str | None, stack: ExitStack) -> SessionSummary:
     """Run all cells; with `experiment`, inside a tracked parent run (ended by `stack`'s owner)."""
     c = evaluation.config
@@ -62,8 +77,7 @@ def run_session(evaluation: Evaluation, *, run_name: str, out_dir: Path, experim
     write_json(out_dir / "config.json", {"run_name": run_name, **c.as_params()})
     tracker, ar_cells, loaded_count = None, {}, [0]
     if experiment is not None:
-        client = get_client()
-        fail_stale_runs(experiment, client=client, run_name=run_name)
+        client = connect(experiment, run_name)
         parent = stack.enter_context(
             tracked_run(experiment, run_name=run_name, tags=eval_tags(c, run_name, out_dir), params=c.as_params(), client=client)
         )

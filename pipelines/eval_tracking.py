@@ -97,6 +97,8 @@ def find_evaluation(client, experiment: str, ref: str | None):
     if exp is None:
         raise DRelayError(f"no MLflow experiment '{experiment}' at {client.tracking_uri}")
     query = f"tags.`{LEVEL_TAG}` = 'evaluation' and attributes.status = 'FINISHED'"
+    if ref and any(q in ref for q in "'\"`"):
+        raise DRelayError(f"run name or id must not contain quotes, got {ref!r}")
     if ref:
         by_id = client.search_runs([exp.experiment_id], f"attributes.run_id = '{ref}'") if _looks_like_id(ref) else []
         if by_id:

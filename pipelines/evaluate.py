@@ -204,6 +204,20 @@ class Evaluation:
             if not config.greedy and sel is not None and not sel.capabilities.supports_sampling:
                 raise DRelayError(f"method '{name}' does not support sampling (temperature > 0)")
 
+    def check_prompt_lengths(self) -> None:
+        """Fail before any decoding if a first-turn prompt cannot fit the context window with the
+        token budget (later turns depend on answers and are checked by the engine)."""
+        slots = max((m.drafter.config.num_slots for m in self.methods.values() if m.drafter is not None), default=0)
+        limit = self.target.max_positions - self.config.max_new_tokens - slots - 2
+        for bench, prompts in self.prompts.items():
+            for p in prompts:
+                n = len(self.encoder.encode(p.turns[:1], []))
+                if n > limit:
+                    raise DRelayError(
+                        f"{bench} prompt {p.prompt_id!r} has {n} tokens; the target's context window "
+                        f"({self.target.max_positions}) leaves room for at most {limit} with --max-new-tokens {self.config.max_new_tokens}"
+                    )
+
     def fingerprint(self, benchmark: str, method: str) -> str:
         c = self.config
         return fingerprint({

@@ -194,7 +194,7 @@ def test_null_key_gives_a_zero_read_when_all_evidence_is_masked():
     out = null_attention(q, k, v, bias=bias, key_mask=mask)
     assert torch.equal(out[0], torch.zeros_like(out[0]))  # only the null key is left: a zero read
     # Brute force for row 1: joint normalisation over {null (logit 0, value 0), keys 0 and 2}.
-    logits = (q[1] @ k[1].transpose(-1, -2) / math.sqrt(8) + bias[1])[..., [0, 2]]  # [nh, Q, 2]
+    logits = (q[1] @ k[1].transpose(-1, -2) / math.sqrt(8) + bias[1].transpose(-1, -2))[..., [0, 2]]  # [nh, Q, 2]
     e = logits.exp()
     ref = (e[..., None] * v[1][:, None, [0, 2]]).sum(-2) / (1 + e.sum(-1, keepdim=True))
     torch.testing.assert_close(out[1], ref, atol=1e-5, rtol=1e-5)
@@ -204,6 +204,32 @@ def test_null_key_gives_a_zero_read_when_all_evidence_is_masked():
     n = torch.randn(2, H, K, SMALL["d_sel"], generator=g)
     read = gr.candidate_read(n, torch.randn(2, H, K, generator=g), torch.zeros(2, H, K, dtype=torch.bool))
     assert torch.equal(read, torch.zeros_like(read))
+
+
+def test_candidate_read_is_eq1():
+    """G_ik = W_O Σ_{j,l} A_ik,jl W_V n_jl with A ∝ exp(q·k/√d_g + log q_j(v_jl) + b_{j−i}) and a null key."""
+    sel = make_selector()
+    gr = sel.global_read
+    g = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        gr.rel_bias.copy_(torch.randn(gr.rel_bias.shape, generator=g))
+    n, logq = torch.randn(1, H, K, SMALL["d_sel"], generator=g), torch.randn(1, H, K, generator=g) - 2
+    got = gr.candidate_read(n, logq, None)[0]  # [H, K, d]
+    r, nh = SMALL["read_dim"], SMALL["heads"]
+    dg = r // nh
+    Wq, Wk, Wv = gr.read_qkv.weight.detach().split(r, dim=0)  # [r, d] each, heads contiguous
+    keys = n[0].reshape(H * K, -1)
+    slot_of = torch.arange(H).repeat_interleave(K)
+    heads = torch.zeros(H, K, r)
+    for i in range(H):
+        for k in range(K):
+            for h in range(nh):
+                sl = slice(h * dg, (h + 1) * dg)
+                logits = (keys @ Wk[sl].T) @ (Wq[sl] @ n[0, i, k]) / math.sqrt(dg)
+                logits = logits + logq[0].reshape(-1) + gr.rel_bias[h, slot_of - i + H - 1].detach()
+                w = logits.exp() / (1 + logits.exp().sum())  # the null key adds exp(0) = 1
+                heads[i, k, sl] = w @ (keys @ Wv[sl].T)
+    torch.testing.assert_close(got, heads @ gr.read_out.weight.detach().T, atol=1e-5, rtol=1e-4)
 
 
 def test_fully_masked_history_equals_no_history():

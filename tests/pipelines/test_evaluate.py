@@ -283,6 +283,8 @@ def test_interrupted_evaluation_leaves_no_running_run_and_resumes(uri, data_dir,
         (["--max-new-tokens", "0"], "--max-new-tokens must be"),
         (["--concurrency", "0"], "--concurrency: values must be ≥ 1"),
         (["--seeds", "a,b"], "--seeds: expected integers"),
+        (["--max-new-tokens", "1000"], "leaves room for at most"),
+        (["--run-name", "it's"], "must not contain quotes"),
     ],
 )
 def test_bad_input_is_one_line_and_starts_no_run(uri, data_dir, tmp_path, capsys, extra, message):

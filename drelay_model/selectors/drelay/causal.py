@@ -79,6 +79,8 @@ class Evidence:
 
 
 class CausalSelector(nn.Module):
+    """Evidence, prefix memory, rank/gate heads and the decision loop (see the module docstring)."""
+
     def __init__(self, cfg: DRelayConfig, *, num_slots: int, top_k: int, feature_dim: int) -> None:
         super().__init__()
         d, r, C, H = cfg.d_sel, cfg.read_dim, cfg.compact_dim, num_slots
@@ -180,8 +182,9 @@ class CausalSelector(nn.Module):
         keys, values = (t.view(B, H, nh, dh).transpose(1, 2) for t in (k, v))  # [B, nh, H, dh]
         q = (ev.query + q_term.view(B, H, nh, 1, dh)).transpose(1, 2).reshape(B, nh, H * K1, dh)
         slot = torch.arange(H, device=q.device).repeat_interleave(K1)  # [H(K+1)] slot of each query
-        visible = torch.arange(H, device=q.device)[None, :] <= slot[:, None]  # entry e visible to slot s iff e ≤ s
-        read = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)  # [B, nh, H(K+1), dh]
+        hidden = torch.arange(H, device=q.device)[:, None] > slot[None, :]  # [H, H(K+1)]: entry e is visible to slot s iff e ≤ s
+        strict = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill(hidden, float("-inf"))
+        read = null_attention(q, keys, values, bias=strict, null_key=False)  # [B, nh, H(K+1), dh]
         read = read.view(B, nh, H, K1, dh).permute(0, 2, 3, 1, 4).reshape(B, H, K1, nh * dh)
         out = self._corrections(ev.pre, read)  # [B, H, K+1, 2]
         return ev.gate0 + out[..., K1 - 1, 1], ev.rank0 + out[..., : K1 - 1, 0]
@@ -199,7 +202,7 @@ class CausalSelector(nn.Module):
         K, r = K1 - 1, nh * dh
         keys = cand_emb.new_empty(B, nh, H, dh)  # entries 0..H−1 (the last slot's is never read)
         values = cand_emb.new_empty(B, nh, H, dh)
-        k, v, q_term = self.token_terms(self.anchor_flag + self.mem_pos[0], anchor_emb)  # [B, d]
+        k, v, q_term = self.token_terms(self.anchor_flag + self.mem_pos[0], anchor_emb)  # [B, r] each: the anchor
         query, pre = ev.query.transpose(0, 1).contiguous(), ev.pre.transpose(0, 1).contiguous()  # slot-major
         rows = torch.arange(B, device=keys.device)
         picks, gates, ranks = [], [], []

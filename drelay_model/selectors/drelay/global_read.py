@@ -35,30 +35,34 @@ def null_attention(
     *,
     bias: torch.Tensor | None = None,
     key_mask: torch.Tensor | None = None,
+    null_key: bool = True,
 ) -> torch.Tensor:
     """Softmax attention normalised jointly with a zero-valued null key/value.
 
-        out_q = Σ_t a_qt v_t,   a_qt = exp(s_qt) / (exp(0) + Σ_t' exp(s_qt')),
-        s_qt  = q·k_t / √d_h + bias_qt   (−∞ where key_mask is False)
+        out_q = Σ_t a_tq v_t,   a_tq = exp(s_tq) / (exp(0) + Σ_t' exp(s_t'q)),
+        s_tq  = k_t·q / √d_h + bias_tq   (−∞ where key_mask is False)
 
     The null key has logit q·0 = 0 and value 0, so a query may read nothing: when every key is
-    masked its output is exactly zero.
+    masked its output is exactly zero. `null_key=False` gives plain softmax attention (then at
+    least one key per query must be visible). Scores are laid out key-major [.., T, Q]: the
+    softmax then reduces over dim −2, which CPU kernels vectorise even for short key sets.
 
     Args:
         q         [B, nh, Q, dh]; k, v [B, nh, T, dh].
-        bias      additive logits broadcastable to [B, nh, Q, T], or None.
+        bias      additive logits broadcastable to [B, nh, T, Q] (keys first), or None.
         key_mask  [B, T] bool, True = a real key; None = all real.
     Returns:
         [B, nh, Q, dh], the dtype of v.
     """
-    scores = q @ k.transpose(-1, -2) * (1.0 / math.sqrt(q.shape[-1]))  # [B, nh, Q, T]
+    scores = k @ q.transpose(-1, -2) * (1.0 / math.sqrt(q.shape[-1]))  # [B, nh, T, Q]
     if bias is not None:
         scores = scores + bias
     if key_mask is not None:
-        scores = scores.masked_fill(key_mask[:, None, None, :].logical_not(), float("-inf"))
-    null = scores.new_zeros(scores.shape[:-1] + (1,))  # logit of the zero key
-    attn = torch.softmax(torch.cat([scores, null], dim=-1), dim=-1)[..., :-1]  # null value is zero
-    return attn @ v
+        scores = scores.masked_fill(key_mask[:, None, :, None].logical_not(), float("-inf"))
+    if null_key:  # logit of the zero key; its value is zero, so its weight is dropped after the softmax
+        scores = torch.cat([scores, scores.new_zeros(scores.shape[:-2] + (1, scores.shape[-1]))], dim=-2)
+    attn = torch.softmax(scores, dim=-2)[..., : k.shape[-2], :]  # [B, nh, T, Q]
+    return attn.transpose(-1, -2) @ v
 
 
 class MixBlock(nn.Module):
@@ -116,7 +120,7 @@ class GlobalRead(nn.Module):
         self.slot_out = nn.Linear(d, d, bias=False)  # W_u: global slot residual
         self.fusion = nn.Parameter(torch.ones(H))  # λ_i
         slot = torch.arange(H)
-        self.register_buffer("rel_index", slot[None, :] - slot[:, None] + H - 1, persistent=False)  # [H, H]: j − i + H − 1
+        self.register_buffer("rel_index", slot[:, None] - slot[None, :] + H - 1, persistent=False)  # [H(j), H(i)]: j − i + H − 1
 
     def forward(
         self,
@@ -152,8 +156,9 @@ class GlobalRead(nn.Module):
         B, H, K, d = n.shape
         nh, r = self.heads, self.read_out.in_features
         q, k, v = self.read_qkv(n).view(B, H * K, 3, nh, r // nh).permute(2, 0, 3, 1, 4)  # [B, nh, HK, dg]
-        prior = cand_logq.reshape(B, 1, 1, 1, H, K).to(n.dtype)  # log q_j(v_jl), per key (j, l)
-        rel = self.rel_bias[:, self.rel_index][:, :, None, :, None]  # [nh, H, 1, H, 1]: b_{j−i}
+        # Key-major bias [B, nh, (j, l), (i, k)]: the prior log q_j(v_jl) plus b_{j−i}.
+        prior = cand_logq.reshape(B, 1, H, K, 1, 1).to(n.dtype)
+        rel = self.rel_bias[:, self.rel_index][:, :, None, :, None]  # [nh, H(j), 1, H(i), 1]
         bias = (prior + rel).expand(B, nh, H, K, H, K).reshape(B, nh, H * K, H * K)
         mask = key_mask.reshape(B, H * K) if key_mask is not None else None
         out = null_attention(q, k, v, bias=bias, key_mask=mask)  # [B, nh, HK, dg]

@@ -21,6 +21,7 @@ from torch import nn
 
 from drelay_model.drafter.model import DraftBlock
 from drelay_model.errors import DRelayError
+from drelay_model.losses import log_p_act
 from drelay_model.selectors.base import Selection, SelectionContext, Selector, SelectorCapabilities
 from drelay_model.selectors.drelay.causal import CausalSelector, Evidence, decide
 from drelay_model.selectors.drelay.config import DRelayConfig
@@ -40,8 +41,7 @@ class SelectorOutput:
 
     def log_p_act(self) -> torch.Tensor:
         """[B, H, K] log p_act: log σ(−g_i) for k = 0, log σ(g_i) + log r_ik for k > 0."""
-        log_r = self.rank[..., 1:].log_softmax(dim=-1)
-        return torch.cat([F.logsigmoid(-self.gate)[..., None], F.logsigmoid(self.gate)[..., None] + log_r], dim=-1)
+        return log_p_act(self.gate, self.rank)
 
     def decisions(self) -> torch.Tensor:
         """[B, H] int64 pool index chosen by the rule of Eq. 2 at every slot."""
@@ -64,6 +64,8 @@ class DRelaySelector(Selector):
 
     def __init__(self, config: DRelayConfig, *, embed_weight: torch.Tensor, num_slots: int, top_k: int, feature_dim: int):
         super().__init__()
+        if top_k < 2 or num_slots < 1:
+            raise DRelayError(f"selector 'drelay' needs a pool of at least 2 candidates and 1 slot (got K={top_k}, H={num_slots})")
         d, D = config.d_sel, embed_weight.shape[1]
         self.config = config
         self.num_slots, self.top_k = num_slots, top_k
