@@ -74,7 +74,7 @@ def contention(start: tuple[float, float], wall: float, cores: int) -> dict:
     """Share of the machine's CPU capacity used by *other* processes since `start`."""
     busy, own = (b - a for a, b in zip(start, cpu_snapshot()))
     return {"other_processes_cpu_pct": round(100 * max(busy - own, 0.0) / (wall * cores), 1),
-            "loadavg_1min_end": os.getloadavg()[0]}
+            "loadavg_1min_end": os.getloadavg()[0], "bench_wall_s": round(wall, 1)}
 
 
 def chat_prompts(target, n: int) -> list[list[int]]:
@@ -264,12 +264,12 @@ def main() -> int:
     machine = machine_info(torch.get_num_threads())
     print(f"torch {machine['torch']} | threads {machine['torch_threads']} | CPU {machine['cpu']} ({machine['cores']} cores)")
     params = {"target": args.target, "quick": args.quick, "n_prompts": args.n_prompts, "reps": args.reps,
-              "max_new_tokens": args.max_new_tokens, "batched": not args.no_batched, **machine}
+              "max_new_tokens": args.max_new_tokens, "batched": not args.no_batched}
     if args.no_mlflow:
         run_and_save(args, machine, params, None)
         return 0
     with tracked_run(EXPERIMENT, run_name="bench_engine" + ("-quick" if args.quick else ""),
-                     tags={"git_commit": git_commit(), "benchmark": "engine"}, params=params) as run:
+                     tags={"git_commit": git_commit(), "benchmark": "engine"}, params={**params, **machine}) as run:
         run_and_save(args, machine, params, run)
         print(f"MLflow run {run.run_id} in experiment '{EXPERIMENT}'")
     return 0
@@ -288,7 +288,7 @@ def run_and_save(args, machine: dict, params: dict, run) -> None:
     print(f"wrote {out}")
     if run is not None:
         run.log_metrics(flat_metrics(figures))
-        run.log_params({k: machine[k] for k in ("other_processes_cpu_pct", "loadavg_1min_end")})
+        run.log_params({k: machine[k] for k in ("other_processes_cpu_pct", "loadavg_1min_end", "bench_wall_s")})
         run.log_artifact(out)
 
 

@@ -117,15 +117,6 @@ def slot_weights(H: int, decay: float | None) -> torch.Tensor:
     return torch.ones(H) if decay is None else torch.exp(-i / decay)
 
 
-def support_loss_terms(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, target_to_draft: torch.Tensor | None) -> torch.Tensor:
-    """Dense CE −log q(y) per slot. logits [B, M, H, V], labels [B, M, H] target ids → [B, M, H]
-    (0 where invalid or where the label is outside the draft vocabulary)."""
-    y = labels if target_to_draft is None else target_to_draft[labels]
-    ok = valid & (y >= 0)
-    ce = F.cross_entropy(logits.flatten(0, 2), y.clamp(min=0).flatten(), reduction="none").view_as(labels)
-    return torch.where(ok, ce, torch.zeros_like(ce))
-
-
 def lr_at(step: int, *, base: float, warmup: int, total: int) -> float:
     """Linear warm-up, then cosine decay to 10% of the base rate."""
     if step < warmup:
@@ -133,70 +124,3 @@ def lr_at(step: int, *, base: float, warmup: int, total: int) -> float:
     progress = min((step - warmup) / max(total - warmup, 1), 1.0)
     return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
-
-@dataclass(frozen=True)
-class StepConfig:
-    """Per-step knobs (schedules are evaluated by the caller)."""
-
-    anchors_per_seq: int
-    native_fraction: float  # share of anchors traced by the scout
-    slot_decay: float | None = 7.0
-    support_loss: bool = True
-
-
-@dataclass
-class StepOutput:
-    loss: torch.Tensor  # scalar, differentiable
-    blocks: Blocks
-    hidden: torch.Tensor  # [B, M, H, D] slot states (for a selector)
-    logits: torch.Tensor  # [B, M, H, V]
-    metrics: dict[str, float]
-
-
-def drafter_step(
-    drafter: BlockDrafter,
-    input_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    features: torch.Tensor,
-    cfg: StepConfig,
-    generator: torch.Generator,
-    *,
-    scout_drafter: BlockDrafter | None = None,
-    label_ids: torch.Tensor | None = None,
-) -> StepOutput:
-    """Support loss of one batch: Σ m · w_slot · (−log q(y)) / Σ m over valid (block, slot) pairs.
-
-    input_ids, loss_mask [B, N]; features [B, N, L*D] target features of every position.
-    `scout_drafter` is the unwrapped module (no DDP) used for the no-grad scout. `label_ids` [B, N]
-    is the token each position should hold (default: input_ids, i.e. the target's own greedy
-    response; the reference-answer fallback passes the target's teacher-forced argmax).
-    """
-    label_ids = input_ids if label_ids is None else label_ids
-    B, N = input_ids.shape
-    core = scout_drafter if scout_drafter is not None else drafter
-    H = core.config.num_slots
-    positions = torch.arange(N)[None].expand(B, N)
-    n_native = int(round(cfg.anchors_per_seq * cfg.native_fraction))
-    uni, uni_ok = sample_uniform_anchors(eligible_anchors(loss_mask), cfg.anchors_per_seq - n_native, generator)
-    if n_native:
-        with torch.no_grad():
-            scout_ctx = core.context_kv(features, positions)
-        nat, nat_ok = scout_anchors(core, scout_ctx, input_ids, label_ids, loss_mask, n_native, generator)
-        anchors, ok = torch.cat([uni, nat], 1), torch.cat([uni_ok, nat_ok], 1)
-    else:
-        anchors, ok = uni, uni_ok
-    blocks = make_blocks(label_ids, loss_mask, anchors, ok, H)
-    hidden = drafter(anchor_ids=torch.gather(input_ids, 1, anchors), anchor_pos=anchors, features=features)
-    hidden = hidden[:, :, 1:]  # [B, M, H, D]
-    logits = core.logits(hidden)  # [B, M, H, V]
-    ce = support_loss_terms(logits, blocks.labels, blocks.valid, core.target_to_draft)
-    m = blocks.valid.float()
-    denom = m.sum().clamp(min=1.0)
-    w_slot = slot_weights(H, cfg.slot_decay).to(ce.dtype)
-    support = (ce * w_slot * m).sum() / denom
-    with torch.no_grad():
-        top1 = (core.to_target_ids(logits.argmax(-1)) == blocks.labels) & blocks.valid
-        acc1 = (top1[:, :, 0].sum() / blocks.valid[:, :, 0].sum().clamp(min=1)).item()
-    metrics = {"loss/support": support.item(), "acc/slot1": acc1, "valid_tokens": denom.item(), "anchors": float(ok.sum())}
-    loss = support if cfg.support_loss else support * 0.0
-    return StepOutput(loss=loss, blocks=blocks, hidden=hidden, logits=logits, metrics=metrics)

@@ -6,16 +6,9 @@ import pytest
 import torch
 
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine, replay
-from drelay_model.training import (
-    StepConfig,
-    drafter_step,
-    eligible_anchors,
-    lr_at,
-    make_blocks,
-    sample_uniform_anchors,
-    scout_anchors,
-    support_loss_terms,
-)
+from drelay_model.joint import DraftTrainModule, StepConfig, history_windows, training_step
+from drelay_model.selectors import default_registry
+from drelay_model.training import eligible_anchors, lr_at, make_blocks, sample_uniform_anchors, scout_anchors
 
 
 def test_block_labels_stop_at_the_first_non_response_position():
@@ -81,37 +74,57 @@ def test_scout_traces_the_boundaries_of_native_greedy_decoding(target, make_draf
         assert anchors[b][ok[b]].tolist() == expect
 
 
-def test_support_loss_ignores_labels_outside_the_draft_vocabulary():
-    logits = torch.randn(1, 1, 3, 5)
-    labels = torch.tensor([[[4, 7, 2]]])
-    t2d = torch.full((10,), -1)
-    t2d[torch.tensor([2, 4, 9, 1, 0])] = torch.arange(5)
-    terms = support_loss_terms(logits, labels, torch.ones(1, 1, 3, dtype=torch.bool), t2d)
-    assert terms[0, 0, 1] == 0
-    ref = torch.nn.functional.cross_entropy(logits[0, 0, [0, 2]], torch.tensor([1, 0]), reduction="none")
-    torch.testing.assert_close(terms[0, 0, [0, 2]], ref)
-
-
 def test_lr_schedule_warms_up_then_decays():
     lrs = [lr_at(s, base=1.0, warmup=10, total=100) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert lrs[99] == pytest.approx(0.1, abs=0.01) and all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
 
 
-@pytest.mark.slow
-def test_a_short_training_run_raises_replay_tau(target, make_drafter):
-    drafter = make_drafter(target, num_layers=2).train()
-    prompts, outs, ids, mask = _data(target, n=48)
-    feats = target(ids, target.new_cache(48, ids.shape[1]), feature_layers=drafter.config.target_layer_ids).features
-    before = replay(target, drafter.eval(), prompts[:6], outs[:6]).tau
-    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+def _train(module, ids, mask, feats, steps, cfg, lr=3e-3):
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=lr)
     gen = torch.Generator().manual_seed(0)
-    drafter.train()
-    for _ in range(120):
-        i = torch.randint(0, 48, (8,), generator=gen)
-        out = drafter_step(drafter, ids[i], mask[i], feats[i], StepConfig(anchors_per_seq=16, native_fraction=0.3), gen)
+    module.train()
+    for _ in range(steps):
+        i = torch.randint(0, ids.shape[0], (8,), generator=gen)
+        out = training_step(module, module, ids[i], mask[i], feats[i], cfg, gen)
         opt.zero_grad()
         out.loss.backward()
         opt.step()
+    return out
+
+
+@pytest.mark.slow
+def test_a_short_training_run_raises_replay_tau(target, make_drafter):
+    drafter = make_drafter(target, num_layers=2)
+    prompts, outs, ids, mask = _data(target, n=48)
+    feats = target(ids, target.new_cache(48, ids.shape[1]), feature_layers=drafter.config.target_layer_ids).features
+    before = replay(target, drafter.eval(), prompts[:6], outs[:6]).tau
+    _train(DraftTrainModule(drafter), ids, mask, feats, 120, StepConfig(anchors_per_seq=16, native_fraction=0.3))
     after = replay(target, drafter.eval(), prompts[:6], outs[:6]).tau
     assert after > before + 0.2, (before, after)
+
+
+def test_joint_step_trains_drafter_and_selector_and_stays_lossless(target, make_drafter):
+    drafter = make_drafter(target, num_layers=1, top_k=8)
+    selector = default_registry().create("drelay", drafter=drafter, config={"d_sel": 32, "read_dim": 32, "compact_dim": 16, "history_len": 8})
+    module = DraftTrainModule(drafter, selector)
+    prompts, outs, ids, mask = _data(target, n=16, new=24)
+    feats = target(ids, target.new_cache(16, ids.shape[1]), feature_layers=drafter.config.target_layer_ids).features
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    out = _train(module, ids, mask, feats, 3, StepConfig(anchors_per_seq=6, native_fraction=0.5, alpha=1.0, beta=1.0))
+    assert {"loss/support", "loss/selector", "pool/coverage"} <= out.metrics.keys()
+    changed = {k for k, v in module.state_dict().items() if not torch.equal(v, before[k])}
+    assert any(k.startswith("drafter.layers") for k in changed) and any(k.startswith("selector.") for k in changed)
+    assert "drafter.embed_weight" not in module.state_dict()  # frozen target weights are buffers, never trained
+    from drelay_model.decoding import SpeculativeEngine as Engine
+
+    spec = Engine(target, drafter.eval(), selector.eval()).generate(prompts[:3], GenerationConfig(max_new_tokens=24))
+    assert spec.tokens == outs[:3]
+
+
+def test_history_windows_match_the_engine_layout():
+    feats = torch.arange(2 * 10 * 1, dtype=torch.float32).view(2, 10, 1)
+    win, mask = history_windows(feats, torch.tensor([[3, 9], [0, 5]]), 4)
+    assert win[0, :, 0].tolist() == [0, 0, 1, 2] and mask[0].tolist() == [False, True, True, True]
+    assert win[1, :, 0].tolist() == [5, 6, 7, 8] and mask[1].all()
+    assert mask[2].tolist() == [False] * 4 and win[3, :, 0].tolist() == [11, 12, 13, 14]
