@@ -35,7 +35,7 @@ def _abs(path: str) -> Path:
 def check_inputs(cfg: RunConfig) -> None:
     """Fail fast, before any cluster starts, on what the user can get wrong."""
     data = _abs(cfg.data.regenerated)
-    if not data.is_file():
+    if not cfg.data.fallback_reference_answers and not data.is_file():
         raise DRelayError(f"data.regenerated: file '{data}' not found (run `drelay data regenerate` first)")
     for field, path in (("output_dir", cfg.output_dir), ("ray.storage_path", cfg.ray.storage_path)):
         folder = _abs(path)

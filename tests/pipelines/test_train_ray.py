@@ -1,4 +1,5 @@
-"""Ray Train end to end on a tiny target: DDP on 2 workers, a worker killed mid-run, resume, MLflow.
+"""Ray Train end to end on a tiny target: drafter + DRelay selector jointly, DDP on 2 workers, a worker
+killed mid-run, resume, MLflow.
 
 Slow (Ray start-up dominates): ~2–3 minutes on 2 cores.
 """
@@ -45,7 +46,8 @@ def _config(tmp_path, data, **over):
         "train.max_steps": 16, "train.checkpoint_every": 4, "train.validate_every": 8, "train.seqs_per_step": 4,
         "train.anchors_per_seq": 8, "train.validation_prompts": 2, "train.warmup_steps": 2,
         "ray.num_workers": 2, "ray.storage_path": str(tmp_path / "ray"), "ray.run_name": "tiny",
-        "output_dir": str(tmp_path / "out"), "drafter.num_layers": 1,
+        "output_dir": str(tmp_path / "out"), "drafter.num_layers": 1, "drafter.top_k": 8,
+        "selector.name": "drelay", "selector.config": "{d_sel: 32, read_dim: 32, compact_dim: 16, history_len: 8}",
     }
     base.update(over)
     return load_config(None, [f"{k}={v}" for k, v in base.items()])
@@ -68,7 +70,13 @@ def test_killed_worker_resumes_from_checkpoint_and_history_is_whole(tmp_path, ti
     assert run.info.status == "FINISHED"
     history = client.get_metric_history(result.mlflow_run_id, "loss/support")
     assert {m.step for m in history} == set(range(1, 17))  # every step logged, before and after the kill
-    assert "val/tau_native" in run.data.metrics and "val/tau_oracle" in run.data.metrics
+    assert {"val/tau_native", "val/tau_oracle", "val/tau_selector", "loss/selector"} <= run.data.metrics.keys()
+    # The exported checkpoint carries the trained selector, loadable by name.
+    from drelay_model.selectors import default_registry
+
+    _, extra, meta = load_drafter(result.checkpoint, tiny_target("tiny-llama"))
+    selector = default_registry().from_checkpoint("drelay", drafter=drafter, tensors=extra, meta=meta)
+    assert selector.capabilities.history_len == 8
 
     # Same run name and storage: a longer schedule continues from step 16 instead of restarting.
     longer = _config(tmp_path, tiny_data, **{"train.max_steps": 20})

@@ -1,0 +1,65 @@
+"""Build the trainable module (drafter + optional selector) and save/restore training checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from drelay_model.drafter import BlockDrafter, DrafterConfig, build_draft_vocab, load_drafter, save_drafter
+from drelay_model.joint import DraftTrainModule
+from drelay_model.selectors import default_registry
+from pipelines.config import RunConfig
+from pipelines.train.data import label_counts
+
+TRAINER_STATE = "trainer_state.pt"
+
+
+def build_module(cfg: RunConfig, target, train_seqs) -> DraftTrainModule:
+    """Drafter (fresh, or from `drafter.init_checkpoint`) and the configured selector, seeded so that
+    every worker starts from identical weights."""
+    d = cfg.drafter
+    torch.manual_seed(cfg.train.seed)
+    if d.init_checkpoint:
+        drafter = load_drafter(d.init_checkpoint, target)[0].train()
+    else:
+        overrides = dict(num_layers=d.num_layers, block_size=d.block_size, top_k=d.top_k, draft_vocab_size=d.draft_vocab_size)
+        if d.target_layer_ids is not None:
+            overrides["target_layer_ids"] = tuple(d.target_layer_ids)
+        if d.intermediate_size is not None:
+            overrides["intermediate_size"] = d.intermediate_size
+        mapping = None
+        if d.draft_vocab_size is not None:
+            counts = label_counts(train_seqs, target.vocab_size)
+            mapping = build_draft_vocab(counts, d.draft_vocab_size, always=target.eos_token_ids)
+        drafter = BlockDrafter(DrafterConfig.for_target(target, **overrides), target, draft_to_target=mapping)
+    selector = None
+    if cfg.selector.name != "none":
+        selector = default_registry().create(cfg.selector.name, drafter=drafter, config=cfg.selector.config or None)
+    return DraftTrainModule(drafter, selector)
+
+
+def selector_meta(module: DraftTrainModule, cfg: RunConfig) -> dict | None:
+    if module.selector is None:
+        return None
+    return {"name": cfg.selector.name, "config": getattr(module.selector, "config").to_dict()}
+
+
+def save_training_checkpoint(path: Path, module: DraftTrainModule, optimizer, step: int, cfg: RunConfig) -> None:
+    """drafter/ (a drafter checkpoint that also holds the selector as selector.*), optimizer, step."""
+    extra = {f"selector.{k}": v for k, v in module.selector.state_dict().items()} if module.selector is not None else None
+    meta = {"step": step, "run_name": cfg.ray.run_name, "selector": selector_meta(module, cfg)}
+    save_drafter(module.drafter, path / "drafter", extra_tensors=extra, meta=meta)
+    torch.save({"optimizer": optimizer.state_dict(), "step": step}, path / TRAINER_STATE)
+    (path / "run_config.json").write_text(cfg.model_dump_json(indent=2))
+
+
+def restore_training_checkpoint(path: Path, module: DraftTrainModule, optimizer, target) -> int:
+    """Load weights and optimizer state in place; returns the step to continue from."""
+    drafter, extra, _ = load_drafter(path / "drafter", target)
+    module.drafter.load_state_dict(drafter.state_dict())
+    if module.selector is not None:
+        module.selector.load_state_dict({k.removeprefix("selector."): v for k, v in extra.items() if k.startswith("selector.")})
+    state = torch.load(path / TRAINER_STATE, weights_only=True)
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["step"])
