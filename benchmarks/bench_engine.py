@@ -12,8 +12,11 @@ side: the two contenders alternate within each repetition and we report medians 
      `native` selector; ms per step for draft / select / verify / other and
      overhead% = (select + other) / step time.
 
-Run:  .venv/bin/python benchmarks/bench_engine.py            # full run (~15-20 min on 2 cores)
-      .venv/bin/python benchmarks/bench_engine.py --quick    # smoke run (2 prompts, 32 tokens)
+Run:  .venv/bin/python benchmarks/bench_engine.py               # full run, torch threads = cores
+      .venv/bin/python benchmarks/bench_engine.py --threads 1   # ~13 min here; see docs/benchmarks.md
+      .venv/bin/python benchmarks/bench_engine.py --quick       # smoke run (2 prompts, 32 tokens)
+With 2 threads on 2 cores, any other busy process stalls every OpenMP parallel region (5-20x slower
+ops), so on a shared machine compare runs with the same --threads and check `other_processes_cpu_pct`.
 Figures go to --out (JSON) and to MLflow (experiment `drelay-benchmarks`, via pipelines.tracking:
 $MLFLOW_TRACKING_URI, else sqlite:///<repo>/outputs/mlflow.db; the run is always ended, FAILED on
 error, and tagged with the git commit) unless --no-mlflow.
@@ -37,6 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pipelines.tracking import git_commit, tracked_run  # noqa: E402
+
 EXPERIMENT = "drelay-benchmarks"
 median = statistics.median
 
