@@ -42,7 +42,7 @@ class SelectorSection(_Strict):
 
 
 class DataSection(_Strict):
-    regenerated: str = "data/regenerated/smollm2-135m.jsonl"
+    regenerated: str = "data/regenerated/smollm2-135m*.jsonl"  # a file or a glob (parallel shards)
     fallback_reference_answers: bool = False  # teacher-forced argmax over reference answers (weaker)
     sources: tuple[str, ...] = ("gsm8k_train", "alpaca5k", "mbpp_train", "fastchat")
     max_seq_len: int = Field(768, ge=32, le=32768)

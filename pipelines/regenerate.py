@@ -117,8 +117,11 @@ def regenerate(
     max_new_tokens: int = 256,
     max_prompt_tokens: int = 1024,
     progress: bool = True,
+    done_elsewhere: set[str] = frozenset(),
 ) -> RegenerationSummary:
-    """Greedy-regenerate the assistant turns of `conversations` into `out_path` (resumable)."""
+    """Greedy-regenerate the assistant turns of `conversations` into `out_path` (resumable).
+
+    `done_elsewhere`: conversation ids already regenerated in sibling files (parallel shards)."""
     import time
 
     if target.tokenizer is None:
@@ -132,7 +135,7 @@ def regenerate(
         out_path.touch()
     except OSError as exc:
         raise DRelayError(f"cannot write regenerated data to '{out_path}': {exc.strerror}") from exc
-    todo = _schedule([c for c in conversations if c.conv_id not in done], window=16 * batch_size)
+    todo = _schedule([c for c in conversations if c.conv_id not in done | done_elsewhere], window=16 * batch_size)
     engine = SpeculativeEngine(target)
     config = GenerationConfig(max_new_tokens=max_new_tokens)
     skipped = tokens = 0

@@ -46,11 +46,39 @@ def _from_regenerated(record: dict, tokenizer) -> list[TrainSequence]:
     return out
 
 
-def read_sequences(path: str | Path, tokenizer=None, *, max_seq_len: int) -> list[TrainSequence]:
-    """All sequences of a regenerated or tokenized JSONL file, cut to max_seq_len tokens."""
-    path = Path(path)
+def data_files(pattern: str | Path) -> list[Path]:
+    """One file, or every file matching a glob (e.g. the shards of a parallel regeneration)."""
+    text = str(pattern)
+    if any(ch in text for ch in "*?["):
+        parent = Path(text).parent
+        files = sorted(parent.glob(Path(text).name))
+        if not files:
+            raise DRelayError(f"no training data file matches '{text}' (run `drelay data regenerate` first)")
+        return files
+    path = Path(text)
     if not path.is_file():
         raise DRelayError(f"training data file '{path}' not found (run `drelay data regenerate` first)")
+    return [path]
+
+
+def read_sequences(path: str | Path, tokenizer=None, *, max_seq_len: int) -> list[TrainSequence]:
+    """All sequences of regenerated or tokenized JSONL file(s) (a path or a glob), cut to
+    max_seq_len tokens; a conversation present in several files counts once."""
+    seqs: list[TrainSequence] = []
+    seen: set[str] = set()
+    for file in data_files(path):
+        for seq in _read_file(file, tokenizer):
+            if seq.seq_id not in seen:
+                seen.add(seq.seq_id)
+                seqs.append(seq)
+    seqs = [TrainSequence(s.seq_id, s.input_ids[:max_seq_len], s.response_start) for s in seqs]
+    seqs = [s for s in seqs if len(s.input_ids) - s.response_start >= 2]  # room for one anchor
+    if not seqs:
+        raise DRelayError(f"training data '{path}' holds no usable sequences")
+    return seqs
+
+
+def _read_file(path: Path, tokenizer) -> list[TrainSequence]:
     seqs: list[TrainSequence] = []
     with path.open(encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -70,10 +98,6 @@ def read_sequences(path: str | Path, tokenizer=None, *, max_seq_len: int) -> lis
                 seqs.extend(_from_regenerated(rec, tokenizer))
             else:
                 raise DRelayError(f"{path}:{n}: expected 'input_ids' or 'turn_token_ids'")
-    seqs = [TrainSequence(s.seq_id, s.input_ids[:max_seq_len], s.response_start) for s in seqs]
-    seqs = [s for s in seqs if len(s.input_ids) - s.response_start >= 2]  # room for one anchor
-    if not seqs:
-        raise DRelayError(f"training data file '{path}' holds no usable sequences")
     return seqs
 
 

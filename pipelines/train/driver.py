@@ -17,6 +17,7 @@ from pathlib import Path
 from drelay_model.atomic import atomic_directory
 from drelay_model.errors import DRelayError
 from pipelines.config import RunConfig
+from pipelines.train.data import data_files
 from pipelines.tracking import REPO_ROOT, fail_stale_runs, get_client, git_commit, hardware_description, tracked_run
 
 
@@ -34,9 +35,11 @@ def _abs(path: str) -> Path:
 
 def check_inputs(cfg: RunConfig) -> None:
     """Fail fast, before any cluster starts, on what the user can get wrong."""
-    data = _abs(cfg.data.regenerated)
-    if not cfg.data.fallback_reference_answers and not data.is_file():
-        raise DRelayError(f"data.regenerated: file '{data}' not found (run `drelay data regenerate` first)")
+    if not cfg.data.fallback_reference_answers:
+        try:
+            data_files(_abs(cfg.data.regenerated))
+        except DRelayError as exc:
+            raise DRelayError(f"data.regenerated: {exc}") from exc
     for field, path in (("output_dir", cfg.output_dir), ("ray.storage_path", cfg.ray.storage_path)):
         folder = _abs(path)
         try:

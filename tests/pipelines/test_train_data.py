@@ -88,3 +88,11 @@ def test_disk_feature_cache_matches_fresh_features_and_is_reused(tmp_path):
         assert second[b, n:].abs().sum() == 0
     torch.testing.assert_close(first, second[:2, : first.shape[1]])
     assert len(list((tmp_path / "cache").rglob("*.pt"))) == 4
+
+
+def test_a_glob_reads_every_shard_once(tmp_path):
+    _write(tmp_path / "t.jsonl", [{"seq_id": "a", "input_ids": [1, 2, 3], "response_start": 1}])
+    _write(tmp_path / "t.shard-0-of-2.jsonl", [{"seq_id": "b", "input_ids": [1, 2, 3], "response_start": 1}, {"seq_id": "a", "input_ids": [1, 2, 3], "response_start": 1}])
+    assert sorted(s.seq_id for s in read_sequences(tmp_path / "t*.jsonl", max_seq_len=8)) == ["a", "b"]
+    with pytest.raises(DRelayError, match="no training data file matches"):
+        read_sequences(tmp_path / "u*.jsonl", max_seq_len=8)
