@@ -13,7 +13,7 @@ side: the two contenders alternate within each repetition and we report medians 
      overhead% = (select + other) / step time.
 
 Run:  .venv/bin/python benchmarks/bench_engine.py               # full run, torch threads = cores
-      .venv/bin/python benchmarks/bench_engine.py --threads 1   # ~13 min here; see docs/benchmarks.md
+      .venv/bin/python benchmarks/bench_engine.py --threads 1   # ~11-13 min here; see docs/benchmarks.md
       .venv/bin/python benchmarks/bench_engine.py --quick       # smoke run (2 prompts, 32 tokens)
 With 2 threads on 2 cores, any other busy process stalls every OpenMP parallel region (5-20x slower
 ops), so on a shared machine compare runs with the same --threads and check `other_processes_cpu_pct`.
