@@ -269,14 +269,6 @@ def test_fresh_selector_trains_its_zero_initialised_heads_first():
 
 
 # ---- through the engine -------------------------------------------------------------------------
-def hf_greedy(target, prompt: list[int], max_new: int) -> list[int]:
-    out = target.hf.generate(
-        torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, pad_token_id=0,
-        eos_token_id=list(target.eos_token_ids) or None,
-    )[0, len(prompt):].tolist()
-    eos = set(target.eos_token_ids)
-    return next((out[: i + 1] for i, t in enumerate(out) if t in eos), out)
-
 
 class Recording(DRelaySelector):
     """Test-only: records every decision by (request, anchor position)."""
@@ -303,7 +295,7 @@ def engine_selector(drafter, *, perturbed: bool) -> Recording:
 
 
 @pytest.mark.parametrize("perturbed", [False, True], ids=["fresh", "perturbed"])
-def test_greedy_decoding_with_drelay_is_lossless(target, make_drafter, prompts_of, perturbed):
+def test_greedy_decoding_with_drelay_is_lossless(hf_greedy, target, make_drafter, prompts_of, perturbed):
     prompts = prompts_of(target.vocab_size, (5, 9, 3, 12))
     drafter = make_drafter(target)
     selector = engine_selector(drafter, perturbed=perturbed)

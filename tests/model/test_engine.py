@@ -15,22 +15,10 @@ from drelay_model.target import tiny_target
 MAX_NEW = 40
 
 
-def hf_greedy(target, prompt: list[int], max_new: int) -> list[int]:
-    """The target's own greedy continuation from Hugging Face generate() (EOS included if hit)."""
-    out = target.hf.generate(
-        torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, pad_token_id=0,
-        eos_token_id=list(target.eos_token_ids) or None,
-    )[0, len(prompt):].tolist()
-    eos = set(target.eos_token_ids)
-    for i, t in enumerate(out):
-        if t in eos:
-            return out[: i + 1]
-    return out
-
 
 @pytest.mark.parametrize("lengths", [(7,), (5, 9, 3, 12)], ids=["batch1", "batch4"])
 @pytest.mark.parametrize("method", ["ar", *default_registry().names()])
-def test_greedy_output_equals_huggingface_generate(target, make_drafter, prompts_of, method, lengths):
+def test_greedy_output_equals_huggingface_generate(hf_greedy, target, make_drafter, prompts_of, method, lengths):
     prompts = prompts_of(target.vocab_size, lengths)
     if method == "ar":
         engine = SpeculativeEngine(target)
@@ -43,7 +31,7 @@ def test_greedy_output_equals_huggingface_generate(target, make_drafter, prompts
 
 
 @pytest.mark.parametrize("error_rate", [0.0, 0.1, 0.4])
-def test_lossless_when_drafts_are_mostly_right(target, make_drafter, prompts_of, scripted_selector, error_rate):
+def test_lossless_when_drafts_are_mostly_right(hf_greedy, target, make_drafter, prompts_of, scripted_selector, error_rate):
     """Paths that match the target for varying lengths exercise every accepted length."""
     prompts = prompts_of(target.vocab_size, (5, 9, 3, 12))
     reference = [p + hf_greedy(target, p, MAX_NEW) for p in prompts]
@@ -59,7 +47,7 @@ def test_lossless_when_drafts_are_mostly_right(target, make_drafter, prompts_of,
         assert 1.0 < stats.tau < 16.0
 
 
-def test_stops_at_eos_and_budget(make_drafter, prompts_of, scripted_selector):
+def test_stops_at_eos_and_budget(hf_greedy, make_drafter, prompts_of, scripted_selector):
     # Pick an EOS id that the tiny target is sure to emit early: its own 3rd greedy token.
     base = tiny_target("tiny-llama")
     prompts = prompts_of(base.vocab_size, (6, 8))
@@ -74,7 +62,7 @@ def test_stops_at_eos_and_budget(make_drafter, prompts_of, scripted_selector):
         assert len(result.tokens[b]) <= 30
 
 
-def test_ar_and_speculative_agree_at_the_budget_edge(target, make_drafter, prompts_of, scripted_selector):
+def test_ar_and_speculative_agree_at_the_budget_edge(hf_greedy, target, make_drafter, prompts_of, scripted_selector):
     prompts = prompts_of(target.vocab_size, (4, 4, 4))
     for max_new in (1, 2, 16, 17):
         reference = [p + hf_greedy(target, p, max_new) for p in prompts]
