@@ -80,24 +80,27 @@ def read_sequences(path: str | Path, tokenizer=None, *, max_seq_len: int) -> lis
 
 def _read_file(path: Path, tokenizer) -> list[TrainSequence]:
     seqs: list[TrainSequence] = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DRelayError(f"{path}:{n}: not valid JSON ({exc.msg})") from exc
-            if rec.get("skipped"):
-                continue
-            if "input_ids" in rec:
-                seqs.append(TrainSequence(str(rec.get("seq_id", n)), tuple(rec["input_ids"]), int(rec["response_start"])))
-            elif "turn_token_ids" in rec:
-                if tokenizer is None:
-                    raise DRelayError(f"{path}: regenerated conversations need a target with a tokenizer")
-                seqs.extend(_from_regenerated(rec, tokenizer))
-            else:
-                raise DRelayError(f"{path}:{n}: expected 'input_ids' or 'turn_token_ids'")
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if n == len(lines) and not text.endswith("\n"):
+                break  # a torn last line: a regeneration still writing (or killed mid-write)
+            raise DRelayError(f"{path}:{n}: not valid JSON ({exc.msg})") from exc
+        if rec.get("skipped"):
+            continue
+        if "input_ids" in rec:
+            seqs.append(TrainSequence(str(rec.get("seq_id", n)), tuple(rec["input_ids"]), int(rec["response_start"])))
+        elif "turn_token_ids" in rec:
+            if tokenizer is None:
+                raise DRelayError(f"{path}: regenerated conversations need a target with a tokenizer")
+            seqs.extend(_from_regenerated(rec, tokenizer))
+        else:
+            raise DRelayError(f"{path}:{n}: expected 'input_ids' or 'turn_token_ids'")
     return seqs
 
 

@@ -96,3 +96,12 @@ def test_a_glob_reads_every_shard_once(tmp_path):
     assert sorted(s.seq_id for s in read_sequences(tmp_path / "t*.jsonl", max_seq_len=8)) == ["a", "b"]
     with pytest.raises(DRelayError, match="no training data file matches"):
         read_sequences(tmp_path / "u*.jsonl", max_seq_len=8)
+
+
+def test_a_torn_last_line_is_ignored_but_a_bad_middle_line_is_an_error(tmp_path):
+    good = json.dumps({"seq_id": "a", "input_ids": [1, 2, 3], "response_start": 1})
+    (tmp_path / "torn.jsonl").write_text(good + "\n" + '{"seq_id": "b", "input_ids": [1,')
+    assert [s.seq_id for s in read_sequences(tmp_path / "torn.jsonl", max_seq_len=8)] == ["a"]
+    (tmp_path / "bad.jsonl").write_text('{"seq_id": "b", "input_ids": [1,\n' + good + "\n")
+    with pytest.raises(DRelayError, match="bad.jsonl:1: not valid JSON"):
+        read_sequences(tmp_path / "bad.jsonl", max_seq_len=8)
