@@ -90,7 +90,7 @@ def test_bad_inputs_fail_before_ray_starts(tmp_path, tiny_data):
     from drelay_model.errors import DRelayError
     from pipelines.train.driver import check_inputs
 
-    with pytest.raises(DRelayError, match="data.regenerated: file"):
+    with pytest.raises(DRelayError, match="data.regenerated: training data file .* not found"):
         check_inputs(_config(tmp_path, tmp_path / "missing.jsonl"))
     blocker = tmp_path / "file"
     blocker.write_text("x")
