@@ -7,7 +7,7 @@ from pathlib import Path
 
 from drelay_model.errors import DRelayError
 from pipelines.corpora import DEFAULT_TRAIN_SOURCES, load_sharegpt, load_training_corpus
-from pipelines.regenerate import regenerate
+from pipelines.regenerate import record_key, regenerate
 from pipelines.resolve import REPO_ROOT, load_target_spec
 
 
@@ -64,14 +64,14 @@ def _parse_shard(text: str) -> tuple[int, int]:
 
 
 def read_done_ids(path: Path) -> set[str]:
-    """Conversation ids in a regenerated file (read-only: a torn last line is ignored, not cut)."""
+    """Keys (`record_key`) in a regenerated file (read-only: a torn last line is ignored, not cut)."""
     import json
 
     ids = set()
     with path.open(encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
-                ids.add(json.loads(line)["conv_id"])
+                ids.add(record_key(json.loads(line)))
             except (json.JSONDecodeError, KeyError):
                 break
     return ids

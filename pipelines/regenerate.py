@@ -36,15 +36,21 @@ class RegenerationSummary:
     seconds: float
 
 
+def record_key(record: dict) -> str:
+    """A conversation's identity across sources: ids repeat between corpora (gsm8k "14", alpaca "14")."""
+    return f"{record.get('source', '')}/{record['conv_id']}"
+
+
 def read_done(path: Path) -> set[str]:
-    """Conversation ids already regenerated in `path`; truncates a torn last line in place."""
+    """Keys (`record_key`) of conversations already regenerated in `path`; truncates a torn last
+    line in place."""
     if not path.exists():
         return set()
     done, good_bytes = set(), 0
     with path.open("rb") as f:
         for line in f:
             try:
-                done.add(json.loads(line)["conv_id"])
+                done.add(record_key(json.loads(line)))
             except (json.JSONDecodeError, KeyError, UnicodeDecodeError):
                 break  # a torn write from an interrupted run: everything after it is dropped
             good_bytes += len(line)
@@ -135,7 +141,8 @@ def regenerate(
         out_path.touch()
     except OSError as exc:
         raise DRelayError(f"cannot write regenerated data to '{out_path}': {exc.strerror}") from exc
-    todo = _schedule([c for c in conversations if c.conv_id not in done | done_elsewhere], window=16 * batch_size)
+    finished = done | done_elsewhere
+    todo = _schedule([c for c in conversations if f"{c.source}/{c.conv_id}" not in finished], window=16 * batch_size)
     engine = SpeculativeEngine(target)
     config = GenerationConfig(max_new_tokens=max_new_tokens)
     skipped = tokens = 0

@@ -41,7 +41,8 @@ def _from_regenerated(record: dict, tokenizer) -> list[TrainSequence]:
         if message["role"] == "assistant":
             ids = next(turns)
             prompt = _render(tokenizer, history, True)
-            out.append(TrainSequence(f"{record['conv_id']}#{len(out)}", tuple(prompt + ids), len(prompt)))
+            key = f"{record.get('source', '')}/{record['conv_id']}"  # ids repeat across sources
+            out.append(TrainSequence(f"{key}#{len(out)}", tuple(prompt + ids), len(prompt)))
         history.append(message)
     return out
 
@@ -115,7 +116,7 @@ def reference_sequences(conversations, tokenizer, *, max_seq_len: int) -> list[T
         prompt = _render(tokenizer, msgs[:first], True)
         full = _render(tokenizer, msgs[: first + 1], False)
         if len(full) - len(prompt) >= 2:
-            seqs.append(TrainSequence(c.conv_id, tuple(full[:max_seq_len]), len(prompt)))
+            seqs.append(TrainSequence(f"{c.source}/{c.conv_id}", tuple(full[:max_seq_len]), len(prompt)))
     return seqs
 
 

@@ -1,0 +1,61 @@
+"""`drelay data regenerate`: the target's own greedy answers, exact ids, resume, torn lines, shards."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from drelay_model.decoding import GenerationConfig, SpeculativeEngine
+from drelay_model.errors import DRelayError
+from drelay_model.target import load_target, tiny_target
+from pipelines.corpora import Conversation
+from pipelines.regenerate import read_done, regenerate
+
+
+def _conv(source, conv_id, *users):
+    msgs = []
+    for u in users:
+        msgs += [{"role": "user", "content": u}, {"role": "assistant", "content": "reference answer"}]
+    return Conversation(source=source, conv_id=conv_id, messages=tuple(msgs))
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_target("smollm2-135m")
+
+
+def test_regenerated_turns_are_the_targets_greedy_tokens(tmp_path, smol):
+    convs = [_conv("a", "1", "What is 2+2?"), _conv("b", "1", "Name a colour.", "And another one?")]
+    out = tmp_path / "r.jsonl"
+    summary = regenerate(smol, convs, out, batch_size=2, max_new_tokens=6, progress=False)
+    assert summary.generated == 2 and summary.done_before == 0
+    records = {(r["source"], r["conv_id"]): r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(records) == {("a", "1"), ("b", "1")}  # same id in two sources: both kept
+    rec = records[("b", "1")]
+    assert len(rec["turn_token_ids"]) == 2 and [m["role"] for m in rec["messages"]] == ["user", "assistant"] * 2
+    # Turn 2 is conditioned on the regenerated turn 1, and its ids are exactly the target's greedy ones.
+    prompt = smol.tokenizer.apply_chat_template(rec["messages"][:3], add_generation_prompt=True, tokenize=True)["input_ids"]
+    greedy = SpeculativeEngine(smol).generate([list(prompt)], GenerationConfig(max_new_tokens=6)).tokens[0]
+    assert rec["turn_token_ids"][1] == greedy
+
+
+def test_resume_skips_done_work_and_drops_a_torn_line(tmp_path, smol):
+    convs = [_conv("a", str(i), f"Say the number {i}.") for i in range(3)]
+    out = tmp_path / "r.jsonl"
+    regenerate(smol, convs[:2], out, batch_size=2, max_new_tokens=3, progress=False)
+    with out.open("a") as f:
+        f.write('{"conv_id": "2", "source": "a", "messa')  # a killed writer
+    assert read_done(out) == {"a/0", "a/1"} and out.read_text().endswith("\n")
+    summary = regenerate(smol, convs, out, batch_size=2, max_new_tokens=3, progress=False)
+    assert (summary.done_before, summary.generated) == (2, 1)
+    assert sorted(json.loads(line)["conv_id"] for line in out.read_text().splitlines()) == ["0", "1", "2"]
+
+
+def test_targets_without_a_tokenizer_and_unwritable_paths_are_clear_errors(tmp_path, smol):
+    with pytest.raises(DRelayError, match="has no tokenizer"):
+        regenerate(tiny_target("tiny-llama"), [_conv("a", "1", "hi")], tmp_path / "r.jsonl", progress=False)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(DRelayError, match="cannot write regenerated data"):
+        regenerate(smol, [_conv("a", "1", "hi")], blocker / "r.jsonl", progress=False)
