@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import statistics
 from pathlib import Path
 
@@ -44,21 +43,6 @@ def data_dir(tmp_path) -> Path:
         (d / rel).parent.mkdir(parents=True)
         (d / rel).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return d
-
-
-@pytest.fixture(scope="module")
-def empty_db(tmp_path_factory) -> Path:
-    db = tmp_path_factory.mktemp("template") / "mlflow.db"
-    get_client(f"sqlite:///{db}").search_experiments()
-    return db
-
-
-@pytest.fixture
-def uri(empty_db, tmp_path, monkeypatch) -> str:
-    shutil.copy(empty_db, tmp_path / "mlflow.db")
-    value = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", value)
-    return value
 
 
 def _methods(target, top_k: int = 16) -> dict[str, MethodUnderTest]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import socket
 import subprocess
 from pathlib import Path
@@ -13,22 +12,6 @@ import pytest
 
 from pipelines import tracking
 from pipelines.tracking import HOST_TAG, PARENT_TAG, PID_TAG, fail_stale_runs, get_client, tracked_run
-
-
-@pytest.fixture(scope="module")
-def empty_db(tmp_path_factory) -> Path:
-    """An initialised empty store, built once (table creation takes seconds) and copied per test."""
-    db = tmp_path_factory.mktemp("template") / "mlflow.db"
-    get_client(f"sqlite:///{db}").search_experiments()
-    return db
-
-
-@pytest.fixture
-def uri(empty_db, tmp_path, monkeypatch) -> str:
-    shutil.copy(empty_db, tmp_path / "mlflow.db")
-    value = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", value)
-    return value
 
 
 def _status(client, run_id: str) -> str:
