@@ -18,7 +18,7 @@ class VerifiedHistory:
 
     def push(self, new: torch.Tensor, n_new: torch.Tensor) -> None:
         """Append the first n_new[b] rows of new[b] ([B, T, F], left-aligned) to each row's history."""
-        B, N = self.feats.shape[0], self.size
+        N = self.size
         h = self.count.clamp(max=N)  # [B] valid entries now
         total = h + n_new  # [B]
         both = torch.cat([self.feats, new.to(self.feats.dtype)], dim=1)  # [B, N + T, F]

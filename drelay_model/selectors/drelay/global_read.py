@@ -107,7 +107,7 @@ class GlobalRead(nn.Module):
 
     def __init__(self, cfg: DRelayConfig, *, num_slots: int, top_k: int) -> None:
         super().__init__()
-        d, r, H, K = cfg.d_sel, cfg.read_dim, num_slots, top_k
+        d, r, H = cfg.d_sel, cfg.read_dim, num_slots
         self.heads = cfg.heads
         self.mix_in = nn.Linear(d, d, bias=False)  # W_m on the soft candidate summary
         self.blocks = nn.ModuleList(MixBlock(cfg) for _ in range(cfg.global_blocks))
