@@ -28,7 +28,8 @@ class TrainResult:
     mlflow_run_id: str
 
 
-def _abs(path: str) -> Path:
+def repo_path(path: str) -> Path:
+    """A config path as an absolute path (relative paths are relative to the repository)."""
     p = Path(path).expanduser()
     return p if p.is_absolute() else REPO_ROOT / p
 
@@ -37,11 +38,11 @@ def check_inputs(cfg: RunConfig) -> None:
     """Fail fast, before any cluster starts, on what the user can get wrong."""
     if not cfg.data.fallback_reference_answers:
         try:
-            data_files(_abs(cfg.data.regenerated))
+            data_files(repo_path(cfg.data.regenerated))
         except DRelayError as exc:
             raise DRelayError(f"data.regenerated: {exc}") from exc
     for field, path in (("output_dir", cfg.output_dir), ("ray.storage_path", cfg.ray.storage_path)):
-        folder = _abs(path)
+        folder = repo_path(path)
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -61,7 +62,7 @@ def run_training(cfg: RunConfig, *, extra_worker_config: dict | None = None) -> 
     client = get_client(cfg.mlflow.tracking_uri)
     fail_stale_runs(cfg.mlflow.experiment, client=client, run_name=cfg.ray.run_name)
     worker_cfg = cfg.model_dump(mode="json")
-    worker_cfg["data"]["regenerated"] = str(_abs(cfg.data.regenerated))
+    worker_cfg["data"]["regenerated"] = str(repo_path(cfg.data.regenerated))
     tags = {"target": cfg.target.spec, "selector": cfg.selector.name, "git_commit": git_commit(), "hardware": hardware_description()}
     with tracked_run(cfg.mlflow.experiment, run_name=cfg.ray.run_name, tags=tags, client=client) as run:
         run.log_params(_flat(cfg.model_dump(mode="json")))
@@ -76,7 +77,7 @@ def run_training(cfg: RunConfig, *, extra_worker_config: dict | None = None) -> 
             ),
             run_config=RayRunConfig(
                 name=cfg.ray.run_name,
-                storage_path=str(_abs(cfg.ray.storage_path)),
+                storage_path=str(repo_path(cfg.ray.storage_path)),
                 failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
                 checkpoint_config=CheckpointConfig(num_to_keep=2),
             ),
@@ -84,7 +85,7 @@ def run_training(cfg: RunConfig, *, extra_worker_config: dict | None = None) -> 
         result = trainer.fit()
         if result.checkpoint is None:
             raise DRelayError("training produced no checkpoint")
-        final = _abs(cfg.output_dir) / cfg.ray.run_name / "drafter"
+        final = repo_path(cfg.output_dir) / cfg.ray.run_name / "drafter"
         with result.checkpoint.as_directory() as d, atomic_directory(final) as tmp:
             shutil.copytree(Path(d) / "drafter", tmp, dirs_exist_ok=True)
         run.log_artifact(final, artifact_path="drafter")

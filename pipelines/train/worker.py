@@ -24,16 +24,10 @@ from drelay_model.losses import LossSwitches
 from drelay_model.target import load_target
 from drelay_model.training import lr_at
 from pipelines.config import RunConfig
+from pipelines.train.driver import repo_path
 from pipelines.train.data import batch_order, collate, read_sequences, reference_sequences, split_validation
 from pipelines.train.features import FeatureSource
 from pipelines.train.model_io import build_module, restore_training_checkpoint, save_training_checkpoint
-
-
-def _abs_path(path: str) -> Path:
-    from pipelines.tracking import REPO_ROOT
-
-    p = Path(path).expanduser()
-    return p if p.is_absolute() else REPO_ROOT / p
 
 
 def load_data(cfg: RunConfig, target):
@@ -113,7 +107,7 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
     target = load_target(cfg.target.spec, dtype=torch.bfloat16 if cfg.target.dtype == "bfloat16" else torch.float32)
     train_seqs, val_seqs = load_data(cfg, target)
     module = build_module(cfg, target, train_seqs)
-    cache_dir = _abs_path(cfg.data.feature_cache_dir) if cfg.data.feature_cache == "disk" else None
+    cache_dir = repo_path(cfg.data.feature_cache_dir) if cfg.data.feature_cache == "disk" else None
     features = FeatureSource(target, module.drafter.config.target_layer_ids, cache_dir)
     model = ray.train.torch.prepare_model(
         module, parallel_strategy=cfg.ray.strategy if world > 1 else None,
