@@ -15,7 +15,7 @@ from drelay_model.errors import DRelayError
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from pipelines import data_cmd, generate_cmd, train_cmd
+    from pipelines import compare_cmd, data_cmd, generate_cmd, study_cmd, train_cmd
 
     parser = argparse.ArgumentParser(prog="drelay", description="DRelay speculative decoding platform")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -23,6 +23,8 @@ def _build_parser() -> argparse.ArgumentParser:
     data_cmd.add_parser(sub)
     from pipelines import eval_cmd; eval_cmd.add_parser(sub)  # noqa: E702 — registers `eval` and `report`
     train_cmd.add_parser(sub)
+    compare_cmd.add_parser(sub)
+    study_cmd.add_parser(sub)
     return parser
 
 

@@ -41,6 +41,13 @@ def check_inputs(cfg: RunConfig) -> None:
             data_files(repo_path(cfg.data.regenerated))
         except DRelayError as exc:
             raise DRelayError(f"data.regenerated: {exc}") from exc
+    if cfg.drafter.init_checkpoint:
+        from drelay_model.drafter.checkpoint import read_checkpoint
+
+        try:
+            read_checkpoint(repo_path(cfg.drafter.init_checkpoint))
+        except DRelayError as exc:
+            raise DRelayError(f"drafter.init_checkpoint: {exc}") from exc
     for field, path in (("output_dir", cfg.output_dir), ("ray.storage_path", cfg.ray.storage_path)):
         folder = repo_path(path)
         try:
@@ -63,6 +70,8 @@ def run_training(cfg: RunConfig, *, extra_worker_config: dict | None = None) -> 
     fail_stale_runs(cfg.mlflow.experiment, client=client, run_name=cfg.ray.run_name)
     worker_cfg = cfg.model_dump(mode="json")
     worker_cfg["data"]["regenerated"] = str(repo_path(cfg.data.regenerated))
+    if cfg.drafter.init_checkpoint:
+        worker_cfg["drafter"]["init_checkpoint"] = str(repo_path(cfg.drafter.init_checkpoint))
     tags = {"target": cfg.target.spec, "selector": cfg.selector.name, "git_commit": git_commit(), "hardware": hardware_description()}
     with tracked_run(cfg.mlflow.experiment, run_name=cfg.ray.run_name, tags=tags, client=client) as run:
         run.log_params(_flat(cfg.model_dump(mode="json")))

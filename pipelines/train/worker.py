@@ -128,6 +128,7 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
     per_epoch = max(len(train_seqs) // (cfg.train.seqs_per_step * world), 1)
     gen = torch.Generator().manual_seed(cfg.train.seed * 7919 + rank)
     t_last, tokens, step_last = time.perf_counter(), 0, start
+    progress = ProgressLine(start, cfg.train.max_steps)
     for step in range(start, cfg.train.max_steps):
         _maybe_kill(cfg_dict, step, rank)
         epoch, i = divmod(step, per_epoch)
@@ -158,6 +159,26 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
             t_last, tokens, step_last = time.perf_counter(), 0, step + 1
         if logger is not None:
             logger(metrics, step + 1)
+        if rank == 0:
+            progress.update(step + 1, metrics)
+
+
+class ProgressLine:
+    """One line on the driver's console every `every` steps (Ray forwards worker stdout): step,
+    losses, slot-1 accuracy, seconds per step and the time left at that pace."""
+
+    def __init__(self, start: int, total: int, every: int = 25) -> None:
+        self.start, self.total, self.every, self.t0 = start, total, every, time.perf_counter()
+
+    def update(self, step: int, metrics: dict) -> None:
+        if step % self.every and step != self.total:
+            return
+        per_step = (time.perf_counter() - self.t0) / max(step - self.start, 1)
+        left = (self.total - step) * per_step / 60
+        losses = " ".join(f"{k.removeprefix('loss/')} {v:.3f}" for k, v in metrics.items() if k.startswith("loss/"))
+        val = " ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in metrics.items() if k.startswith("val/"))
+        print(f"[train] step {step}/{self.total} · {losses} · slot-1 acc {metrics.get('acc/slot1', 0.0):.3f} · "
+              f"{per_step:.2f} s/step · {left:.1f} min left{' · ' + val if val else ''}", flush=True)  # fmt: skip
 
 
 def _report(metrics, rank, module, optimizer, step, cfg) -> None:

@@ -96,3 +96,52 @@ def test_bad_inputs_fail_before_ray_starts(tmp_path, tiny_data):
     blocker.write_text("x")
     with pytest.raises(DRelayError, match="output_dir: cannot create"):
         check_inputs(_config(tmp_path, tiny_data, output_dir=str(blocker / "sub")))
+    with pytest.raises(DRelayError, match="drafter.init_checkpoint: checkpoint .* not found"):
+        check_inputs(_config(tmp_path, tiny_data, **{"drafter.init_checkpoint": str(tmp_path / "nope")}))
+
+
+def test_study_trains_stages_compares_and_ships(tmp_path, tiny_data, ray_session, monkeypatch, capsys):
+    """`drelay study`: a base run, two runs started from it, the replay comparison, the shipped copy;
+    a rerun trains nothing."""
+    import yaml
+
+    from drelay_model.selectors import default_registry
+    from pipelines.cli import main
+    from pipelines.tracking import get_client
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setattr("pipelines.resolve.BUNDLED_CHECKPOINTS", tmp_path / "bundled")
+    cfg = _config(tmp_path, tiny_data, **{"train.max_steps": 4, "train.validate_every": 4, "selector.name": "none"})
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    bench = tmp_path / "bench" / "gsm8k" / "test.jsonl"
+    bench.parent.mkdir(parents=True)
+    bench.write_text(json.dumps({"question": "one two three four five"}) + "\n")
+    spec = {
+        "name": "tiny-study",
+        "stages": [
+            {"config": str(base), "runs": {"base": []}},
+            {"config": str(base), "overrides": ["drafter.init_checkpoint={base}", "train.max_steps=2", "train.checkpoint_every=2"],
+             "runs": {"native": [], "drelay": ["selector.name=drelay", "selector.config={d_sel: 32, read_dim: 32, history_len: 8}"]}},
+        ],
+        "compare": {"baseline": "native", "variants": {"pick": "drelay:native"}, "benchmarks": "gsm8k", "limit": 1,
+                    "max_new_tokens": 8, "data_dir": str(tmp_path / "bench"), "out": str(tmp_path / "cmp")},
+        "ship": "drelay",
+    }  # fmt: skip
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    assert main(["study", "--spec", str(path), "--no-progress"]) == 0
+    metrics = json.loads((tmp_path / "cmp" / "compare.json").read_text())["metrics"]
+    assert list(metrics) == ["native", "drelay", "pick"]
+    assert metrics["drelay"]["gsm8k/tau"] >= 1.0 and metrics["native"]["ratio_vs_baseline"] == 1.0
+    target = tiny_target("tiny-llama")
+    drafter, extra, meta = load_drafter(tmp_path / "bundled" / "tiny-llama", target)
+    assert meta["step"] == 2 and meta["run_name"] == "tiny-study-drelay"
+    default_registry().from_checkpoint("drelay", drafter=drafter, tensors=extra, meta=meta)
+    runs = {r.info.run_name: r for r in get_client().search_runs([get_client().get_experiment_by_name("drelay-train").experiment_id])}
+    assert {"tiny-study-base", "tiny-study-native", "tiny-study-drelay"} <= set(runs)
+
+    capsys.readouterr()
+    assert main(["study", "--spec", str(path), "--no-progress", "--no-compare"]) == 0
+    out = capsys.readouterr().out
+    assert "training" not in out and out.count("— done") == 3

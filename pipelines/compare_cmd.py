@@ -1,0 +1,108 @@
+"""`drelay compare`: greedy replay τ of several drafter checkpoints on the benchmarks, side by side.
+
+    drelay compare --variant native=outputs/train/A/drafter --variant drelay=outputs/train/B/drafter \\
+                   [--variant drelay-native-pick=outputs/train/B/drafter:native] [--baseline native] \\
+                   [--benchmarks all] [--limit 8] [--max-new-tokens 128]
+
+The target decodes each benchmark's prompts once (AR, greedy; cached), then every variant is replayed
+over those continuations (pipelines/compare.py). Prints the τ table with ratios to the baseline and
+writes compare.md, compare.json and compare.png to --out (default outputs/compare/<run-name>); the
+same land in one MLflow run. Rerunning the same command resumes: finished cells are loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+from drelay_model.errors import DRelayError
+
+DEFAULT_EXPERIMENT = "drelay-compare"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("compare", help="replay τ of drafter checkpoints side by side (native vs DRelay, ablations)", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=DIR[:SELECTOR]",
+                   help="a checkpoint to compare (repeatable); SELECTOR defaults to the one it was trained with")  # fmt: skip
+    p.add_argument("--baseline", help="label the ratios divide by (default: the first --variant)")
+    p.add_argument("--target", default="smollm2-135m", help="target spec (default: smollm2-135m)")
+    p.add_argument("--benchmarks", default="all", help="'all' or a comma list")
+    p.add_argument("--limit", type=int, help="seeded subset of N prompts per benchmark (default: all)")
+    p.add_argument("--subset-seed", type=int, default=0)
+    p.add_argument("--data-dir", help="benchmark directory with the data/benchmarks layout")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--run-name", help="MLflow run name and default --out folder (default: derived from the settings)")
+    p.add_argument("--out", help="output folder (default: outputs/compare/<run-name>); rerun with the same one to resume")
+    p.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help=f"MLflow experiment (default: {DEFAULT_EXPERIMENT})")
+    p.add_argument("--no-mlflow", action="store_true", help="write files only")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipelines.compare import ReplayStore, parse_variants, plot_comparison, replay_variants, summarize
+    from pipelines.eval_cmd import parse_benchmarks, sigterm_as_exit
+    from pipelines.eval_prompts import encoder_for
+    from pipelines.eval_results import CellStore
+    from pipelines.evaluate import EvalConfig, Evaluation, MethodUnderTest
+    from pipelines.benchmarks import load_benchmark
+    from pipelines.resolve import AR, REPO_ROOT, load_target_spec
+
+    if args.max_new_tokens < 1:
+        raise DRelayError(f"--max-new-tokens must be ≥ 1, got {args.max_new_tokens}")
+    if args.limit is not None and args.limit < 1:
+        raise DRelayError(f"--limit must be ≥ 1, got {args.limit}")
+    variants, baseline = parse_variants(args.variant, args.baseline)
+    benchmarks = parse_benchmarks(args.benchmarks)
+    run_name = args.run_name or f"{args.target}-{'+'.join(v.label for v in variants)}-{args.max_new_tokens}tok" + (f"-n{args.limit}" if args.limit else "")
+    if any(q in run_name for q in "'\"`/"):
+        raise DRelayError(f"--run-name must not contain quotes or slashes, got {run_name!r}")
+    out_dir = Path(args.out) if args.out else REPO_ROOT / "outputs" / "compare" / run_name
+    prompts = {b: load_benchmark(b, limit=args.limit, seed=args.subset_seed, data_dir=args.data_dir) for b in benchmarks}
+    target = load_target_spec(args.target)
+    encoder = encoder_for(target)
+    progress = not args.no_progress
+
+    # 1. References: the target's greedy continuations (the AR cell of `drelay eval`, cached).
+    config = EvalConfig(target=args.target, methods=(AR,), benchmarks=benchmarks, max_new_tokens=args.max_new_tokens,
+                        limit=args.limit, subset_seed=args.subset_seed, data_dir=args.data_dir, diagnostics=False)  # fmt: skip
+    evaluation = Evaluation(config, target, {AR: MethodUnderTest(AR, None, None)}, prompts, encoder, CellStore(out_dir), progress=progress)
+    evaluation.check_prompt_lengths()
+    with sigterm_as_exit(), ExitStack() as stack:
+        ar_cells = {b: c for (b, _), c in evaluation.run().items()}
+        # 2. Replay every variant over them.
+        cells = replay_variants(target, args.target, variants, prompts, ar_cells, encoder, ReplayStore(out_dir), progress=progress)
+        summary = summarize(cells, variants, benchmarks, baseline)
+        n = sum(len(p) for p in prompts.values())
+        title = f"{args.target}: greedy replay τ, {n} prompts over {len(benchmarks)} benchmarks, ≤ {args.max_new_tokens} new tokens"
+        text = f"# {title}\n\n" + summary.markdown()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        files = [out_dir / "compare.md", out_dir / "compare.json"]
+        files[0].write_text(text)
+        files[1].write_text(json.dumps({"baseline": baseline, "variants": [vars(v) for v in variants], "metrics": summary.metrics}, indent=1))
+        plot = plot_comparison(summary, out_dir / "compare.png", title)
+        if not args.no_mlflow:
+            _track(stack, args, run_name, variants, baseline, benchmarks, summary, [*files, plot])
+    print(text)
+    print(f"files: {out_dir}", file=sys.stderr)
+    return 0
+
+
+def _track(stack, args, run_name, variants, baseline, benchmarks, summary, files) -> None:
+    """One MLflow run: params, `<variant>/<metric>` metrics, the table, JSON and plot as artifacts."""
+    from pipelines.eval_session import connect
+    from pipelines.tracking import git_commit, hardware_description, tracked_run
+
+    client = connect(args.experiment, run_name)
+    params = {"target": args.target, "benchmarks": ",".join(benchmarks), "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+              "baseline": baseline, **{f"variant.{v.label}": f"{v.checkpoint}:{v.selector}" for v in variants}}  # fmt: skip
+    tags = {"drelay.kind": "compare", "drelay.git_commit": git_commit(), "drelay.hardware": hardware_description()}
+    run = stack.enter_context(tracked_run(args.experiment, run_name=run_name, tags=tags, params=params, client=client))
+    run.log_metrics({f"{v}/{k}": x for v, m in summary.metrics.items() for k, x in m.items()})
+    for f in files:
+        run.log_artifact(f)
+    print(f"MLflow: run '{run_name}' ({run.run_id}) in experiment '{args.experiment}' at {client.tracking_uri}", file=sys.stderr)
