@@ -17,6 +17,7 @@ the decisions (parallel passes vs the literal slot-by-slot loop), and the select
 parameter count (the frozen embedding is shared, not counted).
 
 Run:  .venv/bin/python benchmarks/bench_selector.py                 # 1 thread (default), ~1 min
+      .venv/bin/python benchmarks/bench_selector.py --checkpoint checkpoints/smollm2-135m   # trained
       .venv/bin/python benchmarks/bench_selector.py --threads 2 --reps 50
 """
 
@@ -37,6 +38,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--context", type=int, default=200, help="verified tokens before the block")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repair-bias", type=float, default=5.0, help="gate bias of the repairing selector")
+    p.add_argument("--checkpoint", help="a trained drafter + DRelay selector (default: random drafter, fresh selector)")
     return p.parse_args()
 
 
@@ -55,8 +57,14 @@ def setup(args):
 
     torch.manual_seed(args.seed)
     target = load_target(args.target)
-    drafter = BlockDrafter(DrafterConfig.for_target(target), target).eval()
-    selector = default_registry().create("drelay", drafter=drafter).eval()
+    if args.checkpoint:
+        from drelay_model.drafter import load_drafter
+
+        drafter, extra, meta = load_drafter(args.checkpoint, target)
+        selector = default_registry().from_checkpoint("drelay", drafter=drafter, tensors=extra, meta=meta)
+    else:
+        drafter = BlockDrafter(DrafterConfig.for_target(target), target).eval()
+        selector = default_registry().create("drelay", drafter=drafter).eval()
     layers = drafter.config.target_layer_ids
     prompt = torch.randint(0, target.vocab_size, (1, args.context))
     cache = target.new_cache(1, args.context + 64)
@@ -87,7 +95,7 @@ def main() -> None:
     layers = drafter.config.target_layer_ids
     start = cache.lengths.clone()
     t = {k: [] for k in ("draft", "select", "select_repairing", "evidence", "decide", "loop", "verify")}
-    repairs = 0
+    repairs = trained_repairs = 0
     for rep in range(args.reps + 3):  # 3 warm-up repetitions
         block, t_draft = timed(drafter.draft, anchor, ctx_cache)
         sel, t_select = timed(selector.select, block, sctx)
@@ -102,7 +110,8 @@ def main() -> None:
             for k, v in zip(t, (t_draft, t_select, t_select_r, t_ev, t_decide, t_loop, t_verify)):
                 t[k].append(v * 1e3)
             repairs += int((sel_r.pool_index != 0).sum())
-            assert int((sel.pool_index != 0).sum()) == 0  # a fresh selector is exactly native
+            trained_repairs += int((sel.pool_index != 0).sum())
+            assert args.checkpoint or trained_repairs == 0  # a fresh selector is exactly native
     med = {k: statistics.median(v) for k, v in t.items()}
     round_ms = med["draft"] + med["select"] + med["verify"]
     n_params = sum(p.numel() for p in selector.parameters())
@@ -113,7 +122,10 @@ def main() -> None:
     print(f"selector: drelay {selector.config.to_dict()}")
     print(f"selector parameters: {n_params:,} trainable ({n_params / 1e6:.2f}M; frozen embedding shared, not counted)")
     print(f"  draft            {med['draft']:7.2f} ms")
-    print(f"  select           {med['select']:7.2f} ms   fresh selector (keeps every native token: one pass)")
+    if args.checkpoint:
+        print(f"  select           {med['select']:7.2f} ms   trained selector of {args.checkpoint}, {trained_repairs / args.reps:.1f} repairs per block")
+    else:
+        print(f"  select           {med['select']:7.2f} ms   fresh selector (keeps every native token: one pass)")
     print(f"  select repairing {med['select_repairing']:7.2f} ms   randomised residual heads, {repairs / args.reps:.1f} repairs per block")
     print(f"    of which       {med['evidence']:7.2f} ms   Global Read + prefix-independent evidence (once per block)")
     print(f"                   {med['decide']:7.2f} ms   decisions by parallel passes (decide_block, repairing)")
