@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -40,7 +41,6 @@ def test_speculative_generation_reports_speedup_and_matches_ar(capsys):
     [
         (["--chat", "hi", "--target", "nope"], "unknown target 'nope'"),
         (["--chat", "hi", "--method", "magic", "--random-drafter"], "unknown method 'magic'"),
-        (["--chat", "hi"], "needs a drafter checkpoint"),
         (["--chat", "hi", "--checkpoint", "/no/such/dir"], "checkpoint '/no/such/dir' not found"),
         (["--chat", "hi", "--method", "ar", "--max-new-tokens", "0"], "--max-new-tokens must be"),
         (["--prompts-file", "/no/file.txt", "--method", "ar"], "not found"),
@@ -51,6 +51,29 @@ def test_bad_input_is_one_line_and_nonzero(capsys, argv, message):
     rc, out, err = _run(capsys, *argv)
     assert rc == 2
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_no_bundled_checkpoint_is_a_clear_error(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr("pipelines.resolve.BUNDLED_CHECKPOINTS", tmp_path / "none")
+    rc, _, err = _run(capsys, "--chat", "hi")
+    assert rc == 2 and "needs a drafter checkpoint" in err and err.count("\n") == 1
+
+
+BUNDLED = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not BUNDLED.is_dir(), reason="no trained drafter bundled in checkpoints/smollm2-135m")
+@pytest.mark.parametrize("method", ["native", "drelay"])
+def test_bundled_checkpoint_is_small_trained_and_lossless(capsys, method):
+    """The shipped CPU default: ≤ 50 MB of safetensors, holds the DRelay selector, and decodes
+    exactly the target's greedy output with either method."""
+    assert sum(f.stat().st_size for f in BUNDLED.iterdir()) <= 50 * 2**20
+    rc, out, err = _run(capsys, "--chat", "What is 12 times 7? Explain briefly.", "--method", method, "--compare-ar",
+                        "--max-new-tokens", "48", "--json")  # fmt: skip
+    assert rc == 0, err
+    report = json.loads(out)
+    assert report["same_output_as_ar"] is True and report["tau"] > 1.0
 
 
 def test_checkpoint_for_another_target_is_rejected(capsys, tmp_path):
