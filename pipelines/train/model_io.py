@@ -36,6 +36,11 @@ def build_module(cfg: RunConfig, target, train_seqs) -> DraftTrainModule:
     selector = None
     if cfg.selector.name != "none":
         selector = default_registry().create(cfg.selector.name, drafter=drafter, config=cfg.selector.config or None)
+        if not cfg.train.selector_loss:
+            # "No selector loss" (Table 4): nothing trains the selector, so it stays at its
+            # initialisation, which picks exactly the native path. Frozen, DDP does not wait for
+            # gradients it will never get.
+            selector.requires_grad_(False)
     return DraftTrainModule(drafter, selector)
 
 

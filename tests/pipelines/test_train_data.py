@@ -105,3 +105,19 @@ def test_a_torn_last_line_is_ignored_but_a_bad_middle_line_is_an_error(tmp_path)
     (tmp_path / "bad.jsonl").write_text('{"seq_id": "b", "input_ids": [1,\n' + good + "\n")
     with pytest.raises(DRelayError, match="bad.jsonl:1: not valid JSON"):
         read_sequences(tmp_path / "bad.jsonl", max_seq_len=8)
+
+
+def test_no_selector_loss_freezes_the_selector_at_its_native_initialisation():
+    """Table 4's "No selector loss": the selector gets no gradient, so it must not be a DDP parameter."""
+    from drelay_model.target import tiny_target
+    from pipelines.config import load_config
+    from pipelines.train.model_io import build_module
+
+    target = tiny_target("tiny-llama")
+    over = ["target.spec=tiny-llama", "drafter.num_layers=1", "drafter.top_k=8", "drafter.draft_vocab_size=null", "selector.name=drelay",
+            "selector.config={d_sel: 32, read_dim: 32, history_len: 8}"]  # fmt: skip
+    full = build_module(load_config(None, over), target, [])
+    ablated = build_module(load_config(None, [*over, "train.selector_loss=false"]), target, [])
+    assert all(p.requires_grad for p in full.selector.parameters())
+    assert not any(p.requires_grad for p in ablated.selector.parameters())
+    assert any(p.requires_grad for p in ablated.drafter.parameters())
