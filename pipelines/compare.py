@@ -32,12 +32,13 @@ from drelay_model.drafter.checkpoint import read_checkpoint
 from drelay_model.errors import DRelayError
 from drelay_model.selectors import default_registry
 from pipelines.benchmarks import BenchmarkPrompt
+from pipelines.config import NAME_PATTERN
 from pipelines.eval_prompts import PromptEncoder
-from pipelines.eval_results import CellResult, fingerprint
+from pipelines.eval_results import CellResult, ReplayResult, fingerprint
 from pipelines.evaluate import MethodUnderTest, checkpoint_identity, replay_cell
 from pipelines.resolve import AR, load_method
 
-_LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
+_LABEL = re.compile(NAME_PATTERN)
 
 
 @dataclass(frozen=True)
@@ -93,27 +94,19 @@ def parse_variants(texts: Sequence[str], baseline: str | None) -> tuple[list[Var
 
 @dataclass
 class VariantCell:
-    """Replay of one variant on one benchmark (counts merge exactly across prompts)."""
+    """Replay of one variant on one benchmark: the counts (they merge exactly across prompts) and
+    pool diagnostics of `replay_cell`, and τ / oracle τ per prompt turn."""
 
     benchmark: str
     label: str
     fingerprint: str
-    rounds: int
-    committed: int
-    oracle_rounds: int
-    oracle_committed: int
-    coverage_first_error: float
-    one_edit_gain: float
+    replay: ReplayResult
     per_prompt: dict[str, list[float]]  # "prompt_id#turn" → [τ, oracle τ]
     elapsed_s: float
 
-    @property
-    def tau(self) -> float:
-        return self.committed / self.rounds if self.rounds else 0.0
-
-    @property
-    def oracle_tau(self) -> float:
-        return self.oracle_committed / self.oracle_rounds if self.oracle_rounds else 0.0
+    @classmethod
+    def from_dict(cls, d: dict) -> "VariantCell":
+        return cls(**{**d, "replay": ReplayResult.from_dict(d["replay"])})
 
 
 class ReplayStore:
@@ -128,8 +121,8 @@ class ReplayStore:
     def load(self, benchmark: str, label: str, fp: str) -> VariantCell | None:
         path = self.path(benchmark, label)
         try:
-            cell = VariantCell(**json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
+            cell = VariantCell.from_dict(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError, KeyError):
             return None
         return cell if cell.fingerprint == fp else None
 
@@ -181,9 +174,7 @@ def _replay_one(target, method, bench, prompts, ar_cell, encoder, fp, progress) 
     with tqdm(total=len(prompts), desc=f"{bench}/{method.name}", unit="prompt", leave=False, disable=not progress, file=sys.stderr) as bar:
         res, per_prompt = replay_cell(target, method, prompts, encoder, ar_cell.outputs, bar=bar)
     return VariantCell(
-        benchmark=bench, label=method.name, fingerprint=fp, rounds=res.rounds, committed=res.committed,
-        oracle_rounds=res.oracle_rounds, oracle_committed=res.oracle_committed,
-        coverage_first_error=res.diagnostics.coverage_first_error, one_edit_gain=res.diagnostics.one_edit_gain,
+        benchmark=bench, label=method.name, fingerprint=fp, replay=res,
         per_prompt={f"{pid}#{turn}": [t, o] for (pid, turn), (t, o) in per_prompt.items()},
         elapsed_s=time.perf_counter() - t0,
     )  # fmt: skip
@@ -226,9 +217,9 @@ def summarize(cells: Mapping[tuple[str, str], VariantCell], variants: Sequence[V
     for v in variants:
         m: dict[str, float] = {}
         for b in benchmarks:
-            c = cells[(b, v.label)]
-            m.update({f"{b}/tau": c.tau, f"{b}/oracle_tau": c.oracle_tau, f"{b}/coverage_first_error": c.coverage_first_error,
-                      f"{b}/one_edit_gain": c.one_edit_gain})  # fmt: skip
+            r = cells[(b, v.label)].replay
+            m.update({f"{b}/tau": r.tau, f"{b}/oracle_tau": r.oracle_tau, f"{b}/coverage_first_error": r.diagnostics.coverage_first_error,
+                      f"{b}/one_edit_gain": r.diagnostics.one_edit_gain})  # fmt: skip
         for key in ("tau", "oracle_tau", "coverage_first_error", "one_edit_gain"):
             m[f"mean_{key}"] = sum(m[f"{b}/{key}"] for b in benchmarks) / len(benchmarks)
         metrics[v.label] = m

@@ -45,17 +45,14 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pipelines.compare import ReplayStore, parse_variants, plot_comparison, replay_variants, summarize
-    from pipelines.eval_cmd import parse_benchmarks, sigterm_as_exit
+    from pipelines.eval_cmd import check_budget, parse_benchmarks, sigterm_as_exit
     from pipelines.eval_prompts import encoder_for
     from pipelines.eval_results import CellStore
     from pipelines.evaluate import EvalConfig, Evaluation, MethodUnderTest
     from pipelines.benchmarks import load_benchmark
     from pipelines.resolve import AR, REPO_ROOT, load_target_spec
 
-    if args.max_new_tokens < 1:
-        raise DRelayError(f"--max-new-tokens must be ≥ 1, got {args.max_new_tokens}")
-    if args.limit is not None and args.limit < 1:
-        raise DRelayError(f"--limit must be ≥ 1, got {args.limit}")
+    check_budget(args.max_new_tokens, args.limit)
     variants, baseline = parse_variants(args.variant, args.baseline)
     benchmarks = parse_benchmarks(args.benchmarks)
     run_name = args.run_name or f"{args.target}-{'+'.join(v.label for v in variants)}-{args.max_new_tokens}tok" + (f"-n{args.limit}" if args.limit else "")

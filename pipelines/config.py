@@ -17,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from drelay_model.errors import DRelayError
 
 
+# A label that doubles as a file, MLflow run and Ray run name (compare variants, study runs).
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$"
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -129,11 +129,16 @@ def _bundled(target: str) -> str | None:
     return str(path) if path else None
 
 
+def check_budget(max_new_tokens: int, limit: int | None) -> None:
+    """--max-new-tokens and --limit, shared with `drelay compare`."""
+    if max_new_tokens < 1:
+        raise DRelayError(f"--max-new-tokens must be ≥ 1, got {max_new_tokens}")
+    if limit is not None and limit < 1:
+        raise DRelayError(f"--limit must be ≥ 1, got {limit}")
+
+
 def build_config(args: argparse.Namespace) -> EvalConfig:
-    if args.max_new_tokens < 1:
-        raise DRelayError(f"--max-new-tokens must be ≥ 1, got {args.max_new_tokens}")
-    if args.limit is not None and args.limit < 1:
-        raise DRelayError(f"--limit must be ≥ 1, got {args.limit}")
+    check_budget(args.max_new_tokens, args.limit)
     if not 0 <= args.temperature <= 100:
         raise DRelayError(f"--temperature must be in [0, 100], got {args.temperature}")
     methods = parse_methods(args.methods)

@@ -145,6 +145,10 @@ class ReplayResult:
     def oracle_tau(self) -> float:
         return self.oracle_committed / self.oracle_rounds if self.oracle_rounds else 0.0
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ReplayResult":
+        return cls(**{**d, "diagnostics": PoolDiagnostics(**d["diagnostics"])})
+
 
 @dataclass
 class CellResult:
@@ -166,7 +170,7 @@ class CellResult:
     def from_dict(cls, d: dict[str, Any]) -> "CellResult":
         replay = d.get("replay")
         if replay is not None:
-            replay = ReplayResult(**{**replay, "diagnostics": PoolDiagnostics(**replay["diagnostics"])})
+            replay = ReplayResult.from_dict(replay)
         return cls(
             benchmark=d["benchmark"],
             method=d["method"],

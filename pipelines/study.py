@@ -29,9 +29,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from drelay_model.errors import DRelayError
-from pipelines.config import RunConfig, load_config
+from pipelines.config import NAME_PATTERN, RunConfig, load_config
 
-_LABEL = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$"
 _PLACEHOLDER = re.compile(r"\{([A-Za-z0-9._+-]+)\}")
 
 
@@ -57,7 +56,7 @@ class CompareSpec(_Strict):
 
 
 class StudySpec(_Strict):
-    name: str = Field(pattern=_LABEL)
+    name: str = Field(pattern=NAME_PATTERN)
     stages: list[StageSpec] = Field(min_length=1)
     compare: CompareSpec | None = CompareSpec()
     ship: str | None = None  # a run label
@@ -67,7 +66,7 @@ class StudySpec(_Strict):
         seen: list[str] = []
         for i, stage in enumerate(self.stages):
             for label, overrides in stage.runs.items():
-                if not re.match(_LABEL, label):
+                if not re.match(NAME_PATTERN, label):
                     raise ValueError(f"stages.{i}.runs: bad run label '{label}' (1–64 of [A-Za-z0-9._+-])")
                 if label in seen:
                     raise ValueError(f"stages.{i}.runs: run label '{label}' is used twice")
@@ -142,9 +141,6 @@ def finished(cfg: RunConfig, repo_path) -> bool:
 
 
 def _fill(override: str, done: dict[str, RunConfig]) -> str:
-    """`{label}` → that run's exported checkpoint path (as the config will resolve it)."""
-    def sub(m: re.Match) -> str:
-        cfg = done[m.group(1)]
-        return f"{cfg.output_dir.rstrip('/')}/{cfg.ray.run_name}/drafter"
-
-    return _PLACEHOLDER.sub(sub, override)
+    """`{label}` → that run's exported checkpoint path, as written in its config (the driver
+    resolves relative paths against the repository)."""
+    return _PLACEHOLDER.sub(lambda m: str(final_checkpoint(done[m.group(1)], Path)), override)

@@ -11,30 +11,11 @@ import torch
 from drelay_model.decoding.replay import replay
 from drelay_model.drafter import BlockDrafter, DrafterConfig, load_drafter, save_drafter
 from drelay_model.selectors import default_registry
-from drelay_model.target import tiny_target
 from pipelines import compare
 from pipelines.benchmarks import load_benchmark
 from pipelines.cli import main
 from pipelines.eval_prompts import HashEncoder
 from pipelines.tracking import get_client
-
-GSM8K = [{"question": f"Tom has {n} apples and buys {n + 1} more. How many apples does he have?"} for n in range(3)]
-MT_BENCH = [{"question_id": 81, "turns": ["Write a short travel blog post about Hawaii.", "Rewrite it starting every sentence with A."]}]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return tiny_target("tiny-llama")
-
-
-@pytest.fixture
-def data_dir(tmp_path) -> Path:
-    d = tmp_path / "bench"
-    for rel, rows in (("gsm8k/test.jsonl", GSM8K), ("mt_bench/question.jsonl", MT_BENCH)):
-        (d / rel).parent.mkdir(parents=True)
-        (d / rel).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return d
-
 
 @pytest.fixture
 def checkpoints(tiny, tmp_path) -> tuple[Path, Path]:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import statistics
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +10,6 @@ import torch
 from drelay_model.decoding.stats import DecodeStats
 from drelay_model.drafter import BlockDrafter, DrafterConfig
 from drelay_model.selectors import NativeSelector
-from drelay_model.target import tiny_target
 from pipelines.benchmarks import load_benchmark
 from pipelines.cli import main
 from pipelines.eval_metrics import cell_metrics, method_metrics
@@ -21,28 +18,7 @@ from pipelines.eval_results import CellResult, CellStore, DecodeTotals, PassResu
 from pipelines.evaluate import EvalConfig, Evaluation, MethodUnderTest, output_digest
 from pipelines.tracking import get_client
 
-GSM8K = [{"question": f"Tom has {n} apples and buys {n + 1} more. How many apples does he have?"} for n in range(3)]
-MT_BENCH = [
-    {"question_id": 81, "turns": ["Write a short travel blog post about Hawaii.", "Rewrite it starting every sentence with A."]},
-    {"question_id": 82, "turns": ["Draft an email asking for feedback.", "Now make it shorter."]},
-]
-
-
-# ---- fixtures ----------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return tiny_target("tiny-llama")
-
-
-@pytest.fixture
-def data_dir(tmp_path) -> Path:
-    d = tmp_path / "bench"
-    for rel, rows in (("gsm8k/test.jsonl", GSM8K), ("mt_bench/question.jsonl", MT_BENCH)):
-        (d / rel).parent.mkdir(parents=True)
-        (d / rel).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return d
+# ---- fixtures (`tiny`, `data_dir`: tests/pipelines/conftest.py) ------------------------------------
 
 
 def _methods(target, top_k: int = 16) -> dict[str, MethodUnderTest]:
