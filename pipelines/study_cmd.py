@@ -66,27 +66,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _compare(spec, configs, final_checkpoint, repo_path, no_progress: bool) -> None:
-    from pipelines import compare_cmd
+    from pipelines.compare_cmd import CompareJob, compare
 
     c = spec.compare
-    argv = ["compare", "--target", configs[spec.run_labels()[0]].target.spec, "--benchmarks", c.benchmarks,
-            "--max-new-tokens", str(c.max_new_tokens), "--run-name", spec.name, "--out", str(repo_path(c.out or f"outputs/compare/{spec.name}"))]  # fmt: skip
-    if c.limit:
-        argv += ["--limit", str(c.limit)]
-    if c.data_dir:
-        argv += ["--data-dir", str(repo_path(c.data_dir))]
+    variants = []
     for label, ref in spec.compared().items():
         run_label, _, selector = ref.partition(":")
         path = final_checkpoint(configs[run_label], repo_path)
-        argv += ["--variant", f"{label}={path}" + (f":{selector}" if selector else "")]
-    if c.baseline:
-        argv += ["--baseline", c.baseline]
-    if no_progress:
-        argv.append("--no-progress")
-    parser = argparse.ArgumentParser(prog="drelay")
-    compare_cmd.add_parser(parser.add_subparsers())
-    compare_args = parser.parse_args(argv)
-    compare_args.run(compare_args)
+        variants.append(f"{label}={path}" + (f":{selector}" if selector else ""))
+    compare(CompareJob(
+        variants=tuple(variants), baseline=c.baseline, target=configs[spec.run_labels()[0]].target.spec,
+        benchmarks=c.benchmarks, limit=c.limit, data_dir=str(repo_path(c.data_dir)) if c.data_dir else None,
+        max_new_tokens=c.max_new_tokens, run_name=spec.name, out=str(repo_path(c.out or f"outputs/compare/{spec.name}")),
+        progress=not no_progress,
+    ))  # fmt: skip
 
 
 def _ship(cfg, checkpoint) -> None:

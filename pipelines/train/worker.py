@@ -108,7 +108,8 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
     train_seqs, val_seqs = load_data(cfg, target)
     module = build_module(cfg, target, train_seqs)
     cache_dir = repo_path(cfg.data.feature_cache_dir) if cfg.data.feature_cache == "disk" else None
-    features = FeatureSource(target, module.drafter.config.target_layer_ids, cache_dir)
+    autocast = cfg.train.bf16 and not cfg.ray.use_gpu  # CPU bfloat16: the target's feature forward and the step
+    features = FeatureSource(target, module.drafter.config.target_layer_ids, cache_dir, bf16=autocast)
     model = ray.train.torch.prepare_model(
         module, parallel_strategy=cfg.ray.strategy if world > 1 else None,
         # Frozen buffers (target embedding, LM head) are identical on every rank: synced once at
@@ -140,7 +141,7 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
         lr = lr_at(step, base=cfg.train.lr, warmup=cfg.train.warmup_steps, total=cfg.train.max_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.train.bf16 and not cfg.ray.use_gpu):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = training_step(model, module, ids, mask, feats, _step_config(cfg, step / cfg.train.max_steps), gen, label_ids=labels)
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()

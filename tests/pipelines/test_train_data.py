@@ -90,6 +90,20 @@ def test_disk_feature_cache_matches_fresh_features_and_is_reused(tmp_path):
     assert len(list((tmp_path / "cache").rglob("*.pt"))) == 4
 
 
+def test_bf16_features_are_close_to_float32_and_cached_apart(tmp_path):
+    target = tiny_target("tiny-llama")
+    rows = [{"seq_id": f"s{i}", "input_ids": torch.randint(0, 256, (6 + i,)).tolist(), "response_start": 2} for i in range(3)]
+    seqs = read_sequences(_write(tmp_path / "d.jsonl", rows), max_seq_len=32)
+    ids = collate(seqs)[0]
+    fp32 = target_features(target, ids, (0, 1))
+    bf16 = target_features(target, ids, (0, 1), bf16=True)
+    assert not torch.equal(fp32, bf16)  # the autocast really ran
+    assert float((fp32 - bf16).norm() / fp32.norm()) < 0.02
+    FeatureSource(target, (0, 1), tmp_path / "cache")(seqs)
+    FeatureSource(target, (0, 1), tmp_path / "cache", bf16=True)(seqs)
+    assert len([d for d in (tmp_path / "cache").iterdir()]) == 2  # one cache per precision
+
+
 def test_a_glob_reads_every_shard_once(tmp_path):
     _write(tmp_path / "t.jsonl", [{"seq_id": "a", "input_ids": [1, 2, 3], "response_start": 1}])
     _write(tmp_path / "t.shard-0-of-2.jsonl", [{"seq_id": "b", "input_ids": [1, 2, 3], "response_start": 1}, {"seq_id": "a", "input_ids": [1, 2, 3], "response_start": 1}])
