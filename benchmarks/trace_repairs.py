@@ -5,7 +5,9 @@ counted; where the selector chose a pool candidate other than the native argmax 
     fixed    the repair is the target's token and the native token was not
     broke    the native token was the target's token and the repair is not
     swapped  neither is (harmless: the round ends at this slot either way)
-τ with native selection, with the selector, and the pool oracle are printed per prompt.
+τ with native selection, with the selector, and the pool oracle are printed per prompt, then the
+totals and a per-slot table (slots reached, native argmax right, repairs, fixed, broke) — where in
+the block the selector acts.
 
 References are the target's greedy continuations cached by `drelay compare` / `drelay eval`
 (<out>/cells/<benchmark>__ar.json), so nothing is decoded here.
@@ -47,15 +49,22 @@ def main() -> None:
     outputs = json.loads((Path(args.cells) / f"{args.benchmark}__ar.json").read_text())["outputs"]
     encoder = encoder_for(target)
     counts = dict(slots=0, repairs=0, fixed=0, broke=0, swapped=0)
+    per_slot = [dict(reached=0, native_right=0, repairs=0, fixed=0, broke=0) for _ in range(drafter.config.num_slots)]
 
     def on_round(r) -> None:
         base = r.block.cand_ids[0, :, 0]
         for i in range(min(len(r.path), len(r.ref))):
             counts["slots"] += 1
+            slot = per_slot[i]
+            slot["reached"] += 1
+            slot["native_right"] += int(base[i] == r.ref[i])
             if r.path[i] != base[i]:
                 counts["repairs"] += 1
+                slot["repairs"] += 1
                 key = "fixed" if r.path[i] == r.ref[i] else "broke" if base[i] == r.ref[i] else "swapped"
                 counts[key] += 1
+                if key in slot:
+                    slot[key] += 1
             if r.path[i] != r.ref[i]:
                 break
 
@@ -68,6 +77,10 @@ def main() -> None:
             print(f"{prompt.prompt_id}#{turn}: τ native {native:.3f} · drelay {drelay:.3f} · oracle {oracle:.3f}")
     print(f"{args.benchmark}, slots up to the first error: {counts['slots']}; repairs {counts['repairs']}: "
           f"fixed {counts['fixed']}, broke {counts['broke']}, swapped {counts['swapped']}")  # fmt: skip
+    print("slot | reached | native right | repairs | fixed | broke")
+    for i, slot in enumerate(per_slot):
+        if slot["reached"]:
+            print(f"{i + 1:>4} | {slot['reached']:>7} | {slot['native_right']:>12} | {slot['repairs']:>7} | {slot['fixed']:>5} | {slot['broke']:>5}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from torch import nn
 
 from drelay_model import losses
 from drelay_model.drafter.model import BlockDrafter, DraftBlock
+from drelay_model.selectors.drelay.causal import decide
 from drelay_model.training import eligible_anchors, make_blocks, sample_uniform_anchors, scout_anchors, slot_weights
 
 
@@ -131,8 +132,30 @@ def training_step(
     metrics.update({
         "loss/support": joint.support.item(), "loss/selector": joint.selector.item(), "loss/total": joint.loss.item(),
         "pool/coverage": joint.coverage.item(), "selector/alpha": cfg.alpha, "selector/credit_beta": cfg.beta,
+        **decision_metrics(sel_out.gate, sel_out.rank, block.cand_ids, labels, valid),
     })
     return StepOutput(loss=joint.loss, metrics=metrics)
+
+
+@torch.no_grad()
+def decision_metrics(gate, rank, cand_ids, labels, valid) -> dict[str, float]:
+    """Is the selector better than the native argmax yet? Teacher-forced decisions (Eq. 2 rule) over
+    every valid slot — gate [R, H], rank [R, H, K], cand_ids [R, H, K], labels/valid [R, H]:
+      selector/acc         chosen candidate == label
+      selector/native_acc  pool index 0 (the native argmax) == label
+      selector/repair_rate share of slots where the rule picks k > 0
+      selector/fixed, selector/broke  repairs that turn a wrong native token right / a right one wrong
+    """
+    pick = decide(gate.float(), rank.float())  # [R, H]
+    chosen = cand_ids.gather(-1, pick[..., None])[..., 0]
+    native_ok, chosen_ok, repair = (cand_ids[..., 0] == labels) & valid, (chosen == labels) & valid, (pick > 0) & valid
+    n = valid.sum().clamp(min=1)
+    return {
+        "selector/acc": float(chosen_ok.sum() / n), "selector/native_acc": float(native_ok.sum() / n),
+        "selector/repair_rate": float(repair.sum() / n),
+        "selector/fixed": float((repair & chosen_ok & ~native_ok).sum() / n),
+        "selector/broke": float((repair & native_ok & ~chosen_ok).sum() / n),
+    }  # fmt: skip
 
 
 def _support_metrics(drafter, logits, blocks, support) -> dict[str, float]:

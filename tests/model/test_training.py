@@ -112,7 +112,7 @@ def test_joint_step_trains_drafter_and_selector_and_stays_lossless(target, make_
     feats = target(ids, target.new_cache(16, ids.shape[1]), feature_layers=drafter.config.target_layer_ids).features
     before = {k: v.clone() for k, v in module.state_dict().items()}
     out = _train(module, ids, mask, feats, 3, StepConfig(anchors_per_seq=6, native_fraction=0.5, alpha=1.0, beta=1.0))
-    assert {"loss/support", "loss/selector", "pool/coverage"} <= out.metrics.keys()
+    assert {"loss/support", "loss/selector", "pool/coverage", "selector/acc", "selector/repair_rate"} <= out.metrics.keys()
     changed = {k for k, v in module.state_dict().items() if not torch.equal(v, before[k])}
     assert any(k.startswith("drafter.layers") for k in changed) and any(k.startswith("selector.") for k in changed)
     assert "drafter.embed_weight" not in module.state_dict()  # frozen target weights are buffers, never trained
@@ -120,6 +120,24 @@ def test_joint_step_trains_drafter_and_selector_and_stays_lossless(target, make_
 
     spec = Engine(target, drafter.eval(), selector.eval()).generate(prompts[:3], GenerationConfig(max_new_tokens=24))
     assert spec.tokens == outs[:3]
+
+
+def test_decision_metrics_count_fixes_and_breaks_by_the_keep_repair_rule():
+    from drelay_model.joint import decision_metrics
+
+    cand = torch.tensor([[[5, 6, 7], [5, 6, 7], [5, 6, 7], [5, 6, 7]]])  # [R=1, H=4, K=3]
+    labels = torch.tensor([[6, 5, 7, 5]])
+    valid = torch.tensor([[True, True, True, False]])
+    rank = torch.tensor([[[0.0, 2.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 0.0], [0.0, 2.0, 0.0]]])  # k* = 1 (r = 0.88), or a tie (r = 0.5)
+    gate = torch.tensor([[1.0, 1.0, -5.0, 1.0]])  # slots 1, 2, 4 repair to 6; slot 3 keeps (g + log r < 0)
+    m = decision_metrics(gate, rank, cand, labels, valid)
+    # slot 1: native 5 wrong, repair 6 right (fixed); slot 2: native 5 right, repair 6 wrong (broke);
+    # slot 3: keep 5, label 7 — both wrong; slot 4 is invalid.
+    assert m == {"selector/acc": pytest.approx(1 / 3), "selector/native_acc": pytest.approx(1 / 3),
+                 "selector/repair_rate": pytest.approx(2 / 3), "selector/fixed": pytest.approx(1 / 3),
+                 "selector/broke": pytest.approx(1 / 3)}  # fmt: skip
+    fresh = decision_metrics(torch.full((1, 4), -1.0), torch.zeros(1, 4, 3), cand, labels, valid)
+    assert fresh["selector/repair_rate"] == 0 and fresh["selector/acc"] == fresh["selector/native_acc"]
 
 
 def test_history_windows_match_the_engine_layout():
