@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipelines.eval_results import PHASES
+from drelay_model.decoding.stats import PHASES
 from pipelines.report import BENCHMARK_LABELS
 
 PHASE_COLORS = {"draft": "#4C72B0", "select": "#DD8452", "verify": "#55A868", "other": "#8C8C8C"}

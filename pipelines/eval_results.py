@@ -16,10 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from drelay_model.decoding.stats import DecodeStats
+from drelay_model.decoding.stats import DecodeStats, ms_per_step_of, slot_acceptance_of, tau_of
 from drelay_model.diagnostics import PoolDiagnostics
-
-PHASES = ("draft", "select", "verify", "other")
 
 
 @dataclass
@@ -70,7 +68,7 @@ class DecodeTotals:
     @property
     def tau(self) -> float:
         """Tokens committed per verification round (prefill tokens excluded, as in DecodeStats)."""
-        return self.committed / self.rounds if self.rounds else 0.0
+        return tau_of(self.committed, self.rounds)
 
     @property
     def tokens_per_s(self) -> float:
@@ -79,21 +77,11 @@ class DecodeTotals:
 
     def slot_acceptance(self) -> list[float]:
         """P(draft at slot i accepted), i = 1..H: share of rounds that accepted ≥ i drafts."""
-        if not self.rounds:
-            return [0.0] * self.num_slots
-        tail, out = 0, []
-        for n in range(self.num_slots, 0, -1):
-            tail += self.accept_hist[n]
-            out.append(tail / self.rounds)
-        return out[::-1]
+        return slot_acceptance_of(self.accept_hist, self.rounds)
 
     def ms_per_step(self) -> dict[str, float]:
         """Mean ms per engine step (= per round at concurrency 1) by phase; prefill excluded."""
-        n = max(self.steps, 1)
-        busy = self.time_prefill + self.time_draft + self.time_select + self.time_verify
-        other = max(self.time_total - busy, 0.0)
-        times = (self.time_draft, self.time_select, self.time_verify, other)
-        return {p: 1e3 * t / n for p, t in zip(PHASES, times)}
+        return ms_per_step_of(self.steps, self.time_prefill, self.time_draft, self.time_select, self.time_verify, self.time_total)
 
     @property
     def ms_prefill(self) -> float:

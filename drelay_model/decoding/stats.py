@@ -7,9 +7,37 @@ The first generated token comes from prefill and belongs to no round.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+PHASES = ("draft", "select", "verify", "other")
+
+
+def tau_of(committed: int, rounds: int) -> float:
+    """Tokens committed per verification round (1.0 for autoregressive decoding)."""
+    return committed / rounds if rounds else 0.0
+
+
+def slot_acceptance_of(accept_hist: Sequence[int], rounds: int) -> list[float]:
+    """P(draft at slot i accepted), i = 1..H, from accept_hist [H+1] (row-rounds that accepted
+    exactly n drafts): the share of rounds that accepted ≥ i drafts."""
+    hist = [int(n) for n in accept_hist]
+    if not rounds:
+        return [0.0] * (len(hist) - 1)
+    tail, out = 0, []
+    for n in range(len(hist) - 1, 0, -1):
+        tail += hist[n]
+        out.append(tail / rounds)
+    return out[::-1]
+
+
+def ms_per_step_of(steps: int, prefill: float, draft: float, select: float, verify: float, total: float) -> dict[str, float]:
+    """Mean milliseconds per engine step by phase (prefill excluded; `other` = the rest of the wall time)."""
+    other = max(total - (prefill + draft + select + verify), 0.0)
+    n = max(steps, 1)
+    return {phase: 1e3 * t / n for phase, t in zip(PHASES, (draft, select, verify, other))}
 
 
 @dataclass
@@ -49,15 +77,12 @@ class DecodeStats:
     @property
     def tau(self) -> float:
         """Tokens committed per verification round (1.0 for autoregressive decoding)."""
-        return self.committed / self.rounds if self.rounds else 0.0
+        return tau_of(self.committed, self.rounds)
 
     @property
     def slot_acceptance(self) -> list[float]:
         """P(draft at slot i accepted), i = 1..H: fraction of rounds that accepted ≥ i drafts."""
-        if self.rounds == 0:
-            return [0.0] * self.num_slots
-        at_least = self.accept_hist.flip(0).cumsum(0).flip(0)[1:]  # [H]: rounds with n ≥ i
-        return (at_least.double() / self.rounds).tolist()
+        return slot_acceptance_of(self.accept_hist.tolist(), self.rounds)
 
     @property
     def time_other(self) -> float:
@@ -70,13 +95,7 @@ class DecodeStats:
 
     def breakdown_ms_per_step(self) -> dict[str, float]:
         """Mean milliseconds per engine step for each phase (prefill excluded)."""
-        n = max(self.steps, 1)
-        return {
-            "draft": 1e3 * self.time_draft / n,
-            "select": 1e3 * self.time_select / n,
-            "verify": 1e3 * self.time_verify / n,
-            "other": 1e3 * self.time_other / n,
-        }
+        return ms_per_step_of(self.steps, self.time_prefill, self.time_draft, self.time_select, self.time_verify, self.time_total)
 
     def summary(self) -> dict[str, float]:
         return {
