@@ -82,7 +82,9 @@ def read_sequences(path: str | Path, tokenizer=None, *, max_seq_len: int) -> lis
 def _read_file(path: Path, tokenizer) -> list[TrainSequence]:
     seqs: list[TrainSequence] = []
     text = path.read_text(encoding="utf-8")
-    lines = text.splitlines()
+    # JSONL lines end at "\n" only: str.splitlines() would also split inside strings that hold
+    # U+2028/U+2029 or \x85 (legal in JSON, and the regenerated data writes non-ASCII as is).
+    lines = text.split("\n")
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue

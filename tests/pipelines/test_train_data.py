@@ -112,6 +112,13 @@ def test_a_glob_reads_every_shard_once(tmp_path):
         read_sequences(tmp_path / "u*.jsonl", max_seq_len=8)
 
 
+def test_line_separators_inside_json_strings_do_not_split_a_record(tmp_path):
+    rows = [{"seq_id": "a\u2028b\x85c", "input_ids": [1, 2, 3], "response_start": 1}, {"seq_id": "d", "input_ids": [4, 5, 6], "response_start": 1}]
+    path = tmp_path / "u.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    assert [s.seq_id for s in read_sequences(path, max_seq_len=8)] == ["a\u2028b\x85c", "d"]
+
+
 def test_a_torn_last_line_is_ignored_but_a_bad_middle_line_is_an_error(tmp_path):
     good = json.dumps({"seq_id": "a", "input_ids": [1, 2, 3], "response_start": 1})
     (tmp_path / "torn.jsonl").write_text(good + "\n" + '{"seq_id": "b", "input_ids": [1,')
