@@ -39,9 +39,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from drelay_model.drafter import load_drafter
-    from drelay_model.joint import DraftTrainModule, history_windows
+    from drelay_model.joint import DraftTrainModule, decision_outcomes, history_windows
     from drelay_model.selectors import default_registry
-    from drelay_model.selectors.drelay.causal import decide
+    from drelay_model.selectors.drelay.causal import repair_margin
     from drelay_model.target import load_target
     from drelay_model.training import eligible_anchors, make_blocks, sample_uniform_anchors
     from pipelines.config import load_config
@@ -56,9 +56,7 @@ def main() -> None:
     module = DraftTrainModule(drafter.eval(), selector.eval())
     _, val = load_data(cfg, target)
     H, gen = drafter.config.num_slots, torch.Generator().manual_seed(0)
-    keys = ("valid", "native", "chosen", "repairs", "fixed", "broke", "swapped")
-    total = dict.fromkeys(keys, 0)
-    per_slot = [dict.fromkeys(keys, 0) for _ in range(H)]
+    per_slot = {k: torch.zeros(H, dtype=torch.long) for k in ("valid", "native", "chosen", "repairs", "fixed", "broke", "swapped")}
     by_margin = [dict.fromkeys(("repairs", "fixed", "broke", "swapped"), 0) for _ in BINS[:-1]]
     for seq in val[: args.seqs]:
         ids, mask = collate([seq])
@@ -69,37 +67,28 @@ def main() -> None:
             labels, valid = blocks.labels.reshape(-1, H), blocks.valid.reshape(-1, H)
             history, hmask = history_windows(feats, anchors, selector.capabilities.history_len) if selector.capabilities.history_len else (None, None)
             _, block, out = module(torch.gather(ids, 1, anchors), anchors, feats, labels, history, hmask)
-        pick = decide(out.gate, out.rank)
-        alt = out.rank[..., 1:]
-        margin = out.gate + alt.max(-1).values - alt.logsumexp(-1)  # g + log r_k*
-        chosen = block.cand_ids.gather(-1, pick[..., None])[..., 0]
-        native_ok, chosen_ok, repair = block.cand_ids[..., 0] == labels, chosen == labels, pick > 0
-        outcome = {
-            "valid": valid, "native": native_ok & valid, "chosen": chosen_ok & valid, "repairs": repair & valid,
-            "fixed": repair & chosen_ok & ~native_ok & valid, "broke": repair & native_ok & ~chosen_ok & valid,
-            "swapped": repair & ~native_ok & ~chosen_ok & valid,
-        }  # fmt: skip
-        for k, mask_k in outcome.items():
-            total[k] += int(mask_k.sum())
-            for i in range(H):
-                per_slot[i][k] += int(mask_k[:, i].sum())
+        outcome = decision_outcomes(out.gate, out.rank, block.cand_ids, labels, valid)
+        margin, _ = repair_margin(out.gate, out.rank)
+        for k, hits in outcome.items():
+            per_slot[k] += hits.sum(dim=0)
         for b, (lo, hi) in enumerate(zip(BINS[:-1], BINS[1:])):
             in_bin = (margin > lo) & (margin <= hi)
             for k in by_margin[b]:
                 by_margin[b][k] += int((outcome[k] & in_bin).sum())
+    total = {k: int(v.sum()) for k, v in per_slot.items()}
     n = max(total["valid"], 1)
     print(f"{args.checkpoint}: {min(args.seqs, len(val))} held-out sequences, {total['valid']} valid (block, slot) pairs")
     print(f"native right {total['native'] / n:.4f} · selector right {total['chosen'] / n:.4f} · "
           f"repairs {total['repairs']} ({total['repairs'] / n:.2%}): fixed {total['fixed']}, broke {total['broke']}, swapped {total['swapped']}")  # fmt: skip
     print("\nslot | valid | native right | selector right | repairs | fixed | broke")
-    for i, s in enumerate(per_slot):
+    for i in range(H):
+        s = {k: int(v[i]) for k, v in per_slot.items()}
         v = max(s["valid"], 1)
         print(f"{i + 1:>4} | {s['valid']:>5} | {s['native'] / v:>12.3f} | {s['chosen'] / v:>14.3f} | {s['repairs']:>7} | {s['fixed']:>5} | {s['broke']:>5}")
     print("\nrepair margin m | repairs | fixed | broke | swapped | selector right if REPAIR needs m > lower bound")
     for b, (lo, hi) in enumerate(zip(BINS[:-1], BINS[1:])):
         m = by_margin[b]
-        above = by_margin[b:]
-        acc = (total["native"] + sum(x["fixed"] - x["broke"] for x in above)) / n
+        acc = (total["native"] + sum(x["fixed"] - x["broke"] for x in by_margin[b:])) / n
         print(f"({lo:g}, {hi:g}] | {m['repairs']:>7} | {m['fixed']:>5} | {m['broke']:>5} | {m['swapped']:>7} | {acc:.4f}")
 
 

@@ -138,24 +138,33 @@ def training_step(
 
 
 @torch.no_grad()
-def decision_metrics(gate, rank, cand_ids, labels, valid) -> dict[str, float]:
-    """Is the selector better than the native argmax yet? Teacher-forced decisions (Eq. 2 rule) over
-    every valid slot — gate [R, H], rank [R, H, K], cand_ids [R, H, K], labels/valid [R, H]:
-      selector/acc         chosen candidate == label
-      selector/native_acc  pool index 0 (the native argmax) == label
-      selector/repair_rate share of slots where the rule picks k > 0
-      selector/fixed, selector/broke  repairs that turn a wrong native token right / a right one wrong
+def decision_outcomes(gate, rank, cand_ids, labels, valid) -> dict[str, torch.Tensor]:
+    """Teacher-forced decisions by Eq. 2's rule, as bool masks [R, H] over the valid slots —
+    gate [R, H], rank [R, H, K], cand_ids [R, H, K], labels/valid [R, H]:
+      valid    the slot is supervised
+      native   pool index 0 (the native argmax) is the label
+      chosen   the selector's choice is the label
+      repairs  the rule picks k > 0
+      fixed / broke / swapped  repairs that turn a wrong native token right / a right one wrong /
+               one wrong token into another
     """
     pick = decide(gate.float(), rank.float())  # [R, H]
     chosen = cand_ids.gather(-1, pick[..., None])[..., 0]
     native_ok, chosen_ok, repair = (cand_ids[..., 0] == labels) & valid, (chosen == labels) & valid, (pick > 0) & valid
-    n = valid.sum().clamp(min=1)
     return {
-        "selector/acc": float(chosen_ok.sum() / n), "selector/native_acc": float(native_ok.sum() / n),
-        "selector/repair_rate": float(repair.sum() / n),
-        "selector/fixed": float((repair & chosen_ok & ~native_ok).sum() / n),
-        "selector/broke": float((repair & native_ok & ~chosen_ok).sum() / n),
+        "valid": valid, "native": native_ok, "chosen": chosen_ok, "repairs": repair,
+        "fixed": repair & chosen_ok & ~native_ok, "broke": repair & native_ok & ~chosen_ok,
+        "swapped": repair & ~native_ok & ~chosen_ok,
     }  # fmt: skip
+
+
+def decision_metrics(gate, rank, cand_ids, labels, valid) -> dict[str, float]:
+    """Is the selector better than the native argmax yet? `decision_outcomes` as shares of the valid
+    slots: selector/acc (chosen), selector/native_acc, selector/repair_rate, selector/fixed, selector/broke."""
+    out = decision_outcomes(gate, rank, cand_ids, labels, valid)
+    n = valid.sum().clamp(min=1)
+    names = {"chosen": "acc", "native": "native_acc", "repairs": "repair_rate", "fixed": "fixed", "broke": "broke"}
+    return {f"selector/{name}": float(out[key].sum() / n) for key, name in names.items()}
 
 
 def _support_metrics(drafter, logits, blocks, support) -> dict[str, float]:
@@ -175,4 +184,4 @@ def unwrap(module: nn.Module) -> nn.Module:
     return getattr(module, "module", module)
 
 
-__all__ = ["DraftBlock", "DraftTrainModule", "StepConfig", "StepOutput", "history_windows", "training_step", "unwrap"]
+__all__ = ["DraftBlock", "DraftTrainModule", "StepConfig", "StepOutput", "decision_metrics", "decision_outcomes", "history_windows", "training_step", "unwrap"]

@@ -43,21 +43,24 @@ TIE_TOL = 1e-4
 _LOGQ_FLOOR = -30.0  # log q below this carries no extra information as an input feature
 
 
-def decide(gate: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
-    """The KEEP/REPAIR rule of Eq. 2.
-
-    r_ik = softmax_{k>0}(S_ik); REPAIR with k* = argmax_{k>0} r_ik iff g_i + log r_ik* > TIE_TOL,
-    else KEEP (pool index 0). Among equal alternatives the lowest pool index wins.
+def repair_margin(gate: torch.Tensor, rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantity Eq. 2's rule thresholds: m_i = g_i + log r_ik*, r_ik = softmax_{k>0}(S_ik).
 
     Args:
         gate [...] gate logits g; rank [..., K] scores S (column 0, the native score, is unused).
     Returns:
-        [...] int64 pool index.
+        (margin [...] float, k* [...] int64 pool index of the best alternative; the lowest on ties).
     """
     alt = rank[..., 1:]
     best, arg = alt.max(dim=-1)
-    margin = gate + (best - alt.logsumexp(dim=-1))  # g + log r_k*
-    return torch.where(margin > TIE_TOL, arg + 1, torch.zeros_like(arg))
+    return gate + (best - alt.logsumexp(dim=-1)), arg + 1
+
+
+def decide(gate: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+    """The KEEP/REPAIR rule of Eq. 2: REPAIR with k* iff g_i + log r_ik* > TIE_TOL, else KEEP
+    (pool index 0). gate [...], rank [..., K] → [...] int64 pool index."""
+    margin, best = repair_margin(gate, rank)
+    return torch.where(margin > TIE_TOL, best, torch.zeros_like(best))
 
 
 @dataclass(frozen=True)
