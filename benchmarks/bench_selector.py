@@ -24,6 +24,7 @@ Run:  .venv/bin/python benchmarks/bench_selector.py                 # 1 thread (
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import statistics
 import time
 
@@ -135,4 +136,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from pipelines.cli import guarded
+
+    raise SystemExit(guarded(main, Path(__file__).name))

@@ -78,4 +78,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from pipelines.cli import guarded
+
+    raise SystemExit(guarded(main, Path(__file__).name))

@@ -38,6 +38,7 @@ def main() -> None:
 
     from drelay_model.decoding.replay import replay
     from drelay_model.drafter import load_drafter
+    from drelay_model.errors import DRelayError
     from drelay_model.selectors import default_registry
     from drelay_model.target import load_target
     from pipelines.benchmarks import load_benchmark
@@ -46,7 +47,10 @@ def main() -> None:
     target = load_target(args.target)
     drafter, extra, meta = load_drafter(args.checkpoint, target)
     selector = default_registry().from_checkpoint("drelay", drafter=drafter, tensors=extra, meta=meta)
-    outputs = json.loads((Path(args.cells) / f"{args.benchmark}__ar.json").read_text())["outputs"]
+    cell = Path(args.cells) / f"{args.benchmark}__ar.json"
+    if not cell.is_file():
+        raise DRelayError(f"--cells: no '{cell}' (run `drelay compare` or `drelay eval` with the same --limit first)")
+    outputs = json.loads(cell.read_text())["outputs"]
     encoder = encoder_for(target)
     counts = dict(slots=0, repairs=0, fixed=0, broke=0, swapped=0)
     per_slot = [dict(reached=0, native_right=0, repairs=0, fixed=0, broke=0) for _ in range(drafter.config.num_slots)]
@@ -84,4 +88,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from pipelines.cli import guarded
+
+    raise SystemExit(guarded(main, Path(__file__).name))

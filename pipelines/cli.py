@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 from drelay_model.errors import DRelayError
 
@@ -38,18 +39,24 @@ def _quiet_libraries() -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
+def guarded(run: Callable[[], int | None], prog: str) -> int:
+    """Run a job; bad input (`DRelayError`) becomes one line on stderr and exit status 2, Ctrl-C 130.
+    The `drelay` command and the scripts in benchmarks/ exit through it."""
+    try:
+        return int(run() or 0)
+    except DRelayError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     parser = _build_parser()
     args = parser.parse_args(argv)
-    try:
-        return int(args.run(args) or 0)
-    except DRelayError as exc:
-        print(f"drelay: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("drelay: interrupted", file=sys.stderr)
-        return 130
+    return guarded(lambda: args.run(args), "drelay")
 
 
 if __name__ == "__main__":  # pragma: no cover
