@@ -39,7 +39,7 @@ def main() -> None:
     from pipelines.train.data import collate
     from pipelines.train.features import FeatureSource
     from pipelines.train.model_io import build_module
-    from pipelines.train.worker import _step_config, load_data
+    from pipelines.train.worker import step_config, load_data
 
     overrides = [f"drafter.init_checkpoint={args.checkpoint}"] if args.checkpoint else []
     cfg = load_config(ROOT / "platform/experiments/smollm2-135m/train.yaml", overrides)
@@ -51,7 +51,7 @@ def main() -> None:
     layers = module.drafter.config.target_layer_ids
     print("anchors | features | features s | forward s | backward s | optimizer s | blocks/s")
     for anchors in args.anchors:
-        step_cfg = _step_config(cfg.model_copy(update={"train": cfg.train.model_copy(update={"anchors_per_seq": anchors})}), 0.5)
+        step_cfg = step_config(cfg.model_copy(update={"train": cfg.train.model_copy(update={"anchors_per_seq": anchors})}), 0.5)
         for bf16 in (False, True):
             features = FeatureSource(target, layers, bf16=bf16)
             rng, gen = random.Random(0), torch.Generator().manual_seed(0)

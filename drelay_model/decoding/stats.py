@@ -33,9 +33,14 @@ def slot_acceptance_of(accept_hist: Sequence[int], rounds: int) -> list[float]:
     return out[::-1]
 
 
+def other_time_of(prefill: float, draft: float, select: float, verify: float, total: float) -> float:
+    """Wall seconds outside the timed phases (bookkeeping, KV-cache moves, Python)."""
+    return max(total - (prefill + draft + select + verify), 0.0)
+
+
 def ms_per_step_of(steps: int, prefill: float, draft: float, select: float, verify: float, total: float) -> dict[str, float]:
     """Mean milliseconds per engine step by phase (prefill excluded; `other` = the rest of the wall time)."""
-    other = max(total - (prefill + draft + select + verify), 0.0)
+    other = other_time_of(prefill, draft, select, verify, total)
     n = max(steps, 1)
     return {phase: 1e3 * t / n for phase, t in zip(PHASES, (draft, select, verify, other))}
 
@@ -86,8 +91,7 @@ class DecodeStats:
 
     @property
     def time_other(self) -> float:
-        busy = self.time_prefill + self.time_draft + self.time_select + self.time_verify
-        return max(self.time_total - busy, 0.0)
+        return other_time_of(self.time_prefill, self.time_draft, self.time_select, self.time_verify, self.time_total)
 
     @property
     def tokens_per_second(self) -> float:

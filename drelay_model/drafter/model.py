@@ -45,7 +45,9 @@ class _RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # The weight in x's dtype: under bf16 autocast x is bf16, and a float weight would force
+        # torch's unfused fallback (and a warning per call).
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
 
 class _Layer(nn.Module):

@@ -167,8 +167,8 @@ class TargetModel(nn.Module):
         qkv = F.linear(h, w.qkv, w.qkv_bias).view(B, T, nq + 2 * nkv, hd)
         q, k, v = qkv.split((nq, nkv, nkv), dim=2)  # [B, T, n, hd]
         if w.q_norm is not None:
-            q = F.rms_norm(q, (hd,), w.q_norm, self.eps)
-            k = F.rms_norm(k, (hd,), w.k_norm, self.eps)
+            q = F.rms_norm(q, (hd,), w.q_norm.to(q.dtype), self.eps)  # bf16 autocast: keep the fused kernel
+            k = F.rms_norm(k, (hd,), w.k_norm.to(k.dtype), self.eps)
         q = _apply_rope(q.transpose(1, 2), cos, sin)  # [B, nq, T, hd]
         k = _apply_rope(k.transpose(1, 2), cos, sin)  # [B, nkv, T, hd]
         k_all, v_all = cache.append(i, k, v.transpose(1, 2))  # [B, nkv, kv, hd]

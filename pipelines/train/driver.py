@@ -18,6 +18,7 @@ from drelay_model.atomic import atomic_directory
 from drelay_model.errors import DRelayError
 from pipelines.config import RunConfig
 from pipelines.train.data import data_files
+from pipelines.train.model_io import continues_selector
 from pipelines.tracking import REPO_ROOT, fail_stale_runs, get_client, git_commit, hardware_description, tracked_run
 
 
@@ -45,9 +46,10 @@ def check_inputs(cfg: RunConfig) -> None:
         from drelay_model.drafter.checkpoint import read_checkpoint
 
         try:
-            read_checkpoint(repo_path(cfg.drafter.init_checkpoint))
+            meta = read_checkpoint(repo_path(cfg.drafter.init_checkpoint))[2]
         except DRelayError as exc:
             raise DRelayError(f"drafter.init_checkpoint: {exc}") from exc
+        continues_selector(cfg, meta)  # a selector.config that contradicts the saved selector fails here
     for field, path in (("output_dir", cfg.output_dir), ("ray.storage_path", cfg.ray.storage_path)):
         folder = repo_path(path)
         try:

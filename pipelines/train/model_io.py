@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from drelay_model.drafter import BlockDrafter, DrafterConfig, build_draft_vocab, load_drafter, save_drafter
+from drelay_model.errors import DRelayError
 from drelay_model.joint import DraftTrainModule
 from drelay_model.selectors import default_registry
 from pipelines.config import RunConfig
@@ -20,8 +21,10 @@ def build_module(cfg: RunConfig, target, train_seqs) -> DraftTrainModule:
     every worker starts from identical weights."""
     d = cfg.drafter
     torch.manual_seed(cfg.train.seed)
+    saved: tuple[dict, dict] | None = None  # (tensors beyond the drafter, meta) of init_checkpoint
     if d.init_checkpoint:
-        drafter = load_drafter(d.init_checkpoint, target)[0].train()
+        drafter, extra, meta = load_drafter(d.init_checkpoint, target)
+        drafter, saved = drafter.train(), (extra, meta)
     else:
         overrides = dict(num_layers=d.num_layers, block_size=d.block_size, top_k=d.top_k, draft_vocab_size=d.draft_vocab_size)
         if d.target_layer_ids is not None:
@@ -35,13 +38,35 @@ def build_module(cfg: RunConfig, target, train_seqs) -> DraftTrainModule:
         drafter = BlockDrafter(DrafterConfig.for_target(target, **overrides), target, draft_to_target=mapping)
     selector = None
     if cfg.selector.name != "none":
-        selector = default_registry().create(cfg.selector.name, drafter=drafter, config=cfg.selector.config or None)
+        if saved is not None and continues_selector(cfg, saved[1]):
+            # Continue training the checkpoint's own selector (e.g. a longer joint run).
+            tensors, meta = saved
+            selector = default_registry().from_checkpoint(cfg.selector.name, drafter=drafter, tensors=tensors, meta=meta).train()
+        else:
+            selector = default_registry().create(cfg.selector.name, drafter=drafter, config=cfg.selector.config or None)
         if not cfg.train.selector_loss:
             # "No selector loss" (Table 4): nothing trains the selector, so it stays at its
             # initialisation, which picks exactly the native path. Frozen, DDP does not wait for
             # gradients it will never get.
             selector.requires_grad_(False)
     return DraftTrainModule(drafter, selector)
+
+
+def continues_selector(cfg: RunConfig, meta: dict) -> bool:
+    """Does `drafter.init_checkpoint` (whose meta is `meta`) hold a trained selector of the configured
+    kind? Then training continues from its weights, under its saved selector config; an explicit
+    `selector.config` that differs from that is an error, since the weights belong to the saved one."""
+    saved = meta.get("selector") or {}
+    if cfg.selector.name == "none" or saved.get("name") != cfg.selector.name:
+        return False
+    kept = saved.get("config") or {}
+    diff = sorted(k for k, v in cfg.selector.config.items() if k not in kept or kept[k] != v)
+    if diff:
+        raise DRelayError(
+            f"selector.config: {', '.join(diff)} differs from the trained '{cfg.selector.name}' selector in "
+            "drafter.init_checkpoint; drop it to continue training that selector"
+        )
+    return True
 
 
 def selector_meta(module: DraftTrainModule, cfg: RunConfig) -> dict | None:

@@ -67,7 +67,8 @@ def validate(target, module, prompts, conts) -> dict[str, float]:
     return out
 
 
-def _step_config(cfg: RunConfig, progress: float) -> StepConfig:
+def step_config(cfg: RunConfig, progress: float) -> StepConfig:
+    """The training step's settings at `progress` ∈ [0, 1] of the run (schedules evaluated there)."""
     t = cfg.train
     return StepConfig(
         anchors_per_seq=t.anchors_per_seq,
@@ -142,7 +143,7 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = training_step(model, module, ids, mask, feats, _step_config(cfg, step / cfg.train.max_steps), gen, label_ids=labels)
+            out = training_step(model, module, ids, mask, feats, step_config(cfg, step / cfg.train.max_steps), gen, label_ids=labels)
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip).item()

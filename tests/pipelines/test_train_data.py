@@ -142,3 +142,37 @@ def test_no_selector_loss_freezes_the_selector_at_its_native_initialisation():
     assert all(p.requires_grad for p in full.selector.parameters())
     assert not any(p.requires_grad for p in ablated.selector.parameters())
     assert any(p.requires_grad for p in ablated.drafter.parameters())
+
+
+def test_init_checkpoint_continues_its_trained_selector(tmp_path):
+    """A longer joint run starts from drafter *and* selector of `drafter.init_checkpoint`; a fresh
+    selector would throw away what the first run learned. A contradicting selector.config fails."""
+    from drelay_model.target import tiny_target
+    from pipelines.config import load_config
+    from pipelines.train.driver import check_inputs
+    from pipelines.train.model_io import build_module, save_training_checkpoint
+
+    target = tiny_target("tiny-llama")
+    small = "selector.config={d_sel: 32, read_dim: 32, history_len: 8}"
+    over = ["target.spec=tiny-llama", "drafter.num_layers=1", "drafter.top_k=8", "drafter.draft_vocab_size=null", "selector.name=drelay"]
+    cfg = load_config(None, [*over, small])
+    first = build_module(cfg, target, [])
+    with torch.no_grad():
+        for p in first.selector.parameters():
+            p.add_(0.5)  # "trained": nothing like a fresh initialisation
+    optimizer = torch.optim.AdamW([p for p in first.parameters() if p.requires_grad])
+    save_training_checkpoint(tmp_path / "ck", first, optimizer, 7, cfg)
+    init = f"drafter.init_checkpoint={tmp_path / 'ck' / 'drafter'}"
+
+    second = build_module(load_config(None, [*over, init]), target, [])
+    for (name, a), b in zip(first.selector.state_dict().items(), second.selector.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert all(p.requires_grad for p in second.selector.parameters())
+    assert build_module(load_config(None, [*over, small, init]), target, []).selector is not None  # same config: fine
+
+    clash = load_config(None, [*over, init, "selector.config={d_sel: 64}", f"output_dir={tmp_path}/o", f"ray.storage_path={tmp_path}/r",
+                               "data.fallback_reference_answers=true"])  # fmt: skip
+    with pytest.raises(DRelayError, match=r"^selector.config: d_sel differs from the trained 'drelay' selector"):
+        check_inputs(clash)
+    native = build_module(load_config(None, [*over[:-1], init]), target, [])
+    assert native.selector is None  # a native run from a joint checkpoint keeps the drafter only
