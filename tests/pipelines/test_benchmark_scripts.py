@@ -1,5 +1,6 @@
 """The scripts in benchmarks/ answer bad input like `drelay` does: one line on stderr, exit 2."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,3 +25,30 @@ def test_bad_input_is_one_line_and_exit_2(script, args, message):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"{script}: error: ") and message in last
     assert "Traceback" not in proc.stderr
+
+
+def test_training_budget_names_a_missing_run_or_experiment(tmp_path):
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    script = ROOT / "benchmarks" / "plot_training_budget.py"
+    run = [sys.executable, str(script), "--runs", "nope", "--out", str(tmp_path / "x.png")]
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 2 and "--experiment: no MLflow experiment 'drelay-train'" in proc.stderr
+    from pipelines.tracking import ensure_experiment, get_client
+
+    ensure_experiment(get_client(env["MLFLOW_TRACKING_URI"]), "drelay-train")
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 2 and "--runs: no finished MLflow run named 'nope'" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "x.png").exists()
+
+
+def test_training_budget_points_chain_wall_time():
+    """x = minutes since the run's start + every earlier run's whole duration."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from plot_training_budget import budget_points
+
+    minute = 60_000
+    first = ("a", 0, 10 * minute, {"val/tau_native": [(5, 4 * minute, 1.2), (10, 9 * minute, 1.4)], "val/tau_oracle": [(10, 9 * minute + 30_000, 2.5)]})
+    second = ("b", 50 * minute, 56 * minute, {"val/tau_native": [(3, 53 * minute, 1.5)]})
+    points = budget_points([first, second])
+    assert [(p.run, p.step, p.minutes) for p in points] == [("a", 5, 4.0), ("a", 10, 9.5), ("b", 3, 13.0)]
+    assert points[1].tau == {"val/tau_native": 1.4, "val/tau_oracle": 2.5} and points[0].tau == {"val/tau_native": 1.2}
