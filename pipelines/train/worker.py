@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -179,8 +180,11 @@ class ProgressLine:
         left = (self.total - step) * per_step / 60
         losses = " ".join(f"{k.removeprefix('loss/')} {v:.3f}" for k, v in metrics.items() if k.startswith("loss/"))
         val = " ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in metrics.items() if k.startswith("val/"))
-        print(f"[train] step {step}/{self.total} · {losses} · slot-1 acc {metrics.get('acc/slot1', 0.0):.3f} · "
-              f"{per_step:.2f} s/step · {left:.1f} min left{' · ' + val if val else ''}", flush=True)  # fmt: skip
+        line = (f"[train] step {step}/{self.total} · {losses} · slot-1 acc {metrics.get('acc/slot1', 0.0):.3f} · "
+                f"{per_step:.2f} s/step · {left:.1f} min left{' · ' + val if val else ''}")  # fmt: skip
+        # The process's own stdout, once: Ray Train patches print() to log through its logger *and*
+        # echo to a wrapped sys.stdout, which printed every line twice on the driver.
+        print(line, file=sys.__stdout__, flush=True)
 
 
 def _report(metrics, rank, module, optimizer, step, cfg) -> None:

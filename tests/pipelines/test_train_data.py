@@ -176,3 +176,14 @@ def test_init_checkpoint_continues_its_trained_selector(tmp_path):
         check_inputs(clash)
     native = build_module(load_config(None, [*over[:-1], init]), target, [])
     assert native.selector is None  # a native run from a joint checkpoint keeps the drafter only
+
+
+def test_progress_line_prints_once_per_interval_and_at_the_end(capfd):
+    from pipelines.train.worker import ProgressLine
+
+    progress = ProgressLine(0, 60, every=25)
+    for step in range(1, 61):
+        progress.update(step, {"loss/support": 2.5, "acc/slot1": 0.4, **({"val/tau_native": 1.8} if step == 60 else {})})
+    lines = [line for line in capfd.readouterr().out.splitlines() if line]
+    assert [line.split(" · ")[0] for line in lines] == ["[train] step 25/60", "[train] step 50/60", "[train] step 60/60"]
+    assert "support 2.500" in lines[0] and "slot-1 acc 0.400" in lines[0] and lines[-1].endswith("tau_native 1.800")
