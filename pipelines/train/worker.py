@@ -152,12 +152,14 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
         tokens += int(mask.sum())
         metrics = {**out.metrics, "lr": lr, "grad_norm": grad_norm, "step": step + 1}
         last = step + 1 == cfg.train.max_steps
+        if rank == 0 and ((step + 1) % cfg.train.validate_every == 0 or last):  # on its own schedule, not only at checkpoints
+            started = time.perf_counter()
+            metrics.update(validate(target, module, *val))
+            t_last += time.perf_counter() - started  # replay time is not training throughput
         if (step + 1) % cfg.train.checkpoint_every == 0 or last:
             now = time.perf_counter()
             metrics["throughput/tokens_per_s"] = tokens * world / (now - t_last)  # response tokens, all workers
             metrics["throughput/samples_per_s"] = (step + 1 - step_last) * cfg.train.seqs_per_step * world / (now - t_last)
-            if rank == 0 and ((step + 1) % cfg.train.validate_every == 0 or last):
-                metrics.update(validate(target, module, *val))
             _report(metrics, rank, module, optimizer, step + 1, cfg)
             t_last, tokens, step_last = time.perf_counter(), 0, step + 1
         if logger is not None:

@@ -43,7 +43,7 @@ def ray_session():
 def _config(tmp_path, data, **over):
     base = {
         "target.spec": "tiny-llama", "data.regenerated": str(data), "data.validation_fraction": 0.1,
-        "train.max_steps": 16, "train.checkpoint_every": 4, "train.validate_every": 8, "train.seqs_per_step": 4,
+        "train.max_steps": 16, "train.checkpoint_every": 4, "train.validate_every": 6, "train.seqs_per_step": 4,
         "train.anchors_per_seq": 8, "train.validation_prompts": 2, "train.warmup_steps": 2,
         "ray.num_workers": 2, "ray.storage_path": str(tmp_path / "ray"), "ray.run_name": "tiny",
         "output_dir": str(tmp_path / "out"), "drafter.num_layers": 1, "drafter.top_k": 8,
@@ -71,6 +71,8 @@ def test_killed_worker_resumes_from_checkpoint_and_history_is_whole(tmp_path, ti
     history = client.get_metric_history(result.mlflow_run_id, "loss/support")
     assert {m.step for m in history} == set(range(1, 17))  # every step logged, before and after the kill
     assert {"val/tau_native", "val/tau_oracle", "val/tau_selector", "loss/selector"} <= run.data.metrics.keys()
+    # Validation on its own schedule (every 6 steps and at the end), not only where a checkpoint falls.
+    assert {m.step for m in client.get_metric_history(result.mlflow_run_id, "val/tau_native")} == {6, 12, 16}
     # The exported checkpoint carries the trained selector, loadable by name.
     from drelay_model.selectors import default_registry
 
