@@ -32,16 +32,23 @@ class BudgetPoint:
     tau: dict[str, float]  # series name (a key of SERIES) -> τ
 
 
+def run_starts(runs) -> dict[str, float]:
+    """Cumulative minutes at which each run of the chain begins: the whole wall time of those before."""
+    starts, offset = {}, 0.0
+    for name, start, end, *_ in runs:
+        starts[name], offset = offset, offset + (end - start) / 60e3
+    return starts
+
+
 def budget_points(runs: list[tuple[str, int, int, dict[str, list[tuple[int, int, float]]]]]) -> list[BudgetPoint]:
     """runs: (name, start_ms, end_ms, {metric: [(step, timestamp_ms, value), ...]}) in chain order."""
-    out, offset = [], 0.0
-    for name, start, end, history in runs:
+    out, starts = [], run_starts(runs)
+    for name, start, _, history in runs:
         steps = sorted({s for series in history.values() for s, _, _ in series})
         for step in steps:
             at = {m: (t, v) for m, series in history.items() for s, t, v in series if s == step}
             stamp = max(t for t, _ in at.values())
-            out.append(BudgetPoint(name, step, offset + (stamp - start) / 60e3, {m: v for m, (_, v) in at.items()}))
-        offset += (end - start) / 60e3
+            out.append(BudgetPoint(name, step, starts[name] + (stamp - start) / 60e3, {m: v for m, (_, v) in at.items()}))
     return out
 
 
@@ -111,10 +118,7 @@ def main() -> None:
         cells = " | ".join(f"{pt.tau[m]:.3f}" if m in pt.tau else "—" for m in SERIES)
         print(f"{pt.run} | {pt.step} | {pt.minutes:.1f} | {cells}")
     out = Path(args.out)
-    starts, offset = {}, 0.0
-    for name, start, end, *_ in runs:
-        starts[name], offset = offset, offset + (end - start) / 60e3
-    plot(points, starts, out, budget=args.budget, goal=args.goal)
+    plot(points, run_starts(runs), out, budget=args.budget, goal=args.goal)
     client.log_artifact(runs[-1][4], str(out))
     print(f"wrote {out} (also logged to MLflow run {runs[-1][4]} of '{args.runs[-1]}')")
 

@@ -21,10 +21,10 @@ def build_module(cfg: RunConfig, target, train_seqs) -> DraftTrainModule:
     every worker starts from identical weights."""
     d = cfg.drafter
     torch.manual_seed(cfg.train.seed)
-    saved: tuple[dict, dict] | None = None  # (tensors beyond the drafter, meta) of init_checkpoint
+    extra, meta = {}, {}  # what init_checkpoint holds beyond the drafter (e.g. a trained selector)
     if d.init_checkpoint:
         drafter, extra, meta = load_drafter(d.init_checkpoint, target)
-        drafter, saved = drafter.train(), (extra, meta)
+        drafter.train()
     else:
         overrides = dict(num_layers=d.num_layers, block_size=d.block_size, top_k=d.top_k, draft_vocab_size=d.draft_vocab_size)
         if d.target_layer_ids is not None:
@@ -38,10 +38,9 @@ def build_module(cfg: RunConfig, target, train_seqs) -> DraftTrainModule:
         drafter = BlockDrafter(DrafterConfig.for_target(target, **overrides), target, draft_to_target=mapping)
     selector = None
     if cfg.selector.name != "none":
-        if saved is not None and continues_selector(cfg, saved[1]):
+        if continues_selector(cfg, meta):
             # Continue training the checkpoint's own selector (e.g. a longer joint run).
-            tensors, meta = saved
-            selector = default_registry().from_checkpoint(cfg.selector.name, drafter=drafter, tensors=tensors, meta=meta).train()
+            selector = default_registry().from_checkpoint(cfg.selector.name, drafter=drafter, tensors=extra, meta=meta).train()
         else:
             selector = default_registry().create(cfg.selector.name, drafter=drafter, config=cfg.selector.config or None)
         if not cfg.train.selector_loss:
