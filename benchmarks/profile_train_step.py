@@ -33,7 +33,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from drelay_model.joint import DraftTrainModule, training_step
+    from drelay_model.training.step import DraftTrainModule, training_step
     from drelay_model.target import load_target
     from pipelines.config import load_config
     from pipelines.train.data import collate

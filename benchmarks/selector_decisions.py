@@ -39,11 +39,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from drelay_model.drafter import load_drafter
-    from drelay_model.joint import DraftTrainModule, decision_outcomes, history_windows
+    from drelay_model.training.step import DraftTrainModule, decision_outcomes, history_windows
     from drelay_model.selectors import default_registry
     from drelay_model.selectors.drelay.causal import repair_margin
     from drelay_model.target import load_target
-    from drelay_model.training import eligible_anchors, make_blocks, sample_uniform_anchors
+    from drelay_model.training.anchors import eligible_anchors, make_blocks, sample_uniform_anchors
     from pipelines.config import load_config
     from pipelines.train.data import collate
     from pipelines.train.features import target_features

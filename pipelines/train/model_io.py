@@ -8,7 +8,7 @@ import torch
 
 from drelay_model.drafter import BlockDrafter, DrafterConfig, build_draft_vocab, load_drafter, save_drafter
 from drelay_model.errors import DRelayError
-from drelay_model.joint import DraftTrainModule
+from drelay_model.training.step import DraftTrainModule
 from drelay_model.selectors import default_registry
 from pipelines.config import RunConfig
 from pipelines.train.data import label_counts

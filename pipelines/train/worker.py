@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine, replay
-from drelay_model.joint import StepConfig, training_step
-from drelay_model.losses import LossSwitches
+from drelay_model.training.step import StepConfig, training_step
+from drelay_model.training.losses import LossSwitches
 from drelay_model.target import load_target
-from drelay_model.training import lr_at
+from drelay_model.training.schedules import lr_at
 from pipelines.config import RunConfig
 from pipelines.train.driver import repo_path
 from pipelines.train.data import batch_order, collate, read_sequences, reference_sequences, split_validation

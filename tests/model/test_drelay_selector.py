@@ -12,7 +12,7 @@ import torch
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine, replay
 from drelay_model.drafter import DraftBlock
 from drelay_model.errors import DRelayError
-from drelay_model.losses import joint_loss, selector_loss, support_ce
+from drelay_model.training.losses import joint_loss, selector_loss, support_ce
 from drelay_model.selectors import SelectionContext, default_registry
 from drelay_model.selectors.drelay import DRelayConfig, DRelaySelector, decide, null_attention
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from drelay_model.losses import (
+from drelay_model.training.losses import (
     LossSwitches,
     blend_weights,
     joint_loss,

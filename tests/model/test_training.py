@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine, replay
-from drelay_model.joint import DraftTrainModule, StepConfig, history_windows, training_step
+from drelay_model.training.step import DraftTrainModule, StepConfig, history_windows, training_step
 from drelay_model.selectors import default_registry
-from drelay_model.training import eligible_anchors, lr_at, make_blocks, sample_uniform_anchors, scout_anchors
+from drelay_model.training.anchors import eligible_anchors, make_blocks, sample_uniform_anchors, scout_anchors
+from drelay_model.training.schedules import lr_at
 
 
 def test_block_labels_stop_at_the_first_non_response_position():
@@ -54,7 +55,7 @@ def test_scout_traces_the_boundaries_of_native_greedy_decoding(target, make_draf
     elig = eligible_anchors(mask)
     only_first = torch.zeros_like(elig)
     only_first[:, 6] = True
-    import drelay_model.training as tr
+    import drelay_model.training.anchors as tr
 
     real = tr.sample_uniform_anchors
     tr.sample_uniform_anchors = lambda e, m, g: real(only_first, m, g)
@@ -123,7 +124,7 @@ def test_joint_step_trains_drafter_and_selector_and_stays_lossless(target, make_
 
 
 def test_decision_metrics_count_fixes_and_breaks_by_the_keep_repair_rule():
-    from drelay_model.joint import decision_metrics
+    from drelay_model.training.step import decision_metrics
 
     cand = torch.tensor([[[5, 6, 7], [5, 6, 7], [5, 6, 7], [5, 6, 7]]])  # [R=1, H=4, K=3]
     labels = torch.tensor([[6, 5, 7, 5]])

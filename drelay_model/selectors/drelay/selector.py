@@ -21,7 +21,7 @@ from torch import nn
 
 from drelay_model.drafter.model import DraftBlock
 from drelay_model.errors import DRelayError
-from drelay_model.losses import log_p_act
+from drelay_model.training.losses import log_p_act
 from drelay_model.selectors.base import Selection, SelectionContext, Selector, SelectorCapabilities
 from drelay_model.selectors.drelay.causal import CausalSelector, Evidence, decide
 from drelay_model.selectors.drelay.config import DRelayConfig

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from drelay_model import losses
+from drelay_model.training import losses
 from drelay_model.drafter.model import BlockDrafter, DraftBlock
 from drelay_model.selectors.drelay.causal import decide
-from drelay_model.training import eligible_anchors, make_blocks, sample_uniform_anchors, scout_anchors, slot_weights
+from drelay_model.training.anchors import eligible_anchors, make_blocks, sample_uniform_anchors, scout_anchors
+from drelay_model.training.schedules import slot_weights
 
 
 class DraftTrainModule(nn.Module):
