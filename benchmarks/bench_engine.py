@@ -17,7 +17,7 @@ Run:  .venv/bin/python benchmarks/bench_engine.py               # full run, torc
       .venv/bin/python benchmarks/bench_engine.py --quick       # smoke run (2 prompts, 32 tokens)
 With 2 threads on 2 cores, any other busy process stalls every OpenMP parallel region (5-20x slower
 ops), so on a shared machine compare runs with the same --threads and check `other_processes_cpu_pct`.
-Figures go to --out (JSON) and to MLflow (experiment `drelay-benchmarks`, via pipelines.tracking:
+Figures go to --out (JSON) and to MLflow (experiment `drelay-benchmarks`, via pipelines.common.tracking:
 $MLFLOW_TRACKING_URI, else sqlite:///<repo>/outputs/mlflow.db; the run is always ended, FAILED on
 error, and tagged with the git commit) unless --no-mlflow.
 """
@@ -39,7 +39,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pipelines.tracking import git_commit, tracked_run  # noqa: E402
+from pipelines.common.tracking import git_commit, tracked_run  # noqa: E402
 
 EXPERIMENT = "drelay-benchmarks"
 median = statistics.median
@@ -83,15 +83,10 @@ def contention(start: tuple[float, float], wall: float, cores: int) -> dict:
 
 def chat_prompts(target, n: int) -> list[list[int]]:
     """The first turn of one seeded prompt per benchmark, chat-templated."""
-    from pipelines.benchmarks import BENCHMARKS, load_benchmark
+    from pipelines.common.chat import user_prompt
+    from pipelines.data.eval_sets import BENCHMARKS, load_benchmark
 
-    out = []
-    for name in BENCHMARKS[:n]:
-        message = load_benchmark(name, limit=1)[0].turns[0]
-        enc = target.tokenizer.apply_chat_template(
-            [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=True)
-        out.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
-    return out
+    return [user_prompt(target.tokenizer, load_benchmark(name, limit=1)[0].turns[0]) for name in BENCHMARKS[:n]]
 
 
 # ---- 1. AR: ours vs Hugging Face ---------------------------------------------------------------

@@ -25,8 +25,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipelines.config import load_config  # noqa: E402
-from pipelines.tracking import git_commit, hardware_description, tracked_run  # noqa: E402
+from pipelines.train.config import load_config  # noqa: E402
+from pipelines.common.tracking import git_commit, hardware_description, tracked_run  # noqa: E402
 
 
 class PeakMemory:
@@ -76,7 +76,7 @@ def run_once(workers: int, threads: int, steps: int, data: str, tmp: Path) -> di
     with PeakMemory() as mem:
         result = run_training(cfg)
     seqs = cfg.train.seqs_per_step * workers * steps
-    from pipelines.tracking import get_client
+    from pipelines.common.tracking import get_client
 
     client = get_client()
     out = {"workers": workers, "threads": threads, "steps": steps, "sequences": seqs, "peak_rss_gib": mem.peak / 2**30}

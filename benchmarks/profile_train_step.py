@@ -35,7 +35,7 @@ def main() -> None:
 
     from drelay_model.training.step import DraftTrainModule, training_step
     from drelay_model.target import load_target
-    from pipelines.config import load_config
+    from pipelines.train.config import load_config
     from pipelines.train.data import collate
     from pipelines.train.features import FeatureSource
     from pipelines.train.model_io import build_module

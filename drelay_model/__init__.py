@@ -1,4 +1,6 @@
-"""DRelay as a pure PyTorch library: target adapter, block drafter, selectors, decoding engine.
+"""DRelay as a pure PyTorch library: target adapter, block drafter, selectors, decoding engine,
+training math, diagnostics — the method itself, with no orchestration.
 
-Never imports ray, mlflow or sglang (tests/model/test_imports.py keeps it so).
+May import: torch, transformers, safetensors, gguf. Never pipelines, deploy, ray, mlflow or sglang
+(tests/test_layering.py and tests/model/test_imports.py keep it so).
 """

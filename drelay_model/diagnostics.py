@@ -27,6 +27,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from drelay_model.decoding.verify import accepted_prefix
+
 PATH_PAD = -1
 REF_PAD = -2  # differs from PATH_PAD so padding never "matches"
 
@@ -85,7 +87,7 @@ def pad_rounds(
 
 def accepted_length(path: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """Leading matches of path with ref: [N, H], [N, H] → [N] int64 (padding never matches)."""
-    return (path == ref).long().cumprod(dim=1).sum(dim=1)
+    return accepted_prefix(path == ref)
 
 
 def first_error(path: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +126,7 @@ def one_edit_gain(cand: torch.Tensor, path: torch.Tensor, ref: torch.Tensor) -> 
     covered = covered_at(cand, ref, A) & has_error
     j = torch.arange(H)[None, :]  # [1, H]
     ok = (path == ref) | (j <= A[:, None])  # pretend the error slot is fixed
-    run = ok.long().cumprod(dim=1).sum(dim=1)  # [N] = A + 1 + R when there is an error
+    run = accepted_prefix(ok)  # [N] = A + 1 + R when there is an error
     gain = torch.where(covered, (run - A).double(), torch.zeros(N, dtype=torch.float64))
     complete = (ref != REF_PAD).sum(dim=1) == H
     return gain, complete

@@ -1,1 +1,13 @@
-"""Orchestration: Ray Train/Tune, evaluation, data preparation, configs, MLflow tracking, the `drelay` CLI."""
+"""Orchestration on top of drelay_model: data, training (Ray Train), evaluation, studies, MLflow
+tracking and the `drelay` CLI. Layers, lowest first — a package imports only from layers below it:
+
+    common/   paths, method spec, chat rendering, MLflow connection, JSON store   (drelay_model only)
+    data/     evaluation prompt sets, training corpora, regeneration              (+ common)
+    eval/     evaluation runner, results, metrics, plots, report, compare         (+ common, data)
+    train/    run config, Ray Train driver and worker, training data, model I/O   (+ common, data)
+    study/    staged training runs + their comparison                             (+ eval, train)
+    cli/      one thin module per `drelay` command                                (+ everything, deploy lazily)
+
+eval and train are siblings and never import each other. Nothing here but cli imports deploy;
+drelay_model never imports pipelines (tests/test_layering.py checks all of this).
+"""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from drelay_model.decoding.generation import GenerationConfig
 from drelay_model.decoding.history import VerifiedHistory
 from drelay_model.decoding.stats import DecodeStats
 from drelay_model.decoding.verify import accept, pick_tokens
@@ -27,20 +28,6 @@ from drelay_model.kv_cache import KVCache
 from drelay_model.selectors.base import SelectionContext, Selector
 from drelay_model.selectors.native import NativeSelector
 from drelay_model.target.model import TargetModel
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    seed: int = 0
-    stop_on_eos: bool = True
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise DRelayError(f"max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise DRelayError(f"temperature must be in [0, 100], got {self.temperature}")
 
 
 @dataclass
@@ -103,8 +90,8 @@ class SpeculativeEngine:
     def generate(self, prompts: list[list[int]], config: GenerationConfig = GenerationConfig()) -> GenerationResult:
         """Generate for a batch of tokenized prompts (lengths may differ)."""
         self._check_prompts(prompts, config)
-        stats = DecodeStats(num_slots=self.num_slots)
-        gen = torch.Generator().manual_seed(config.seed) if config.temperature > 0 else None
+        stats = DecodeStats(num_slots=self.num_slots, requests=len(prompts))
+        gen = torch.Generator().manual_seed(config.seed) if not config.greedy else None
         eos = set(self.target.eos_token_ids) if config.stop_on_eos else set()
         t_start = time.perf_counter()
 
@@ -134,7 +121,7 @@ class SpeculativeEngine:
         ids = torch.zeros(B, P, dtype=torch.long)
         for b, p in enumerate(prompts):
             ids[b, : len(p)] = torch.tensor(p)
-        capacity = P + config.max_new_tokens + self.num_slots + 2
+        capacity = config.kv_positions(P, self.num_slots)
         state = _BatchState(rows=list(range(B)), cache=self.target.new_cache(B, capacity))
         res = self.target(ids, state.cache, feature_layers=self.feature_layers, logits_at=(lengths - 1)[:, None])
         state.cache.crop(lengths)
@@ -204,15 +191,9 @@ class SpeculativeEngine:
     def _check_prompts(self, prompts: list[list[int]], config: GenerationConfig) -> None:
         if not prompts:
             raise DRelayError("no prompts given")
-        limit = self.target.max_positions - config.max_new_tokens - self.num_slots - 2
         for b, p in enumerate(prompts):
             if len(p) == 0:
                 raise DRelayError(f"prompt {b} is empty")
-            if len(p) > limit:
-                raise DRelayError(
-                    f"prompt {b} has {len(p)} tokens; the target's context window "
-                    f"({self.target.max_positions}) leaves room for at most {limit} with "
-                    f"max_new_tokens={config.max_new_tokens}"
-                )
+            config.check_prompt(len(p), max_positions=self.target.max_positions, num_slots=self.num_slots, what=f"prompt {b}")
             if min(p) < 0 or max(p) >= self.target.vocab_size:
                 raise DRelayError(f"prompt {b} has token ids outside [0, {self.target.vocab_size})")

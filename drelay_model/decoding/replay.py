@@ -25,6 +25,7 @@ import torch
 
 from drelay_model.decoding.history import history_window
 from drelay_model.decoding.stats import DecodeStats
+from drelay_model.decoding.verify import accepted_prefix
 from drelay_model.drafter.model import BlockDrafter, DraftBlock
 from drelay_model.selectors.base import SelectionContext, Selector
 from drelay_model.selectors.native import NativeSelector
@@ -109,8 +110,7 @@ def _replay_row(
             sel = selector.select(block, sctx)
             path = sel.path_ids[0, : int(sel.length[0])]
         G = min(len(path), len(ref))
-        match = (path[:G] == ref[:G]).long()
-        n = int(match.cumprod(0).sum())
+        n = int(accepted_prefix(path[:G] == ref[:G]))
         committed = min(n + 1, left)
         stats.record_round([n], [committed])
         stats.steps += 1

@@ -20,39 +20,16 @@ def tau_of(committed: int, rounds: int) -> float:
     return committed / rounds if rounds else 0.0
 
 
-def slot_acceptance_of(accept_hist: Sequence[int], rounds: int) -> list[float]:
-    """P(draft at slot i accepted), i = 1..H, from accept_hist [H+1] (row-rounds that accepted
-    exactly n drafts): the share of rounds that accepted ≥ i drafts."""
-    hist = [int(n) for n in accept_hist]
-    if not rounds:
-        return [0.0] * (len(hist) - 1)
-    tail, out = 0, []
-    for n in range(len(hist) - 1, 0, -1):
-        tail += hist[n]
-        out.append(tail / rounds)
-    return out[::-1]
-
-
-def other_time_of(prefill: float, draft: float, select: float, verify: float, total: float) -> float:
-    """Wall seconds outside the timed phases (bookkeeping, KV-cache moves, Python)."""
-    return max(total - (prefill + draft + select + verify), 0.0)
-
-
-def ms_per_step_of(steps: int, prefill: float, draft: float, select: float, verify: float, total: float) -> dict[str, float]:
-    """Mean milliseconds per engine step by phase (prefill excluded; `other` = the rest of the wall time)."""
-    other = other_time_of(prefill, draft, select, verify, total)
-    n = max(steps, 1)
-    return {phase: 1e3 * t / n for phase, t in zip(PHASES, (draft, select, verify, other))}
-
-
 @dataclass
 class DecodeStats:
-    """Counters accumulated over every row and round of one generate() call.
+    """Counters accumulated over every row and round of one generate() call — or, merged with `+`,
+    over many calls (an evaluation pass, a cell, a benchmark); `to_dict`/`from_dict` round-trip JSON.
 
     accept_hist  [H+1] int64: accept_hist[n] = number of row-rounds that accepted exactly n drafts.
     committed    tokens committed by rounds (excludes each row's prefill token).
     rounds       row-rounds (one per row per verification).
     steps        engine iterations (one batched draft → select → verify each).
+    requests     generate() rows, i.e. prefills.
     Times are wall seconds of the whole batch, by phase.
     """
 
@@ -62,6 +39,7 @@ class DecodeStats:
     rounds: int = 0
     steps: int = 0
     generated: int = 0
+    requests: int = 0
     time_prefill: float = 0.0
     time_draft: float = 0.0
     time_select: float = 0.0
@@ -70,6 +48,45 @@ class DecodeStats:
 
     def __post_init__(self) -> None:
         self.accept_hist = torch.zeros(self.num_slots + 1, dtype=torch.long)
+
+    _COUNTS = ("committed", "rounds", "steps", "generated", "requests")
+    _TIMES = ("time_prefill", "time_draft", "time_select", "time_verify", "time_total")
+
+    def __add__(self, other: "DecodeStats") -> "DecodeStats":
+        """Sums of every counter, time and histogram bin (histograms of different H are zero-padded)."""
+        out = DecodeStats(num_slots=max(self.num_slots, other.num_slots))
+        for name in (*self._COUNTS, *self._TIMES):
+            setattr(out, name, getattr(self, name) + getattr(other, name))
+        out.accept_hist[: self.num_slots + 1] += self.accept_hist
+        out.accept_hist[: other.num_slots + 1] += other.accept_hist
+        return out
+
+    @classmethod
+    def merged(cls, parts: Sequence["DecodeStats"], num_slots: int = 0) -> "DecodeStats":
+        out = cls(num_slots=num_slots)
+        for p in parts:
+            out = out + p
+        return out
+
+    def to_dict(self) -> dict:
+        """Plain JSON values: counters, times, and accept_hist as a list."""
+        d = {name: getattr(self, name) for name in ("num_slots", *self._COUNTS, *self._TIMES)}
+        return {**d, "accept_hist": [int(n) for n in self.accept_hist.tolist()]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DecodeStats":
+        """Inverse of `to_dict`; fields missing from older files (e.g. `requests`) read as 0."""
+        out = cls(num_slots=int(d["num_slots"]))
+        for name in (*cls._COUNTS, *cls._TIMES):
+            setattr(out, name, type(getattr(out, name))(d.get(name, 0)))
+        hist = list(d.get("accept_hist") or [])
+        if len(hist) > out.num_slots + 1:
+            raise ValueError(f"accept_hist has {len(hist)} bins for {out.num_slots} slots")
+        out.accept_hist[: len(hist)] = torch.tensor(hist, dtype=torch.long)
+        unknown = set(d) - {"num_slots", "accept_hist", *cls._COUNTS, *cls._TIMES}
+        if unknown:
+            raise KeyError(f"unknown DecodeStats fields: {sorted(unknown)}")
+        return out
 
     def record_round(self, accepted: list[int], committed: list[int]) -> None:
         for n, c in zip(accepted, committed):
@@ -86,20 +103,33 @@ class DecodeStats:
 
     @property
     def slot_acceptance(self) -> list[float]:
-        """P(draft at slot i accepted), i = 1..H: fraction of rounds that accepted ≥ i drafts."""
-        return slot_acceptance_of(self.accept_hist.tolist(), self.rounds)
+        """P(draft at slot i accepted), i = 1..H: fraction of rounds that accepted ≥ i drafts
+        (the reversed cumulative sum of accept_hist[1:], divided by rounds)."""
+        if not self.rounds:
+            return [0.0] * self.num_slots
+        at_least = self.accept_hist[1:].flip(0).cumsum(0).flip(0)  # [H]: rounds with ≥ i accepted
+        return (at_least.double() / self.rounds).tolist()
 
     @property
     def time_other(self) -> float:
-        return other_time_of(self.time_prefill, self.time_draft, self.time_select, self.time_verify, self.time_total)
+        """Wall seconds outside the timed phases (bookkeeping, KV-cache moves, Python)."""
+        return max(self.time_total - (self.time_prefill + self.time_draft + self.time_select + self.time_verify), 0.0)
 
     @property
     def tokens_per_second(self) -> float:
+        """Generated tokens per wall second, prefill included (the numerator and denominator of S)."""
         return self.generated / self.time_total if self.time_total > 0 else 0.0
+
+    @property
+    def ms_prefill(self) -> float:
+        """Mean prefill ms per request."""
+        return 1e3 * self.time_prefill / self.requests if self.requests else 0.0
 
     def breakdown_ms_per_step(self) -> dict[str, float]:
         """Mean milliseconds per engine step for each phase (prefill excluded)."""
-        return ms_per_step_of(self.steps, self.time_prefill, self.time_draft, self.time_select, self.time_verify, self.time_total)
+        n = max(self.steps, 1)
+        times = (self.time_draft, self.time_select, self.time_verify, self.time_other)
+        return {phase: 1e3 * t / n for phase, t in zip(PHASES, times)}
 
     def summary(self) -> dict[str, float]:
         return {

@@ -23,6 +23,12 @@ def pick_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gener
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
 
+def accepted_prefix(match: torch.Tensor) -> torch.Tensor:
+    """Length of the leading run of True along the last dim — how many drafts a round accepts:
+    match [..., G] bool → [...] int64 = Σ_g Π_{j≤g} match[..., j]."""
+    return match.long().cumprod(dim=-1).sum(dim=-1)
+
+
 def accept(
     path: torch.Tensor,
     target_logits: torch.Tensor,
@@ -50,6 +56,6 @@ def accept(
     x = pick_tokens(target_logits, temperature, generator)  # [B, G+1]
     match = path == x[:, :G]  # [B, G]
     match &= torch.arange(G, device=path.device)[None, :] < length[:, None]
-    accepted = match.long().cumprod(dim=1).sum(dim=1)  # [B] leading run of matches
+    accepted = accepted_prefix(match)  # [B] leading run of matches
     next_token = x.gather(1, accepted[:, None])[:, 0]
     return accepted, next_token

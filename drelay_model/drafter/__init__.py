@@ -1,4 +1,7 @@
-"""The DFlash-style block drafter: config, model, checkpoints, draft vocabulary."""
+"""The DFlash-style block drafter: config, model, checkpoints, draft vocabulary.
+
+May import: torch, safetensors, drelay_model.{kv_cache, atomic, errors}.
+"""
 
 from drelay_model.drafter.checkpoint import load_drafter, read_checkpoint, save_drafter
 from drelay_model.drafter.config import DrafterConfig, TargetFingerprint

@@ -1,4 +1,7 @@
-"""Selectors: choose one pool entry per slot. One file each; `registry.default_registry()` lists them."""
+"""Selectors: choose one pool entry per slot. One file each; `registry.default_registry()` lists them.
+
+May import: torch, drelay_model.{drafter, errors}, drelay_model.training.losses (shared loss math).
+"""
 
 from drelay_model.selectors.base import Selection, SelectionContext, Selector, SelectorCapabilities
 from drelay_model.selectors.native import NativeSelector

@@ -6,5 +6,5 @@ live in pipelines/train/).
     schedules.py  learning rate and per-slot support weights as functions of the step
     step.py       one training step (drafter alone or jointly with a selector) and its metrics
 
-May import: torch, drelay_model.drafter, drelay_model.selectors. Never ray, mlflow or pipelines.
+May import: torch, drelay_model.drafter, drelay_model.selectors, drelay_model.decoding.verify. Never ray, mlflow or pipelines.
 """

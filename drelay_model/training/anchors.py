@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from drelay_model.decoding.verify import accepted_prefix
 from drelay_model.drafter.model import BlockDrafter
 
 
@@ -105,6 +106,6 @@ def scout_anchors(
         native = drafter.to_target_ids(drafter.logits(hidden[:, 0, 1:]).argmax(-1))  # [B, H]
         blocks = make_blocks(label_ids, loss_mask, a[:, None], alive[:, None], H)
         match = (native == blocks.labels[:, 0]) & blocks.valid[:, 0]
-        accepted = match.long().cumprod(dim=1).sum(dim=1)  # [B]
+        accepted = accepted_prefix(match)  # [B]
         a = (a + accepted + 1).clamp(max=N - 1)
     return anchors, ok

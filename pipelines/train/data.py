@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from drelay_model.errors import DRelayError
+from pipelines.common.chat import render_chat
 
 
 @dataclass(frozen=True)
@@ -29,18 +30,13 @@ class TrainSequence:
     response_start: int  # positions ≥ response_start are the target's response
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
-    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
-    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
-
-
 def _from_regenerated(record: dict, tokenizer) -> list[TrainSequence]:
     out, history = [], []
     turns = iter(record["turn_token_ids"])
     for message in record["messages"]:
         if message["role"] == "assistant":
             ids = next(turns)
-            prompt = _render(tokenizer, history, True)
+            prompt = render_chat(tokenizer, history)
             key = f"{record.get('source', '')}/{record['conv_id']}"  # ids repeat across sources
             out.append(TrainSequence(f"{key}#{len(out)}", tuple(prompt + ids), len(prompt)))
         history.append(message)
@@ -115,8 +111,8 @@ def reference_sequences(conversations, tokenizer, *, max_seq_len: int) -> list[T
         first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), None)
         if first is None:
             continue
-        prompt = _render(tokenizer, msgs[:first], True)
-        full = _render(tokenizer, msgs[: first + 1], False)
+        prompt = render_chat(tokenizer, msgs[:first])
+        full = render_chat(tokenizer, msgs[: first + 1], generation_prompt=False)
         if len(full) - len(prompt) >= 2:
             seqs.append(TrainSequence(f"{c.source}/{c.conv_id}", tuple(full[:max_seq_len]), len(prompt)))
     return seqs

@@ -16,10 +16,11 @@ from pathlib import Path
 
 from drelay_model.atomic import atomic_directory
 from drelay_model.errors import DRelayError
-from pipelines.config import RunConfig
+from pipelines.train.config import RunConfig
 from pipelines.train.data import data_files
 from pipelines.train.model_io import continues_selector
-from pipelines.tracking import REPO_ROOT, fail_stale_runs, get_client, git_commit, hardware_description, tracked_run
+from pipelines.common.paths import repo_path
+from pipelines.common.tracking import fail_stale_runs, get_client, git_commit, hardware_description, tracked_run
 
 
 @dataclass(frozen=True)
@@ -27,12 +28,6 @@ class TrainResult:
     checkpoint: Path  # the exported drafter checkpoint (drafter.safetensors + drafter_config.json)
     metrics: dict
     mlflow_run_id: str
-
-
-def repo_path(path: str) -> Path:
-    """A config path as an absolute path (relative paths are relative to the repository)."""
-    p = Path(path).expanduser()
-    return p if p.is_absolute() else REPO_ROOT / p
 
 
 def check_inputs(cfg: RunConfig) -> None:

@@ -10,7 +10,7 @@ from drelay_model.drafter import BlockDrafter, DrafterConfig, build_draft_vocab,
 from drelay_model.errors import DRelayError
 from drelay_model.training.step import DraftTrainModule
 from drelay_model.selectors import default_registry
-from pipelines.config import RunConfig
+from pipelines.train.config import RunConfig
 from pipelines.train.data import label_counts
 
 TRAINER_STATE = "trainer_state.pt"
@@ -37,7 +37,7 @@ def build_module(cfg: RunConfig, target, train_seqs) -> DraftTrainModule:
             mapping = build_draft_vocab(counts, d.draft_vocab_size, always=target.eos_token_ids)
         drafter = BlockDrafter(DrafterConfig.for_target(target, **overrides), target, draft_to_target=mapping)
     selector = None
-    if cfg.selector.name != "none":
+    if cfg.selector.trains_selector:
         if continues_selector(cfg, meta):
             # Continue training the checkpoint's own selector (e.g. a longer joint run).
             selector = default_registry().from_checkpoint(cfg.selector.name, drafter=drafter, tensors=extra, meta=meta).train()
@@ -56,7 +56,7 @@ def continues_selector(cfg: RunConfig, meta: dict) -> bool:
     kind? Then training continues from its weights, under its saved selector config; an explicit
     `selector.config` that differs from that is an error, since the weights belong to the saved one."""
     saved = meta.get("selector") or {}
-    if cfg.selector.name == "none" or saved.get("name") != cfg.selector.name:
+    if not cfg.selector.trains_selector or saved.get("name") != cfg.selector.name:
         return False
     kept = saved.get("config") or {}
     diff = sorted(k for k, v in cfg.selector.config.items() if k not in kept or kept[k] != v)

@@ -24,8 +24,8 @@ from drelay_model.training.step import StepConfig, training_step
 from drelay_model.training.losses import LossSwitches
 from drelay_model.target import load_target
 from drelay_model.training.schedules import lr_at
-from pipelines.config import RunConfig
-from pipelines.train.driver import repo_path
+from pipelines.common.paths import repo_path
+from pipelines.train.config import RunConfig
 from pipelines.train.data import batch_order, collate, read_sequences, reference_sequences, split_validation
 from pipelines.train.features import FeatureSource
 from pipelines.train.model_io import build_module, restore_training_checkpoint, save_training_checkpoint
@@ -34,7 +34,7 @@ from pipelines.train.model_io import build_module, restore_training_checkpoint, 
 def load_data(cfg: RunConfig, target):
     """(train, validation) sequences: regenerated responses, or the reference-answer fallback."""
     if cfg.data.fallback_reference_answers:
-        from pipelines.corpora import load_training_corpus
+        from pipelines.data.corpora import load_training_corpus
 
         seqs = reference_sequences(load_training_corpus(cfg.data.sources), target.tokenizer, max_seq_len=cfg.data.max_seq_len)
     else:
@@ -206,7 +206,7 @@ def _metric_logger(cfg_dict: dict):
     run_id = cfg_dict.get("_mlflow_run_id")
     if not run_id:
         return None
-    from pipelines.tracking import TrackedRun, get_client
+    from pipelines.common.tracking import TrackedRun, get_client
 
     run = TrackedRun(get_client(cfg_dict.get("_mlflow_uri")), run_id, experiment_id="", name="")
     return lambda metrics, step: run.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=step)

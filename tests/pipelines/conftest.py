@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from drelay_model.target import tiny_target
-from pipelines.tracking import get_client
+from pipelines.common.tracking import get_client
 
 GSM8K = [{"question": f"Tom has {n} apples and buys {n + 1} more. How many apples does he have?"} for n in range(3)]
 MT_BENCH = [

@@ -1,4 +1,4 @@
-"""The scripts in benchmarks/ answer bad input like `drelay` does: one line on stderr, exit 2."""
+"""The scripts in benchmarks/ (performance) and analysis/ answer bad input like `drelay` does: one line on stderr, exit 2."""
 
 import os
 import subprocess
@@ -13,27 +13,27 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize(
     "script, args, message",
     [
-        ("bench_selector.py", ["--checkpoint", "/nonexistent"], "checkpoint '/nonexistent' not found"),
-        ("selector_decisions.py", ["--checkpoint", "/nonexistent"], "checkpoint '/nonexistent' not found"),
-        ("trace_repairs.py", ["--checkpoint", "/nonexistent", "--cells", "/nonexistent"], "checkpoint '/nonexistent' not found"),
-        ("trace_repairs.py", ["--checkpoint", str(ROOT / "checkpoints/smollm2-135m"), "--cells", "/nonexistent"], "--cells: no '/nonexistent/gsm8k__ar.json'"),
+        ("benchmarks/bench_selector.py", ["--checkpoint", "/nonexistent"], "checkpoint '/nonexistent' not found"),
+        ("analysis/selector_decisions.py", ["--checkpoint", "/nonexistent"], "checkpoint '/nonexistent' not found"),
+        ("analysis/trace_repairs.py", ["--checkpoint", "/nonexistent", "--cells", "/nonexistent"], "checkpoint '/nonexistent' not found"),
+        ("analysis/trace_repairs.py", ["--checkpoint", str(ROOT / "checkpoints/smollm2-135m"), "--cells", "/nonexistent"], "--cells: no '/nonexistent/gsm8k__ar.json'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(script, args, message):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"{script}: error: ") and message in last
+    assert last.startswith(f"{Path(script).name}: error: ") and message in last
     assert "Traceback" not in proc.stderr
 
 
 def test_training_budget_names_a_missing_run_or_experiment(tmp_path):
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
-    script = ROOT / "benchmarks" / "plot_training_budget.py"
+    script = ROOT / "analysis" / "plot_training_budget.py"
     run = [sys.executable, str(script), "--runs", "nope", "--out", str(tmp_path / "x.png")]
     proc = subprocess.run(run, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 2 and "--experiment: no MLflow experiment 'drelay-train'" in proc.stderr
-    from pipelines.tracking import ensure_experiment, get_client
+    from pipelines.common.tracking import ensure_experiment, get_client
 
     ensure_experiment(get_client(env["MLFLOW_TRACKING_URI"]), "drelay-train")
     proc = subprocess.run(run, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
@@ -43,7 +43,7 @@ def test_training_budget_names_a_missing_run_or_experiment(tmp_path):
 
 def test_training_budget_points_chain_wall_time():
     """x = minutes since the run's start + every earlier run's whole duration."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "analysis"))
     from plot_training_budget import budget_points
 
     minute = 60_000

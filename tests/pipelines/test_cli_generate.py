@@ -54,7 +54,7 @@ def test_bad_input_is_one_line_and_nonzero(capsys, argv, message):
 
 
 def test_no_bundled_checkpoint_is_a_clear_error(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr("pipelines.resolve.BUNDLED_CHECKPOINTS", tmp_path / "none")
+    monkeypatch.setattr("pipelines.common.paths.BUNDLED_CHECKPOINTS", tmp_path / "none")
     rc, _, err = _run(capsys, "--chat", "hi")
     assert rc == 2 and "needs a drafter checkpoint" in err and err.count("\n") == 1
 

@@ -11,11 +11,11 @@ import torch
 from drelay_model.decoding.replay import replay
 from drelay_model.drafter import BlockDrafter, DrafterConfig, load_drafter, save_drafter
 from drelay_model.selectors import default_registry
-from pipelines import compare
-from pipelines.benchmarks import load_benchmark
+from pipelines.eval import compare
+from pipelines.data.eval_sets import load_benchmark
 from pipelines.cli import main
-from pipelines.eval_prompts import HashEncoder
-from pipelines.tracking import get_client
+from pipelines.eval.prompts import HashEncoder
+from pipelines.common.tracking import get_client
 
 @pytest.fixture
 def checkpoints(tiny, tmp_path) -> tuple[Path, Path]:
@@ -76,7 +76,7 @@ def test_compare_table_matches_direct_replay_and_resumes(tiny, uri, data_dir, ch
         raise AssertionError("a finished cell was recomputed")
 
     monkeypatch.setattr(compare, "replay_cell", boom)
-    monkeypatch.setattr("pipelines.evaluate.decode_pass", boom)
+    monkeypatch.setattr("pipelines.eval.runner.decode_pass", boom)
     assert main(_args(data_dir, out, a, b)) == 0
     assert json.loads((out / "compare.json").read_text())["metrics"] == m
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from drelay_model.errors import DRelayError
-from pipelines.config import Schedule, load_config
+from pipelines.train.config import Schedule, load_config
 
 EXPERIMENTS = sorted((Path(__file__).resolve().parents[2] / "platform" / "experiments").glob("*/*.yaml"))
 
@@ -55,3 +55,67 @@ def test_bad_files(tmp_path):
 def test_schedule_ramps_then_holds():
     s = Schedule(start=0.3, end=0.5, ramp_fraction=0.5)
     assert s.at(0.0) == pytest.approx(0.3) and s.at(0.25) == pytest.approx(0.4) and s.at(0.9) == pytest.approx(0.5)
+
+
+# ---- bounds: every value the code divides by, takes a log of, or uses as a fraction ------------------
+
+BOUNDS = [
+    ("train.credit_floor", 0, "greater than 0"),  # the credit normalisation divides by it
+    ("train.credit_floor", 1.5, "less than or equal to 1"),
+    ("train.credit_cap", 0.5, "greater than or equal to 1"),
+    ("train.native_anchor_fraction", {"start": 1.5, "end": 0.5}, "less than or equal to 1"),
+    ("train.native_anchor_fraction", {"start": 0.3, "end": -0.1}, "greater than or equal to 0"),
+    ("train.credit_blend", {"start": 0.0, "end": 2.0}, "less than or equal to 1"),
+    ("train.selector_alpha", {"start": -1.0, "end": 1.0}, "greater than or equal to 0"),
+    ("train.selector_alpha", {"start": 0.1, "end": ".inf"}, "finite number"),
+    ("train.selector_alpha", {"start": 0.1, "end": 1.0, "ramp_fraction": 0}, "greater than 0"),  # progress / ramp
+    ("train.credit_blend", {"start": 0.0, "end": 1.0, "ramp_fraction": 1.5}, "less than or equal to 1"),
+    ("train.slot_decay", 0, "greater than 0"),
+    ("train.lr", 0, "greater than 0"),
+    ("train.grad_clip", 0, "greater than 0"),
+    ("train.max_steps", 0, "greater than or equal to 1"),
+    ("train.seqs_per_step", 0, "greater than or equal to 1"),
+    ("train.anchors_per_seq", 0, "greater than or equal to 1"),
+    ("train.checkpoint_every", 0, "greater than or equal to 1"),
+    ("train.validate_every", 0, "greater than or equal to 1"),
+    ("train.warmup_steps", -1, "greater than or equal to 0"),
+    ("data.validation_fraction", 0.5, "less than 0.5"),
+    ("data.validation_fraction", -0.1, "greater than or equal to 0"),
+    ("ray.num_workers", 0, "greater than or equal to 1"),
+    ("selector.name", "magic", "'magic' is not a trainable selector (choose from: native"),
+]
+
+
+@pytest.mark.parametrize("field, value, message", BOUNDS, ids=[f"{f}={v}" for f, v, _ in BOUNDS])
+def test_each_bound_exits_2_naming_the_field_and_writes_nothing(tmp_path, capsys, field, value, message):
+    import yaml
+
+    from pipelines.cli import main
+
+    section, key = field.split(".")
+    doc = {"output_dir": str(tmp_path / "out"), "ray": {"storage_path": str(tmp_path / "ray")}}
+    doc.setdefault(section, {})[key] = value
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml.safe_dump(doc).replace("'.inf'", ".inf"))
+    rc = main(["train", "--config", str(config)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"drelay: error: {field}") and message in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]  # no output, no Ray storage
+
+
+def test_legacy_selector_name_none_still_loads_as_native():
+    with pytest.warns(FutureWarning, match="'none' is deprecated, write 'native'"):
+        cfg = load_config(None, ["selector.name=none"])
+    assert cfg.selector.name == "native" and not cfg.selector.trains_selector
+
+
+def test_checkpoint_meta_that_says_none_reads_as_native(tmp_path):
+    from drelay_model.drafter import BlockDrafter, DrafterConfig, save_drafter
+    from drelay_model.target import tiny_target
+    from pipelines.common.methods import trained_selector
+
+    target = tiny_target("tiny-llama")
+    drafter = BlockDrafter(DrafterConfig.for_target(target, num_layers=1, top_k=4), target)
+    save_drafter(drafter, tmp_path / "ck", meta={"selector": {"name": "none"}})
+    assert trained_selector(tmp_path / "ck") == "native"

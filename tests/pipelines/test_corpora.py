@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from drelay_model.errors import DRelayError
-from pipelines.benchmarks import BENCHMARKS, load_benchmark
-from pipelines.corpora import (
+from pipelines.data.eval_sets import BENCHMARKS, load_benchmark
+from pipelines.data.corpora import (
     DEFAULT_TRAIN_SOURCES,
     Conversation,
     default_train_dir,

@@ -7,16 +7,18 @@ import statistics
 import pytest
 import torch
 
+from drelay_model.decoding import GenerationConfig
 from drelay_model.decoding.stats import DecodeStats
 from drelay_model.drafter import BlockDrafter, DrafterConfig
 from drelay_model.selectors import NativeSelector
-from pipelines.benchmarks import load_benchmark
+from pipelines.data.eval_sets import load_benchmark
 from pipelines.cli import main
-from pipelines.eval_metrics import cell_metrics, method_metrics
-from pipelines.eval_prompts import HashEncoder
-from pipelines.eval_results import CellResult, CellStore, DecodeTotals, PassResult
-from pipelines.evaluate import EvalConfig, Evaluation, MethodUnderTest, output_digest
-from pipelines.tracking import get_client
+from pipelines.eval.metrics import cell_metrics, method_metrics
+from pipelines.eval.prompts import HashEncoder
+from pipelines.common.methods import MethodSpec
+from pipelines.eval.results import CellResult, PassResult, cell_store
+from pipelines.eval.runner import EvalConfig, Evaluation, MethodUnderTest, output_digest
+from pipelines.common.tracking import get_client
 
 # ---- fixtures (`tiny`, `data_dir`: tests/pipelines/conftest.py) ------------------------------------
 
@@ -27,13 +29,13 @@ def _methods(target, top_k: int = 16) -> dict[str, MethodUnderTest]:
     return {"ar": MethodUnderTest("ar"), "native": MethodUnderTest("native", drafter, NativeSelector())}
 
 
-def _evaluation(target, data_dir, out, *, top_k=16, encoder=None, **overrides) -> Evaluation:
-    settings = dict(target="tiny-llama", methods=("ar", "native"), benchmarks=("gsm8k", "mt_bench"), max_new_tokens=10,
-                    limit=2, data_dir=str(data_dir), random_drafter=True)  # fmt: skip
+def _evaluation(target, data_dir, out, *, top_k=16, encoder=None, max_new_tokens=10, temperature=0.0, **overrides) -> Evaluation:
+    settings = dict(target="tiny-llama", specs=(MethodSpec("ar"), MethodSpec("native", random_drafter=True)), benchmarks=("gsm8k", "mt_bench"),
+                    decode=GenerationConfig(max_new_tokens, temperature), limit=2, data_dir=str(data_dir))  # fmt: skip
     config = EvalConfig(**{**settings, **overrides})
     prompts = {b: load_benchmark(b, limit=config.limit, data_dir=data_dir) for b in config.benchmarks}
     enc = encoder or HashEncoder(target.vocab_size)
-    return Evaluation(config, target, _methods(target, top_k), prompts, enc, CellStore(out), progress=False)
+    return Evaluation(config, target, _methods(target, top_k), prompts, enc, cell_store(out), progress=False)
 
 
 # ---- bookkeeping against hand-computed rounds --------------------------------------------------------
@@ -44,22 +46,22 @@ def test_tau_and_slot_acceptance_from_hand_computed_rounds():
     stats.record_round([0, 2, 4], [1, 3, 5])  # three rounds: 1 + 3 + 5 tokens
     stats.steps, stats.generated = 3, 10  # + 1 prefill token
     stats.time_prefill, stats.time_draft, stats.time_verify, stats.time_total = 0.1, 0.3, 0.6, 1.3
-    totals = DecodeTotals(num_slots=4)
-    totals.add(stats, requests=1)
-    totals.add(stats, requests=1)
-    assert totals.tau == pytest.approx(9 / 3)
-    assert totals.slot_acceptance() == pytest.approx([2 / 3, 2 / 3, 1 / 3, 1 / 3])
-    assert totals.ms_per_step() == pytest.approx({"draft": 100.0, "select": 0.0, "verify": 200.0, "other": 100.0})
-    assert totals.ms_prefill == pytest.approx(100.0) and totals.tokens_per_s == pytest.approx(20 / 2.6)
+    stats.requests = 1
+    totals = DecodeStats.merged([stats, stats])
+    assert totals.tau == pytest.approx(9 / 3) and totals.requests == 2
+    assert totals.slot_acceptance == pytest.approx([2 / 3, 2 / 3, 1 / 3, 1 / 3])
+    assert totals.breakdown_ms_per_step() == pytest.approx({"draft": 100.0, "select": 0.0, "verify": 200.0, "other": 100.0})
+    assert totals.ms_prefill == pytest.approx(100.0) and totals.tokens_per_second == pytest.approx(20 / 2.6)
     merged = totals + totals
-    assert merged.accept_hist == [2 * a for a in totals.accept_hist] and merged.tau == totals.tau
+    assert merged.accept_hist.tolist() == [2 * a for a in totals.accept_hist.tolist()] and merged.tau == totals.tau
+    assert DecodeStats.from_dict(merged.to_dict()).to_dict() == merged.to_dict()  # JSON round trip
 
 
 def _cell(bench, method, runs: dict[tuple[int, int], tuple[int, float, int, int]]) -> CellResult:
     """runs: (seed, concurrency) → (generated tokens, seconds, committed, rounds)."""
     passes = []
     for (seed, conc), (gen, secs, committed, rounds) in runs.items():
-        t = DecodeTotals(num_slots=4, generated=gen, committed=committed, rounds=rounds, steps=rounds, requests=1, time_total=secs)
+        t = DecodeStats(num_slots=4, generated=gen, committed=committed, rounds=rounds, steps=rounds, requests=1, time_total=secs)
         passes.append(PassResult(seed, conc, t))
     return CellResult(bench, method, "fp", passes, [])
 
@@ -142,7 +144,7 @@ def test_resume_skips_finished_cells(tiny, data_dir, tmp_path, monkeypatch):
     again = _evaluation(tiny, data_dir, out).run(on_cell=lambda cell, was_loaded: loaded.append(was_loaded))
     assert calls == [] and loaded == [True] * 4
     assert again[("gsm8k", "native")].to_dict() == first[("gsm8k", "native")].to_dict()
-    CellStore(out).path("mt_bench", "native").unlink()
+    cell_store(out).path("mt_bench", "native").unlink()
     _evaluation(tiny, data_dir, out).run()
     assert calls == [("mt_bench", "native")]
     calls.clear()
@@ -266,3 +268,31 @@ def test_empty_prompt_file_is_a_clear_error(uri, tmp_path, capsys):
     rc, _, err = _cli(capsys, *_tiny_args(tmp_path / "empty", tmp_path / "out"), "--benchmarks", "gsm8k")
     assert rc == 2 and "no gsm8k prompts in" in err and err.count("\n") == 1
     assert _runs(get_client(), "RUNNING") == [] and _runs(get_client()) == []
+
+
+def test_eval_resumes_from_cell_files_written_before_the_layout_change(tmp_path, capsys, monkeypatch):
+    """tests/pipelines/fixtures/cells_before_layout/ was written by `drelay eval` at commit 87b113f
+    (DecodeTotals, CellStore): the same command now loads both cells and decodes nothing."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    bench = tmp_path / "bench" / "gsm8k"
+    bench.mkdir(parents=True)
+    rows = [{"question": f"Tom has {n} apples and buys {n + 1} more. How many apples does he have?"} for n in range(3)]
+    (bench / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "cells_before_layout", out / "cells")
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("a cell was recomputed instead of loaded")
+
+    monkeypatch.setattr(Evaluation, "run_cell", no_decoding)
+    rc = main(["eval", "--target", "tiny-llama", "--methods", "ar,native", "--random-drafter", "--benchmarks", "gsm8k", "--limit", "2",
+               "--data-dir", str(tmp_path / "bench"), "--max-new-tokens", "8", "--no-mlflow", "--out", str(out), "--no-progress"])  # fmt: skip
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    old = json.loads((Path(__file__).parent / "fixtures" / "cells_before_layout_summary.json").read_text())  # the old code's metrics
+    assert summary.keys() == old.keys()
+    for method, metrics in old.items():
+        assert summary[method] == pytest.approx(metrics), method

@@ -9,8 +9,8 @@ import pytest
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine
 from drelay_model.errors import DRelayError
 from drelay_model.target import load_target, tiny_target
-from pipelines.corpora import Conversation
-from pipelines.regenerate import read_done, regenerate
+from pipelines.data.corpora import Conversation
+from pipelines.data.regenerate import read_done, regenerate
 
 
 def _conv(source, conv_id, *users):
@@ -28,7 +28,7 @@ def smol():
 def test_regenerated_turns_are_the_targets_greedy_tokens(tmp_path, smol):
     convs = [_conv("a", "1", "What is 2+2?"), _conv("b", "1", "Name a colour.", "And another one?")]
     out = tmp_path / "r.jsonl"
-    summary = regenerate(smol, convs, out, batch_size=2, max_new_tokens=6, progress=False)
+    summary = regenerate(smol, convs, out, batch_size=2, decode=GenerationConfig(max_new_tokens=6), progress=False)
     assert summary.generated == 2 and summary.done_before == 0
     records = {(r["source"], r["conv_id"]): r for r in map(json.loads, out.read_text().splitlines())}
     assert set(records) == {("a", "1"), ("b", "1")}  # same id in two sources: both kept
@@ -43,11 +43,11 @@ def test_regenerated_turns_are_the_targets_greedy_tokens(tmp_path, smol):
 def test_resume_skips_done_work_and_drops_a_torn_line(tmp_path, smol):
     convs = [_conv("a", str(i), f"Say the number {i}.") for i in range(3)]
     out = tmp_path / "r.jsonl"
-    regenerate(smol, convs[:2], out, batch_size=2, max_new_tokens=3, progress=False)
+    regenerate(smol, convs[:2], out, batch_size=2, decode=GenerationConfig(max_new_tokens=3), progress=False)
     with out.open("a") as f:
         f.write('{"conv_id": "2", "source": "a", "messa')  # a killed writer
     assert read_done(out) == {"a/0", "a/1"} and out.read_text().endswith("\n")
-    summary = regenerate(smol, convs, out, batch_size=2, max_new_tokens=3, progress=False)
+    summary = regenerate(smol, convs, out, batch_size=2, decode=GenerationConfig(max_new_tokens=3), progress=False)
     assert (summary.done_before, summary.generated) == (2, 1)
     assert sorted(json.loads(line)["conv_id"] for line in out.read_text().splitlines()) == ["0", "1", "2"]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from pipelines.cli import main
-from pipelines.report import ComparisonTable, MethodRow, csv_rows, markdown_relative, markdown_table, relative_improvements, render, write_report
-from pipelines.tracking import get_client
+from pipelines.eval.report import ComparisonTable, MethodRow, csv_rows, markdown_relative, markdown_table, relative_improvements, render, write_report
+from pipelines.common.tracking import get_client
 
 NATIVE = {"gsm8k/speedup": 2.0, "gsm8k/tau": 4.0, "mbpp/speedup": 1.0, "mbpp/tau": 2.0, "mean_speedup": 1.5, "mean_tau": 3.0}
 DRELAY = {"gsm8k/speedup": 3.0, "gsm8k/tau": 6.0, "gsm8k/speedup_std": 0.25, "mean_speedup": 2.25, "mean_tau": 4.5,

@@ -10,7 +10,7 @@ import yaml
 
 from drelay_model.errors import DRelayError
 from pipelines.cli import main
-from pipelines.study import finished, load_study, run_configs
+from pipelines.study.spec import finished, load_study, run_configs
 
 ROOT = Path(__file__).resolve().parents[2]
 STUDIES = sorted((ROOT / "platform" / "studies").glob("*.yaml"))
@@ -33,7 +33,7 @@ def _spec(**over):
             {"config": str(ROOT / "platform/experiments/smollm2-135m/train.yaml"), "runs": {"base": ["train.max_steps=10"]}},
             {"config": str(ROOT / "platform/experiments/smollm2-135m/train-drelay.yaml"),
              "overrides": ["drafter.init_checkpoint={base}", "train.max_steps=5"],
-             "runs": {"native": ["selector.name=none"], "drelay": [], "nogr": ["selector.config.global_read=false"]}},
+             "runs": {"native": ["selector.name=native"], "drelay": [], "nogr": ["selector.config.global_read=false"]}},
         ],  # fmt: skip
         "compare": {"baseline": "native", "variants": {"pick": "drelay:native"}},
         "ship": "drelay",
@@ -56,7 +56,7 @@ def test_runs_resolve_placeholders_and_names(tmp_path):
     spec = load_study(_write(tmp_path, _spec()))
     configs = run_configs(spec, _repo(tmp_path))
     assert list(configs) == ["base", "native", "drelay", "nogr"]
-    assert configs["base"].ray.run_name == "s-base" and configs["base"].selector.name == "none"
+    assert configs["base"].ray.run_name == "s-base" and configs["base"].selector.name == "native"
     assert configs["drelay"].drafter.init_checkpoint == "outputs/train/s-base/drafter"
     assert configs["nogr"].selector.config["global_read"] is False and configs["drelay"].selector.name == "drelay"
     assert spec.compared() == {"native": "native", "drelay": "drelay", "nogr": "nogr", "pick": "drelay:native"}

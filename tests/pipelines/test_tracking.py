@@ -1,4 +1,4 @@
-"""pipelines.tracking: where runs go, runs that always end, stale-run cleanup (temporary SQLite stores)."""
+"""pipelines.common.tracking: where runs go, runs that always end, stale-run cleanup (temporary SQLite stores)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import tracking
-from pipelines.tracking import HOST_TAG, PARENT_TAG, PID_TAG, fail_stale_runs, get_client, tracked_run
+from pipelines.common import tracking
+from pipelines.common.tracking import HOST_TAG, PARENT_TAG, PID_TAG, fail_stale_runs, get_client, tracked_run
 
 
 def _status(client, run_id: str) -> str:

@@ -131,7 +131,7 @@ def test_a_torn_last_line_is_ignored_but_a_bad_middle_line_is_an_error(tmp_path)
 def test_no_selector_loss_freezes_the_selector_at_its_native_initialisation():
     """Table 4's "No selector loss": the selector gets no gradient, so it must not be a DDP parameter."""
     from drelay_model.target import tiny_target
-    from pipelines.config import load_config
+    from pipelines.train.config import load_config
     from pipelines.train.model_io import build_module
 
     target = tiny_target("tiny-llama")
@@ -148,7 +148,7 @@ def test_init_checkpoint_continues_its_trained_selector(tmp_path):
     """A longer joint run starts from drafter *and* selector of `drafter.init_checkpoint`; a fresh
     selector would throw away what the first run learned. A contradicting selector.config fails."""
     from drelay_model.target import tiny_target
-    from pipelines.config import load_config
+    from pipelines.train.config import load_config
     from pipelines.train.driver import check_inputs
     from pipelines.train.model_io import build_module, save_training_checkpoint
 

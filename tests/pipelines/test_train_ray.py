@@ -14,7 +14,7 @@ import torch
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine
 from drelay_model.drafter import load_drafter
 from drelay_model.target import tiny_target
-from pipelines.config import load_config
+from pipelines.train.config import load_config
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def _config(tmp_path, data, **over):
 
 
 def test_killed_worker_resumes_from_checkpoint_and_history_is_whole(tmp_path, tiny_data, ray_session, monkeypatch):
-    from pipelines.tracking import get_client
+    from pipelines.common.tracking import get_client
     from pipelines.train.driver import run_training
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -109,11 +109,11 @@ def test_study_trains_stages_compares_and_ships(tmp_path, tiny_data, ray_session
 
     from drelay_model.selectors import default_registry
     from pipelines.cli import main
-    from pipelines.tracking import get_client
+    from pipelines.common.tracking import get_client
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    monkeypatch.setattr("pipelines.resolve.BUNDLED_CHECKPOINTS", tmp_path / "bundled")
-    cfg = _config(tmp_path, tiny_data, **{"train.max_steps": 4, "train.validate_every": 4, "selector.name": "none"})
+    monkeypatch.setattr("pipelines.common.paths.BUNDLED_CHECKPOINTS", tmp_path / "bundled")
+    cfg = _config(tmp_path, tiny_data, **{"train.max_steps": 4, "train.validate_every": 4, "selector.name": "native"})
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     bench = tmp_path / "bench" / "gsm8k" / "test.jsonl"

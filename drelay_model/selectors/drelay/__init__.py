@@ -1,4 +1,7 @@
-"""DRelay: Global Read + Causal Selector (prefix-aware repair of parallel drafts)."""
+"""DRelay: Global Read + Causal Selector (prefix-aware repair of parallel drafts).
+
+May import: torch, drelay_model.selectors.base, drelay_model.drafter, drelay_model.training.losses.
+"""
 
 from drelay_model.selectors.drelay.causal import TIE_TOL, CausalSelector, Evidence, decide
 from drelay_model.selectors.drelay.config import DRelayConfig

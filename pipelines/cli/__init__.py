@@ -1,0 +1,20 @@
+"""The `drelay` command line: the user's entry point, on top of every other package.
+
+    main.py      the entry point (`drelay = pipelines.cli:main`): builds the parser from COMMANDS,
+                 turns bad input (`DRelayError`) into one line on stderr and exit status 2
+    options.py   flags and flag parsing shared by several commands (not a command)
+    <command>.py one thin module per command: `add_parser(subparsers)` registers it and sets
+                 `run(args) -> int`; the work happens in the packages below
+
+Adding a command (serve, tune, plan, export, submit, …): write `pipelines/cli/<name>.py` with
+`add_parser(sub)` that calls `sub.add_parser("<name>", …)` and `set_defaults(run=run)`, then add
+"<name>" to `COMMANDS` in main.py. Import heavy dependencies (Ray, deploy/) inside `run`, so
+`drelay --help` stays fast.
+
+May import: every pipelines package, drelay_model, and deploy (lazily, inside functions). A command
+module never imports another command module (tests/test_layering.py checks).
+"""
+
+from pipelines.cli.main import guarded, main
+
+__all__ = ["guarded", "main"]

@@ -1,0 +1,75 @@
+"""Flags and flag parsing shared by several commands (this module is not a command).
+
+Values are checked here only as far as the command line goes (lists, integers, flag names in
+messages); what a value means is checked where it is used: decode settings by `GenerationConfig`,
+methods by `pipelines.common.methods`, benchmark names by `pipelines.data.eval_sets`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from drelay_model.decoding import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
+from drelay_model.errors import DRelayError
+from pipelines.data.eval_sets import BENCHMARKS
+
+DEFAULT_TARGET = "smollm2-135m"
+_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature"}
+
+
+def add_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"target spec (default: {DEFAULT_TARGET})")
+
+
+def add_max_new_tokens(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help=f"per prompt or turn (default: {DEFAULT_MAX_NEW_TOKENS})")
+
+
+def add_benchmark_set(p: argparse.ArgumentParser) -> None:
+    """--benchmarks, --limit, --subset-seed, --data-dir (eval, compare)."""
+    p.add_argument("--benchmarks", default="all", help=f"'all' or a comma list of {', '.join(BENCHMARKS)}")
+    p.add_argument("--limit", type=int, help="seeded subset of N prompts per benchmark (default: all)")
+    p.add_argument("--subset-seed", type=int, default=0, help="seed of the --limit subset")
+    p.add_argument("--data-dir", help="benchmark directory with the data/benchmarks layout")
+
+
+def add_run_outputs(p: argparse.ArgumentParser, *, kind: str, experiment: str) -> None:
+    """--run-name, --out, --experiment, --no-mlflow, --no-progress (eval, compare)."""
+    p.add_argument("--run-name", help="MLflow run name and default --out folder (default: derived from the settings)")
+    p.add_argument("--out", help=f"output folder (default: outputs/{kind}/<run-name>); rerun with the same one to resume")
+    p.add_argument("--experiment", default=experiment, help=f"MLflow experiment (default: {experiment})")
+    p.add_argument("--no-mlflow", action="store_true", help="write files only")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def decode_config(max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> GenerationConfig:
+    """A GenerationConfig from flags; its one-line errors name the flag, not the field."""
+    try:
+        return GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    except DRelayError as exc:
+        msg = str(exc)
+        field = msg.split(" ", 1)[0]
+        raise DRelayError(_FLAGS.get(field, field) + msg[len(field) :]) from None
+
+
+def check_limit(limit: int | None) -> None:
+    if limit is not None and limit < 1:
+        raise DRelayError(f"--limit must be ≥ 1, got {limit}")
+
+
+def split_list(text: str, flag: str) -> list[str]:
+    """A comma list, deduplicated in order; empty items are an error."""
+    items = [t.strip() for t in text.split(",")]
+    if not items or any(not t for t in items):
+        raise DRelayError(f"{flag}: expected a comma-separated list, got {text!r}")
+    return list(dict.fromkeys(items))
+
+
+def parse_ints(text: str, flag: str, *, minimum: int) -> tuple[int, ...]:
+    try:
+        values = tuple(int(t) for t in split_list(text, flag))
+    except ValueError:
+        raise DRelayError(f"{flag}: expected integers, got {text!r}") from None
+    if min(values) < minimum:
+        raise DRelayError(f"{flag}: values must be ≥ {minimum}, got {text!r}")
+    return values

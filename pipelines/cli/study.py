@@ -1,0 +1,41 @@
+"""`drelay study`: run a study spec — its training runs stage by stage, then the replay comparison.
+
+    drelay study --spec platform/studies/smollm2-135m-drelay.yaml [--dry-run] [--only LABEL ...] [--no-compare]
+
+Every run is an ordinary `drelay train` job (Ray Train, MLflow run `<study>-<label>`), resumable: a
+finished run is skipped, an interrupted one continues from its last checkpoint. The comparison is
+`drelay compare` over the runs' exported checkpoints (outputs/compare/<study>, MLflow experiment
+drelay-compare). With `ship: LABEL`, that run's checkpoint is copied (atomically) to
+checkpoints/<target>/, the drafter the CLI and the demo use by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("study", help="train a study's runs (stages, ablations) and compare them", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--spec", required=True, help="study spec YAML (e.g. platform/studies/smollm2-135m-drelay.yaml)")
+    p.add_argument("--only", action="append", default=[], metavar="LABEL", help="train only these runs (repeatable)")
+    p.add_argument("--dry-run", action="store_true", help="validate the spec and every run config, print the plan, train nothing")
+    p.add_argument("--no-compare", action="store_true", help="train only; skip the comparison and shipping")
+    p.add_argument("--no-progress", action="store_true", help="hide the comparison's progress bars")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipelines.study.runner import compare_and_ship, dry_run, plan, train_runs
+    from pipelines.study.spec import load_study
+
+    spec = load_study(args.spec)
+    configs, todo = plan(spec, args.only)
+    if args.dry_run:
+        dry_run(configs, todo)
+        return 0
+    train_runs(configs, todo)
+    if args.no_compare or args.only:
+        return 0
+    compare_and_ship(spec, configs, progress=not args.no_progress)
+    return 0

@@ -1,0 +1,111 @@
+"""The method spec: what decodes — `ar`, or a registered selector over a drafter checkpoint.
+
+    resolve_method(name, target_spec=…, checkpoint=…)  → MethodSpec   (names and paths checked once,
+                                                                      the bundled default filled in)
+    load_method(spec, target)                          → (drafter, selector); (None, None) for AR
+
+Every command (generate, eval, compare, study) resolves its methods here; nothing else spells "ar",
+looks up the registry for a method name, or picks the default checkpoint.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from drelay_model.drafter import BlockDrafter, DrafterConfig, load_drafter
+from drelay_model.drafter.checkpoint import read_checkpoint
+from drelay_model.errors import DRelayError
+from drelay_model.selectors import Selector, default_registry
+from drelay_model.target import TargetModel, load_target
+from pipelines.common.paths import bundled_checkpoint
+
+AR = "ar"
+NATIVE = "native"  # the drafter's own argmax path; also "trained without a selector"
+LEGACY_NONE = "none"  # what configs said for NATIVE before; accepted with a deprecation note
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A resolved method. `checkpoint` is a drafter directory (None for AR and random drafters)."""
+
+    name: str
+    checkpoint: str | None = None
+    random_drafter: bool = False
+
+    @property
+    def is_ar(self) -> bool:
+        return self.name == AR
+
+
+def method_names() -> tuple[str, ...]:
+    return (AR, *default_registry().names())
+
+
+def check_method(name: str) -> str:
+    if name not in method_names():
+        raise DRelayError(f"unknown method '{name}' (choose from: {', '.join(method_names())})")
+    return name
+
+
+def trainable_selectors() -> tuple[str, ...]:
+    """Selector names a training run may train (the registry's `trainable` ones)."""
+    reg = default_registry()
+    return tuple(n for n in reg.names() if reg.factory(n).capabilities.trainable)
+
+
+def training_selector(name: str) -> str:
+    """A run config's `selector.name`: `native` (drafter only) or a trainable selector. The legacy
+    spelling `none` becomes `native` with a FutureWarning; anything else is a ValueError."""
+    if name == LEGACY_NONE:
+        warnings.warn("selector.name: 'none' is deprecated, write 'native'", FutureWarning, stacklevel=2)
+        return NATIVE
+    allowed = (NATIVE, *trainable_selectors())
+    if name not in allowed:
+        raise ValueError(f"'{name}' is not a trainable selector (choose from: {', '.join(allowed)})")
+    return name
+
+
+def trained_selector(checkpoint: str | Path) -> str:
+    """The selector a checkpoint was trained with (meta["selector"]["name"]), else `native`."""
+    _, _, meta = read_checkpoint(checkpoint)  # a missing or corrupt checkpoint is a DRelayError
+    name = (meta.get("selector") or {}).get("name") or NATIVE
+    return NATIVE if name == LEGACY_NONE else name
+
+
+def resolve_method(name: str, *, target_spec: str, checkpoint: str | None = None, random_drafter: bool = False,
+                   hint: str = "pass --checkpoint DIR (or --method ar)") -> MethodSpec:  # fmt: skip
+    """Check the name, pick the checkpoint (given, else the one bundled for the target) and check it exists."""
+    check_method(name)
+    if name == AR:
+        return MethodSpec(AR)
+    if random_drafter:
+        if checkpoint:
+            raise DRelayError("--random-drafter and --checkpoint exclude each other")
+        return MethodSpec(name, None, True)
+    path = checkpoint or bundled_checkpoint(target_spec)
+    if path is None:
+        raise DRelayError(f"method '{name}' needs a drafter checkpoint: none is bundled for target '{target_spec}'; {hint}")
+    if not Path(path).is_dir():
+        raise DRelayError(f"checkpoint '{path}' not found (method '{name}')")
+    return MethodSpec(name, str(path))
+
+
+def load_method(spec: MethodSpec, target: TargetModel) -> tuple[BlockDrafter | None, Selector | None]:
+    """(drafter, selector) of a resolved method; (None, None) for autoregressive decoding."""
+    if spec.is_ar:
+        return None, None
+    registry = default_registry()
+    if spec.random_drafter:
+        torch.manual_seed(0)
+        drafter = BlockDrafter(DrafterConfig.for_target(target), target).eval()
+        return drafter, registry.create(spec.name, drafter=drafter).eval()
+    drafter, extra, meta = load_drafter(spec.checkpoint, target)
+    return drafter, registry.from_checkpoint(spec.name, drafter=drafter, tensors=extra, meta=meta)
+
+
+def load_target_spec(spec: str) -> TargetModel:
+    return load_target(spec)

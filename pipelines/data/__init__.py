@@ -1,0 +1,8 @@
+"""Data: the evaluation prompt sets, training corpora and greedy regeneration of training answers.
+
+    eval_sets.py    the eight evaluation benchmarks' prompts behind one loader (data/benchmarks/)
+    corpora.py      training conversations (data/train/, ShareGPT files)
+    regenerate.py   `drelay data regenerate`: the target's own greedy answers, resumable
+
+May import: pipelines.common, drelay_model. Never eval, train, study, cli or deploy.
+"""

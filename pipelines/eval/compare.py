@@ -1,0 +1,211 @@
+"""Replay comparison of drafter checkpoints on the benchmarks: native vs DRelay, and ablations.
+
+Only greedy replay τ matters for these tables, and replay is exact (it equals τ of real greedy
+decoding round for round), so nothing is decoded speculatively here:
+
+    per benchmark:  AR greedy continuations, decoded once (`drelay eval`'s AR cell, cached in <out>/cells)
+    per variant:    replay(selector) → τ;  replay(pool oracle) → oracle τ;  pool diagnostics
+                    cached in <out>/replay/<benchmark>__<label>.json, keyed by the checkpoint's files
+
+A variant is a label, a checkpoint and the selector to run on its pool (by default the one the
+checkpoint was trained with, else `native`). `LABEL=DIR:native` runs a DRelay-trained drafter with
+native selection, which separates what the selector adds from what joint training did to the drafter.
+
+Summary: τ per benchmark per variant, the mean over benchmarks, and each variant's ratio to the
+baseline: mean τ(variant) / mean τ(baseline), and per benchmark τ(variant) / τ(baseline).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from drelay_model.errors import DRelayError
+from drelay_model.selectors import default_registry
+from pipelines.common.methods import MethodSpec, trained_selector
+from pipelines.common.paths import NAME_PATTERN
+from pipelines.common.store import JsonStore
+from pipelines.data.eval_sets import BenchmarkPrompt
+from pipelines.eval.prompts import PromptEncoder
+from pipelines.eval.results import CellResult, ReplayResult, fingerprint
+from pipelines.eval.runner import MethodUnderTest, checkpoint_identity, replay_cell
+
+_LABEL = re.compile(NAME_PATTERN)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """label: a column of the table; spec: the selector (a registry name) over a drafter checkpoint."""
+
+    label: str
+    spec: MethodSpec
+
+    @property
+    def checkpoint(self) -> str:
+        return self.spec.checkpoint
+
+    @property
+    def selector(self) -> str:
+        return self.spec.name
+
+
+def parse_variant(text: str) -> Variant:
+    """`LABEL=DIR` or `LABEL=DIR:SELECTOR` → Variant (DIR must be a checkpoint directory)."""
+    label, eq, rest = text.partition("=")
+    if not eq or not rest:
+        raise DRelayError(f"--variant {text!r}: expected LABEL=DIR or LABEL=DIR:SELECTOR")
+    if not _LABEL.match(label):
+        raise DRelayError(f"--variant {text!r}: label must be 1–64 of [A-Za-z0-9._+-], starting with a letter or digit")
+    path, selector = rest, None
+    if not Path(rest).is_dir() and ":" in rest:
+        path, _, selector = rest.rpartition(":")
+    if not Path(path).is_dir():
+        raise DRelayError(f"--variant {label}: checkpoint directory '{path}' not found")
+    names = list(default_registry().names())
+    if selector is not None and selector not in names:
+        raise DRelayError(f"--variant {label}: unknown selector '{selector}' (choose from: {', '.join(names)})")
+    saved = trained_selector(path)
+    if selector is not None and selector != saved and default_registry().factory(selector).capabilities.trainable:
+        raise DRelayError(f"--variant {label}: checkpoint '{path}' holds no trained '{selector}' selector (it has: {saved})")
+    return Variant(label, MethodSpec(selector or saved, path))
+
+
+def parse_variants(texts: Sequence[str], baseline: str | None) -> tuple[list[Variant], str]:
+    """Variants in the given order, and the baseline label (default: the first variant)."""
+    if not texts:
+        raise DRelayError("give at least one --variant LABEL=DIR[:SELECTOR]")
+    variants = [parse_variant(t) for t in texts]
+    labels = [v.label for v in variants]
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise DRelayError(f"--variant labels must be unique; repeated: {', '.join(dup)}")
+    base = baseline or labels[0]
+    if base not in labels:
+        raise DRelayError(f"--baseline '{base}' is not a variant label (have: {', '.join(labels)})")
+    return variants, base
+
+
+@dataclass
+class VariantCell:
+    """Replay of one variant on one benchmark: the counts (they merge exactly across prompts) and
+    pool diagnostics of `replay_cell`, and τ / oracle τ per prompt turn."""
+
+    benchmark: str
+    label: str
+    fingerprint: str
+    replay: ReplayResult
+    per_prompt: dict[str, list[float]]  # "prompt_id#turn" → [τ, oracle τ]
+    elapsed_s: float
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "VariantCell":
+        return cls(**{**d, "replay": ReplayResult.from_dict(d["replay"])})
+
+
+def replay_store(out_dir: Path) -> JsonStore[VariantCell]:
+    """<out>/replay/<benchmark>__<label>.json, written atomically; a stale or torn file is redone."""
+    return JsonStore(Path(out_dir) / "replay", VariantCell, lambda cell: cell.label)
+
+
+def replay_variants(
+    target,
+    variants: Sequence[Variant],
+    prompts: Mapping[str, Sequence[BenchmarkPrompt]],
+    ar_cells: Mapping[str, CellResult],
+    encoder: PromptEncoder,
+    store: JsonStore[VariantCell],
+    *,
+    progress: bool = True,
+) -> dict[tuple[str, str], VariantCell]:
+    """Every (benchmark, variant) cell, variant-major (one checkpoint in memory at a time)."""
+    cells: dict[tuple[str, str], VariantCell] = {}
+    total = len(variants) * len(prompts)
+    with tqdm(total=total, desc="replay", unit="cell", disable=not progress, file=sys.stderr) as bar:
+        for v in variants:
+            method = None
+            for bench, bench_prompts in prompts.items():
+                bar.set_postfix_str(f"{v.label}/{bench}")
+                fp = fingerprint({
+                    "checkpoint": checkpoint_identity(v.checkpoint), "selector": v.selector,
+                    "reference": ar_cells[bench].fingerprint, "prompts": [p.prompt_id for p in bench_prompts],
+                })  # fmt: skip
+                cell = store.load(bench, v.label, fp)
+                if cell is None:
+                    if method is None:
+                        method = MethodUnderTest.load(v.spec, target, label=v.label)
+                    cell = _replay_one(target, method, bench, bench_prompts, ar_cells[bench], encoder, fp, progress)
+                    store.save(cell)
+                cells[(bench, v.label)] = cell
+                bar.update(1)
+    return cells
+
+
+def _replay_one(target, method, bench, prompts, ar_cell, encoder, fp, progress) -> VariantCell:
+    t0 = time.perf_counter()
+    with tqdm(total=len(prompts), desc=f"{bench}/{method.name}", unit="prompt", leave=False, disable=not progress, file=sys.stderr) as bar:
+        res, per_prompt = replay_cell(target, method, prompts, encoder, ar_cell.outputs, bar=bar)
+    return VariantCell(
+        benchmark=bench, label=method.name, fingerprint=fp, replay=res,
+        per_prompt={f"{pid}#{turn}": [t, o] for (pid, turn), (t, o) in per_prompt.items()},
+        elapsed_s=time.perf_counter() - t0,
+    )  # fmt: skip
+
+
+@dataclass
+class ComparisonSummary:
+    """Flat metrics per variant (`<benchmark>/tau`, `<benchmark>/oracle_tau`, `mean_tau`,
+    `mean_oracle_tau`, `ratio_vs_baseline`, `<benchmark>/ratio_vs_baseline`) and the tables."""
+
+    baseline: str
+    benchmarks: list[str]
+    metrics: dict[str, dict[str, float]]
+
+    def markdown(self) -> str:
+        from pipelines.eval.report import BENCHMARK_LABELS
+
+        labels = list(self.metrics)
+        head = ["benchmark", *[f"τ {v}" for v in labels], *[f"{v} ÷ {self.baseline}" for v in labels if v != self.baseline]]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for b in [*self.benchmarks, "mean"]:
+            key = "mean_tau" if b == "mean" else f"{b}/tau"
+            rkey = "ratio_vs_baseline" if b == "mean" else f"{b}/ratio_vs_baseline"
+            name = "**mean**" if b == "mean" else BENCHMARK_LABELS.get(b, b)
+            row = [name, *[f"{self.metrics[v][key]:.3f}" for v in labels]]
+            row += [f"{self.metrics[v][rkey]:.3f}" for v in labels if v != self.baseline]
+            lines.append("| " + " | ".join(row) + " |")
+        lines += ["", "| variant | mean τ | mean oracle τ | τ ÷ oracle τ | coverage @ 1st error | one-edit gain |", "|---|---|---|---|---|---|"]
+        for v in labels:
+            m = self.metrics[v]
+            eff = m["mean_tau"] / m["mean_oracle_tau"] if m["mean_oracle_tau"] else 0.0
+            lines.append(f"| {v} | {m['mean_tau']:.3f} | {m['mean_oracle_tau']:.3f} | {eff:.3f} | "
+                         f"{m['mean_coverage_first_error']:.3f} | {m['mean_one_edit_gain']:.3f} |")  # fmt: skip
+        return "\n".join(lines) + "\n"
+
+
+def summarize(cells: Mapping[tuple[str, str], VariantCell], variants: Sequence[Variant], benchmarks: Sequence[str], baseline: str) -> ComparisonSummary:
+    """Means over benchmarks (each benchmark weighs the same, as in the paper's Avg. column)."""
+    metrics: dict[str, dict[str, float]] = {}
+    for v in variants:
+        m: dict[str, float] = {}
+        for b in benchmarks:
+            r = cells[(b, v.label)].replay
+            m.update({f"{b}/tau": r.tau, f"{b}/oracle_tau": r.oracle_tau, f"{b}/coverage_first_error": r.diagnostics.coverage_first_error,
+                      f"{b}/one_edit_gain": r.diagnostics.one_edit_gain})  # fmt: skip
+        for key in ("tau", "oracle_tau", "coverage_first_error", "one_edit_gain"):
+            m[f"mean_{key}"] = sum(m[f"{b}/{key}"] for b in benchmarks) / len(benchmarks)
+        metrics[v.label] = m
+    base = metrics[baseline]
+    for m in metrics.values():
+        m["ratio_vs_baseline"] = m["mean_tau"] / base["mean_tau"] if base["mean_tau"] else 0.0
+        for b in benchmarks:
+            m[f"{b}/ratio_vs_baseline"] = m[f"{b}/tau"] / base[f"{b}/tau"] if base[f"{b}/tau"] else 0.0
+    return ComparisonSummary(baseline, list(benchmarks), metrics)
+
+
+__all__ = ["ComparisonSummary", "Variant", "VariantCell", "parse_variants", "replay_store", "replay_variants", "summarize"]

@@ -1,0 +1,74 @@
+"""Run a study: its training runs stage by stage (skipping finished ones), then the replay comparison
+of their exported checkpoints, then (with `ship:`) copy one run's checkpoint to checkpoints/<target>/."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from drelay_model.atomic import atomic_directory
+from drelay_model.errors import DRelayError
+from pipelines.common.paths import BUNDLED_CHECKPOINTS, repo_path
+from pipelines.eval.compare_run import CompareJob, run_compare
+from pipelines.study.spec import StudySpec, final_checkpoint, finished, run_configs
+from pipelines.train.config import RunConfig
+from pipelines.train.driver import check_inputs, run_training
+
+
+def plan(spec: StudySpec, only: list[str]) -> tuple[dict[str, RunConfig], list[str]]:
+    """Every run's config (validated up front) and the labels to train; prints one line per run."""
+    configs = run_configs(spec, repo_path)
+    unknown = [x for x in only if x not in configs]
+    if unknown:
+        raise DRelayError(f"--only: unknown run label(s) {', '.join(unknown)} (have: {', '.join(configs)})")
+    todo = [label for label in configs if not only or label in only]
+    for label in todo:
+        cfg = configs[label]
+        state = "done" if finished(cfg, repo_path) else "to train"
+        print(f"[study] {label}: run {cfg.ray.run_name}, {cfg.train.max_steps} steps, selector {cfg.selector.name} — {state}")
+    return configs, todo
+
+
+def dry_run(configs: dict[str, RunConfig], todo: list[str]) -> None:
+    check_inputs(configs[todo[0]])
+
+
+def train_runs(configs: dict[str, RunConfig], todo: list[str]) -> None:
+    for label in todo:
+        cfg = configs[label]
+        if finished(cfg, repo_path):
+            continue
+        print(f"[study] training {label} …", flush=True)
+        result = run_training(cfg)
+        print(f"[study] {label}: {result.checkpoint} · " + json.dumps({k: round(v, 4) for k, v in result.metrics.items() if k.startswith("val/")}))
+
+
+def compare_and_ship(spec: StudySpec, configs: dict[str, RunConfig], *, progress: bool) -> None:
+    missing = [label for label in configs if not finished(configs[label], repo_path)]
+    if missing:
+        raise DRelayError(f"runs not finished: {', '.join(missing)}")
+    if spec.compare is not None:
+        _compare(spec, configs, progress)
+    if spec.ship is not None:
+        _ship(configs[spec.ship], final_checkpoint(configs[spec.ship], repo_path))
+
+
+def _compare(spec: StudySpec, configs: dict[str, RunConfig], progress: bool) -> None:
+    c = spec.compare
+    variants = []
+    for label, ref in spec.compared().items():
+        run_label, _, selector = ref.partition(":")
+        path = final_checkpoint(configs[run_label], repo_path)
+        variants.append(f"{label}={path}" + (f":{selector}" if selector else ""))
+    run_compare(CompareJob(
+        variants=tuple(variants), baseline=c.baseline, target=configs[spec.run_labels()[0]].target.spec,
+        benchmarks=c.benchmarks, limit=c.limit, data_dir=str(repo_path(c.data_dir)) if c.data_dir else None,
+        decode=c.decode, run_name=spec.name, out=str(repo_path(c.out or f"outputs/compare/{spec.name}")), progress=progress,
+    ))  # fmt: skip
+
+
+def _ship(cfg: RunConfig, checkpoint) -> None:
+    dest = BUNDLED_CHECKPOINTS / cfg.target.spec
+    with atomic_directory(dest) as tmp:
+        shutil.copytree(checkpoint, tmp, dirs_exist_ok=True)
+    print(f"[study] shipped {checkpoint} → {dest}")
