@@ -66,65 +66,88 @@ def replay(
     selector: Selector | None = None,
     oracle: bool = False,
     on_round: RoundHook | None = None,
+    batch_size: int = 8,
 ) -> DecodeStats:
     """Replay greedy speculative decoding over cached greedy continuations.
+
+    Prompts are replayed `batch_size` at a time (sorted by length so padding stays small): one target
+    forward per batch, then rounds in lockstep — each row keeps its own anchor, and rows that have
+    committed their whole continuation drop out. Every row's rounds are those of replaying it alone.
 
     Args:
         prompts        tokenized prompts.
         continuations  the target's greedy continuation of each prompt (as real decoding returns it:
                        first token from prefill, truncated at EOS or the token budget).
         selector       the selector under test (default: native); ignored when `oracle`.
-        on_round       optional trace hook, called once per replayed round (observes only).
+        on_round       optional trace hook, called once per replayed row-round (observes only).
+        batch_size     prompts per target forward and per drafter call (≥ 1).
     Returns:
         DecodeStats with τ, the acceptance histogram and round counts (no timings).
     """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if len(prompts) != len(continuations):
+        raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations")
     selector = (selector if selector is not None else NativeSelector()).eval()
     stats = DecodeStats(num_slots=drafter.config.num_slots)
-    for row, (prompt, cont) in enumerate(zip(prompts, continuations)):
-        _replay_row(target, drafter, selector, prompt, cont, row, oracle, stats, on_round)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(continuations[i]))
+    for lo in range(0, len(order), batch_size):
+        rows = order[lo : lo + batch_size]
+        _replay_batch(target, drafter, selector, [prompts[i] for i in rows], [continuations[i] for i in rows], rows, oracle, stats, on_round)
     return stats
 
 
-def _replay_row(
-    target, drafter, selector, prompt, cont, row: int, oracle: bool, stats: DecodeStats, on_round: RoundHook | None = None
-) -> None:
-    seq = torch.tensor(prompt + cont)[None]  # [1, N]
-    N, P = seq.shape[1], len(prompt)
-    cache = target.new_cache(1, N)
-    feats = target(seq, cache, feature_layers=drafter.config.target_layer_ids, logits_at=torch.tensor([[N - 1]])).features
-    ctx_kv = drafter.context_kv(feats, torch.arange(N)[None])  # per layer [1, n_kv, N, hd]
+def _replay_batch(target, drafter, selector, prompts, conts, rows: list[int], oracle: bool, stats: DecodeStats, on_round) -> None:
+    """Replay up to batch_size rows together (see `replay`)."""
+    seqs = [p + c for p, c in zip(prompts, conts)]
+    B, N = len(seqs), max(len(s) for s in seqs)
+    device = seq_device(target)
+    seq = torch.zeros(B, N, dtype=torch.long, device=device)  # right-padded: causal rows never see the pad
+    for b, s in enumerate(seqs):
+        seq[b, : len(s)] = torch.tensor(s, device=device)
+    cache = target.new_cache(B, N)
+    feats = target(seq, cache, feature_layers=drafter.config.target_layer_ids, logits_at=torch.zeros(B, 1, dtype=torch.long, device=device)).features
+    positions = torch.arange(N, device=device)[None].expand(B, -1)
+    ctx_kv = drafter.context_kv(feats, positions)  # per layer [B, n_kv, N, hd]
     H = drafter.config.num_slots
-    a, left = P, len(cont) - 1  # anchor = first generated token (from prefill); tokens left to commit
-    while left > 0:
-        block = draft_at(drafter, seq[:, a], a, ctx_kv)
-        ref = seq[0, a + 1 : a + 1 + H]  # the target's tokens after the anchor, [≤ H]
+    hist_len = 0 if oracle else selector.capabilities.history_len
+    anchor = [len(p) for p in prompts]  # anchor = first generated token (from prefill)
+    left = [len(c) - 1 for c in conts]  # tokens left to commit per row
+    while True:
+        live = [b for b in range(B) if left[b] > 0]
+        if not live:
+            break
+        idx = torch.tensor(live, device=device)
+        a = torch.tensor([anchor[b] for b in live], device=device)  # [G]
+        kv = [(k[idx], v[idx]) for k, v in ctx_kv]
+        hidden = drafter.block_hidden(seq[idx, a][:, None], a[:, None], kv)[:, 0, 1:]  # [G, H, D]
+        block = drafter.pool(hidden)
+        refs = [seq[b, anchor[b] + 1 : min(anchor[b] + 1 + H, len(seqs[b]))] for b in live]  # [≤ H] each
         if oracle:
-            path = oracle_path(block, ref)
+            paths = [oracle_path(_row_block(block, g), refs[g]) for g in range(len(live))]
         else:
             hist = hmask = None
-            if selector.capabilities.history_len:
-                hist, hmask = history_window(feats, a, selector.capabilities.history_len)
-            sctx = SelectionContext(
-                anchor_ids=seq[:, a], anchor_pos=torch.tensor([a]), row_ids=torch.tensor([row]), history=hist, history_mask=hmask
-            )
+            if hist_len:
+                wins = [history_window(feats[b : b + 1], anchor[b], hist_len) for b in live]
+                hist, hmask = torch.cat([w[0] for w in wins]), torch.cat([w[1] for w in wins])
+            sctx = SelectionContext(anchor_ids=seq[idx, a], anchor_pos=a, row_ids=torch.tensor([rows[b] for b in live]), history=hist, history_mask=hmask)
             sel = selector.select(block, sctx)
-            path = sel.path_ids[0, : int(sel.length[0])]
-        G = min(len(path), len(ref))
-        n = int(accepted_prefix(path[:G] == ref[:G]))
-        committed = min(n + 1, left)
-        stats.record_round([n], [committed])
-        stats.steps += 1
-        if on_round is not None:
-            on_round(ReplayRound(row=row, anchor_pos=a, block=block, path=path, ref=ref, accepted=n, committed=committed))
-        a += n + 1
-        left -= committed
-    stats.generated += len(cont)
-
-
-def draft_at(drafter: BlockDrafter, anchor_id: torch.Tensor, a: int, ctx_kv) -> DraftBlock:
-    """The drafted block at anchor position `a` from full-sequence context keys/values (sees p < a)."""
-    hidden = drafter.block_hidden(anchor_id.view(1, 1), torch.tensor([[a]]), ctx_kv)[:, 0, 1:]  # [1, H, D]
-    return drafter.pool(hidden)
+            lengths = sel.length.tolist()
+            paths = [sel.path_ids[g, : lengths[g]] for g in range(len(live))]
+        accepted, committed = [], []
+        for g, b in enumerate(live):
+            G = min(len(paths[g]), len(refs[g]))
+            n = int(accepted_prefix(paths[g][:G] == refs[g][:G]))
+            c = min(n + 1, left[b])
+            accepted.append(n)
+            committed.append(c)
+            if on_round is not None:
+                on_round(ReplayRound(row=rows[b], anchor_pos=anchor[b], block=_row_block(block, g), path=paths[g], ref=refs[g], accepted=n, committed=c))
+            anchor[b] += n + 1
+            left[b] -= c
+        stats.record_round(accepted, committed)
+        stats.steps += len(live)  # one replayed round per row, as when rows are replayed alone
+    stats.generated += sum(len(c) for c in conts)
 
 
 def oracle_path(block: DraftBlock, ref: torch.Tensor) -> torch.Tensor:
@@ -135,3 +158,13 @@ def oracle_path(block: DraftBlock, ref: torch.Tensor) -> torch.Tensor:
     hit = (cand[:G] == ref[:, None]).any(dim=1)  # [G]
     path[:G] = torch.where(hit, ref, path[:G])
     return path
+
+
+def _row_block(block: DraftBlock, g: int) -> DraftBlock:
+    """Row g of a drafted block, as a batch of one."""
+    return DraftBlock(hidden=block.hidden[g : g + 1], cand_ids=block.cand_ids[g : g + 1], cand_logq=block.cand_logq[g : g + 1])
+
+
+def seq_device(target: TargetModel) -> torch.device:
+    """Where the target's weights live (token ids go there too)."""
+    return next(target.parameters()).device
