@@ -55,3 +55,16 @@ def test_bad_files(tmp_path):
 def test_schedule_ramps_then_holds():
     s = Schedule(start=0.3, end=0.5, ramp_fraction=0.5)
     assert s.at(0.0) == pytest.approx(0.3) and s.at(0.25) == pytest.approx(0.4) and s.at(0.9) == pytest.approx(0.5)
+
+
+def test_paper_defaults_and_their_switches():
+    """Defaults read the paper (Eq. 4 without a slot decay, α reaching 1 and holding, the scout's
+    chains restarting); today's behaviour stays selectable."""
+    t = load_config(None, []).train
+    assert t.slot_decay is None and t.scout_policy == "native" and t.scout_restart
+    assert t.selector_alpha.at(0.3) == pytest.approx(1.0) and t.selector_alpha.at(0.0) == pytest.approx(0.05)
+    old = load_config(None, ["train.slot_decay=7.0", "train.scout_policy=selector", "train.scout_restart=false"]).train
+    assert old.slot_decay == 7.0 and old.scout_policy == "selector" and not old.scout_restart
+    for bad, field in (("train.slot_decay=0", "train.slot_decay"), ("train.scout_policy=magic", "train.scout_policy")):
+        with pytest.raises(DRelayError, match=field):
+            load_config(None, [bad])
