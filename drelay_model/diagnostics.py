@@ -154,3 +154,71 @@ def diagnose_rounds(cand: torch.Tensor, path: torch.Tensor, ref: torch.Tensor) -
 def selection_efficiency(tau: float, oracle_tau: float) -> float:
     """τ / oracle τ: the share of the pool's attainable acceptance a selector realises (0 if undefined)."""
     return tau / oracle_tau if oracle_tau > 0 else 0.0
+
+
+# ---- §3.2: do later predictions support the right candidate? ----------------------------------------
+# Samples: rounds whose served path has a first error at slot A, the target's token y_A is in the pool
+# at A, and the next `span` drafts after A are all correct. For each pool candidate v at A, the frozen
+# target scores the drafted suffix given the verified prefix and v:
+#     score(v) = Σ_{t=1..span} log p_target(path_{A+t} | prefix, y_<A, v, path_{A+1..A+t-1})
+# The best-scoring candidate is the one "the later predictions support"; accuracy = P(it is y_A). The
+# control replaces the suffix with another sample's suffix: the gap is the context-dependent evidence.
+
+
+@dataclass(frozen=True)
+class ContinuationEvidence:
+    """Counters of the §3.2 test; merge with `+`."""
+
+    samples: int = 0
+    real_correct: int = 0
+    control_correct: int = 0
+
+    def __add__(self, other: "ContinuationEvidence") -> "ContinuationEvidence":
+        return ContinuationEvidence(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    @property
+    def real_accuracy(self) -> float:
+        return self.real_correct / self.samples if self.samples else 0.0
+
+    @property
+    def control_accuracy(self) -> float:
+        return self.control_correct / self.samples if self.samples else 0.0
+
+
+def continuation_samples(cand: torch.Tensor, path: torch.Tensor, ref: torch.Tensor, span: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which rounds qualify for the §3.2 test, and their first-error slot.
+
+    cand [N, H, K], path/ref [N, H] (padded as in `pad_rounds`) → (ok [N] bool, A [N] int64).
+    """
+    N, H, _ = cand.shape
+    A, has_error = first_error(path, ref)
+    j = torch.arange(H)[None, :]
+    after = (j > A[:, None]) & (j <= A[:, None] + span)  # [N, H] the span slots after A
+    suffix_ok = ((path == ref) | ~after).all(dim=1) & (A + span < H)
+    return has_error & covered_at(cand, ref, A) & suffix_ok, A
+
+
+@torch.no_grad()
+def continuation_scores(target, prefix: Sequence[int], candidates: torch.Tensor, suffix: Sequence[int]) -> torch.Tensor:
+    """Target log-probability of `suffix` after prefix + each candidate.
+
+    The prefix is prefilled once and its cache copied to K rows; then one forward over
+    [candidate, suffix] per row. prefix: P ≥ 1 verified tokens; candidates [K] int64; suffix: S
+    tokens. → [K] float32.
+    """
+    K, P, S = len(candidates), len(prefix), len(suffix)
+    device = target.embed_weight.device
+    cache = target.new_cache(1, P + 1 + S)
+    target(torch.as_tensor([list(prefix)], device=device), cache)
+    cache.select_rows(torch.zeros(K, dtype=torch.long, device=device))  # K copies of the prefix
+    ids = torch.empty(K, 1 + S, dtype=torch.long, device=device)
+    ids[:, 0] = candidates.to(device)
+    ids[:, 1:] = torch.as_tensor(list(suffix), device=device)
+    at = torch.arange(S, device=device).expand(K, S)  # new positions 0..S−1 predict the suffix tokens
+    logp = torch.log_softmax(target(ids, cache, logits_at=at).logits.float(), dim=-1)  # [K, S, V]
+    return logp.gather(-1, ids[:, 1:, None])[..., 0].sum(dim=1)  # [K]
+
+
+def supported_is_correct(scores: torch.Tensor, candidates: torch.Tensor, correct: int) -> bool:
+    """Whether the best-scoring candidate is the target's token (ties: the earlier, higher-q one)."""
+    return int(candidates[int(scores.argmax())]) == int(correct)

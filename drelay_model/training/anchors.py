@@ -15,13 +15,14 @@ Shapes: B sequences, N positions, M anchors per sequence, H slots, V (draft) voc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from drelay_model.decoding.verify import accepted_prefix
-from drelay_model.drafter.model import BlockDrafter
+from drelay_model.drafter.model import BlockDrafter, DraftBlock
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,16 @@ def sample_uniform_anchors(eligible: torch.Tensor, m: int, generator: torch.Gene
     return torch.where(ok, top, 0), ok
 
 
+# A teacher-forced path policy for the scout: (block over B rows, anchor ids [B], anchor positions [B],
+# teacher labels [B, H]) → the path [B, H] (target ids) that incremental selection would propose.
+PathPolicy = Callable[[DraftBlock, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def native_path(block: DraftBlock, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The native (DFlash) path: pool candidate 0, the drafter's argmax per slot. → [B, H]."""
+    return block.cand_ids[:, :, 0]
+
+
 @torch.no_grad()
 def scout_anchors(
     drafter: BlockDrafter,
@@ -80,12 +91,23 @@ def scout_anchors(
     loss_mask: torch.Tensor,
     m: int,
     generator: torch.Generator,
+    *,
+    policy: PathPolicy | None = None,
+    restart: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Trace m decoding boundaries per row with native selection under teacher prefixes.
+    """Trace m decoding boundaries per row under teacher prefixes (DRelay §5, "Learn at boundaries
+    the current drafter reaches").
 
-    Each row starts at a uniformly random eligible position a; a block at a proposes the native
-    path (argmax per slot); A = leading matches with the teacher tokens; the next boundary is
-    a + A + 1. Rows advance in lock-step, one batched no-grad block per step.
+    Each row starts at a uniformly random eligible position a; a block at a proposes a path (the
+    native argmax per slot, or `policy`'s teacher-forced selection); A = leading matches with the
+    teacher tokens; the next boundary is a + A + 1. Before its first failure a teacher-forced path
+    sees exactly the prefix incremental selection would see, so these are the boundaries decoding
+    reaches. Rows advance in lock-step, one batched no-grad block per step.
+
+    restart  when a row's chain leaves the response, start a fresh chain at a new uniform position,
+             so every row yields m scout anchors (as long as it has any eligible position) and the
+             realised native-anchor fraction follows the schedule; False: one chain per row (the
+             row yields fewer anchors once its chain runs off the end).
     Returns (anchors [B, m], ok [B, m]).
     """
     B, N = input_ids.shape
@@ -94,18 +116,26 @@ def scout_anchors(
     start, has = sample_uniform_anchors(eligible, 1, generator)
     a = start[:, 0].clone()
     alive = has[:, 0].clone()
-    anchors = torch.zeros(B, m, dtype=torch.long)
-    ok = torch.zeros(B, m, dtype=torch.bool)
+    anchors = torch.zeros(B, m, dtype=torch.long, device=input_ids.device)
+    ok = torch.zeros(B, m, dtype=torch.bool, device=input_ids.device)
     for step in range(m):
         alive &= torch.gather(eligible, 1, a[:, None].clamp(max=N - 1))[:, 0]
+        if restart and not bool(alive.all()):
+            fresh, fresh_ok = sample_uniform_anchors(eligible, 1, generator)
+            a = torch.where(alive, a, fresh[:, 0])
+            alive = alive | fresh_ok[:, 0]
         if not bool(alive.any()):
             break
         anchors[:, step] = torch.where(alive, a, 0)
         ok[:, step] = alive
-        hidden = drafter.block_hidden(torch.gather(input_ids, 1, a[:, None]), a[:, None], ctx_kv)  # [B, 1, S, D]
-        native = drafter.to_target_ids(drafter.logits(hidden[:, 0, 1:]).argmax(-1))  # [B, H]
+        anchor_ids = torch.gather(input_ids, 1, a[:, None])  # [B, 1]
+        hidden = drafter.block_hidden(anchor_ids, a[:, None], ctx_kv)  # [B, 1, S, D]
         blocks = make_blocks(label_ids, loss_mask, a[:, None], alive[:, None], H)
-        match = (native == blocks.labels[:, 0]) & blocks.valid[:, 0]
+        if policy is None:
+            path = drafter.to_target_ids(drafter.logits(hidden[:, 0, 1:]).argmax(-1))  # [B, H]
+        else:
+            path = policy(drafter.pool(hidden[:, 0, 1:]), anchor_ids[:, 0], a, blocks.labels[:, 0])
+        match = (path == blocks.labels[:, 0]) & blocks.valid[:, 0]
         accepted = accepted_prefix(match)  # [B]
         a = (a + accepted + 1).clamp(max=N - 1)
     return anchors, ok

@@ -21,7 +21,7 @@ from torch import nn
 from drelay_model.training import losses
 from drelay_model.drafter.model import BlockDrafter, DraftBlock
 from drelay_model.selectors.drelay.causal import decide
-from drelay_model.training.anchors import eligible_anchors, make_blocks, sample_uniform_anchors, scout_anchors
+from drelay_model.training.anchors import PathPolicy, eligible_anchors, make_blocks, sample_uniform_anchors, scout_anchors
 from drelay_model.training.schedules import slot_weights
 
 
@@ -57,7 +57,9 @@ class StepConfig:
 
     anchors_per_seq: int
     native_fraction: float
-    slot_decay: float | None = 7.0
+    slot_decay: float | None = None  # None: Eq. 4's uniform support term; a float: DFlash's exp(-(i-1)/decay)
+    scout_policy: str = "native"  # "native": the scout follows the argmax path; "selector": the selector's
+    scout_restart: bool = True  # teacher-forced choices. restart: fresh chains keep m scout anchors per row
     alpha: float = 1.0  # selector coefficient α_t
     beta: float = 1.0  # credit blend β_t (0 = uniform weights)
     credit_floor: float = 0.1
@@ -106,11 +108,16 @@ def training_step(
     H = drafter.config.num_slots
     n_native = int(round(cfg.anchors_per_seq * cfg.native_fraction))
     anchors, ok = sample_uniform_anchors(eligible_anchors(loss_mask), cfg.anchors_per_seq - n_native, generator)
+    n_scout = torch.zeros((), device=ok.device)
     if n_native:
         with torch.no_grad():
             ctx = drafter.context_kv(features, torch.arange(N)[None].expand(B, N))
-        nat, nat_ok = scout_anchors(drafter, ctx, input_ids, labels_src, loss_mask, n_native, generator)
+        policy = _selector_policy(selector, features) if cfg.scout_policy == "selector" and selector is not None else None
+        nat, nat_ok = scout_anchors(
+            drafter, ctx, input_ids, labels_src, loss_mask, n_native, generator, policy=policy, restart=cfg.scout_restart
+        )
         anchors, ok = torch.cat([anchors, nat], 1), torch.cat([ok, nat_ok], 1)
+        n_scout = nat_ok.sum()
     blocks = make_blocks(labels_src, loss_mask, anchors, ok, H)
     labels, valid = blocks.labels.reshape(-1, H), blocks.valid.reshape(-1, H)  # [B·M, H]
     history = hmask = None
@@ -121,6 +128,7 @@ def training_step(
     w_slot = slot_weights(H, cfg.slot_decay).to(support.nll.dtype)
     support = losses.SupportLoss(nll=support.nll * w_slot, counted=support.counted, out_of_vocab=support.out_of_vocab)
     metrics = _support_metrics(drafter, logits, blocks, support)
+    metrics["anchors/native_fraction"] = float(n_scout / ok.sum().clamp(min=1))  # realised, vs the schedule
     if sel_out is None:
         denom = valid.sum().clamp(min=1)
         loss = support.nll.sum() / denom if cfg.switches.support else logits.sum() * 0.0
@@ -136,6 +144,25 @@ def training_step(
         **decision_metrics(sel_out.gate, sel_out.rank, block.cand_ids, labels, valid),
     })
     return StepOutput(loss=joint.loss, metrics=metrics)
+
+
+def _selector_policy(selector: nn.Module, features: torch.Tensor) -> PathPolicy:
+    """The scout's path when it follows the selector: Eq. 2's decisions under the teacher prefix.
+
+    Up to the first slot whose choice differs from the teacher token, the teacher prefix is exactly
+    the prefix incremental selection writes, so the accepted count A equals what decoding accepts.
+    """
+    n = selector.capabilities.history_len
+
+    def choose(block: DraftBlock, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        history = hmask = None
+        if n:
+            history, hmask = history_windows(features, anchor_pos[:, None], n)
+        out = selector.forward_train(block, anchor_ids=anchor_ids, prefix_tokens=labels, history=history, history_mask=hmask)
+        pick = decide(out.gate.float(), out.rank.float())  # [B, H] pool index
+        return block.cand_ids.gather(-1, pick[..., None])[..., 0]
+
+    return choose
 
 
 @torch.no_grad()

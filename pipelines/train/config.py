@@ -98,9 +98,16 @@ class TrainSection(_Strict):
     warmup_steps: int = Field(50, ge=0)
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float = Field(1.0, gt=0.0)
-    slot_decay: float = Field(7.0, gt=0.0)  # support weight of slot i ∝ exp(-(i-1)/slot_decay) (DFlash)
+    # Support weight of slot i: None = uniform, Eq. 4 as written (the paper); a float d = DFlash's
+    # exp(-(i-1)/d), which tilts Eq. 4 towards the selector term and weakens late-slot coverage.
+    slot_decay: float | None = Field(None, gt=0.0)
     native_anchor_fraction: FractionSchedule = FractionSchedule(start=0.3, end=0.5)  # share of native anchors
-    selector_alpha: CoefficientSchedule = CoefficientSchedule(start=0.05, end=1.0)  # α_t of Eq. 4
+    # The scout's path under teacher prefixes: "native" (the paper: "the scout and incremental native
+    # selection see the same earlier tokens") or "selector" (the selector's own teacher-forced choices).
+    scout_policy: Literal["native", "selector"] = "native"
+    scout_restart: bool = True  # a chain that leaves the response restarts, so the fraction is realised
+    # α_t of Eq. 4 ramps 0.05 → 1 over the first 30% of training, then trains at 1 (§5: "increases … to 1").
+    selector_alpha: CoefficientSchedule = CoefficientSchedule(start=0.05, end=1.0, ramp_fraction=0.3)
     credit_blend: FractionSchedule = FractionSchedule(start=0.0, end=1.0, ramp_fraction=0.5)  # β_t
     credit_cap: float = Field(4.0, ge=1.0, allow_inf_nan=False)
     credit_floor: float = Field(0.1, gt=0.0, le=1.0)  # the credit normalisation divides by it

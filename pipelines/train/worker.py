@@ -75,6 +75,8 @@ def step_config(cfg: RunConfig, progress: float) -> StepConfig:
         anchors_per_seq=t.anchors_per_seq,
         native_fraction=t.native_anchor_fraction.at(progress),
         slot_decay=t.slot_decay,
+        scout_policy=t.scout_policy,
+        scout_restart=t.scout_restart,
         alpha=t.selector_alpha.at(progress),
         beta=t.credit_blend.at(progress),
         credit_floor=t.credit_floor,

@@ -133,3 +133,37 @@ def test_replay_trace_hook_observes_without_changing_results(target, make_drafte
     # With the oracle path, every first error is a pool miss.
     d = diagnose_rounds(*pad_rounds([(r.block.cand_ids[0], r.path, r.ref) for r in oracle_seen]))
     assert d.served_covered == 0
+
+
+# ---- §3.2 continuation evidence -------------------------------------------------------------------
+def test_continuation_samples_need_a_covered_error_and_a_correct_suffix():
+    from drelay_model.diagnostics import continuation_samples
+
+    H, K = 8, 3
+    ref = torch.arange(10, 10 + H)[None].repeat(4, 1)  # [4, H]
+    cand = torch.zeros(4, H, K, dtype=torch.long)
+    cand[:, :, 0] = ref
+    path = ref.clone()
+    path[0, 1] = 99; cand[0, 1, 0] = 99; cand[0, 1, 2] = ref[0, 1]  # error at 1, covered, suffix 2..5 right  # noqa: E702
+    path[1, 1] = 99; cand[1, 1, 0] = 99  # error at 1, not covered  # noqa: E702
+    path[2, 1] = 99; cand[2, 1, 1] = ref[2, 1]; path[2, 4] = 98  # covered, but the suffix has an error  # noqa: E702
+    path[3, 4] = 99; cand[3, 4, 1] = ref[3, 4]  # covered error at 4: slots 5..8 would run past H  # noqa: E702
+    ok, A = continuation_samples(cand, path, ref, span=4)
+    assert ok.tolist() == [True, False, False, False] and A.tolist() == [1, 1, 1, 4]
+
+
+def test_continuation_scores_equal_one_forward_per_candidate(target):
+    from drelay_model.diagnostics import continuation_scores, supported_is_correct
+
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, target.vocab_size, (7,), generator=g).tolist()
+    cands = torch.randint(0, target.vocab_size, (5,), generator=g)
+    suffix = torch.randint(0, target.vocab_size, (4,), generator=g).tolist()
+    got = continuation_scores(target, prefix, cands, suffix)
+    for k, c in enumerate(cands.tolist()):
+        ids = torch.tensor([prefix + [c] + suffix])
+        logp = torch.log_softmax(target(ids, target.new_cache(1, ids.shape[1])).logits.float(), -1)[0]
+        expect = sum(float(logp[len(prefix) + t, suffix[t]]) for t in range(4))
+        assert float(got[k]) == pytest.approx(expect, abs=1e-4)
+    best = int(got.argmax())
+    assert supported_is_correct(got, cands, int(cands[best])) and not supported_is_correct(got, cands, -1)

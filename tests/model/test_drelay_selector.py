@@ -318,3 +318,33 @@ def test_replay_tau_equals_real_tau_with_drelay(target, make_drafter, prompts_of
     assert replayed.committed == real.stats.committed
     assert replayed.tau == pytest.approx(real.stats.tau, abs=0)
     assert replayed.accept_hist.tolist() == real.stats.accept_hist.tolist()
+
+
+# ---- the scout that follows the selector (DRelay §5) ----------------------------------------------
+@pytest.mark.parametrize("gate_bias", [0.0, 4.0])
+def test_selector_scout_accepts_what_incremental_selection_accepts(gate_bias):
+    """Teacher-forced choices under the teacher prefix accept exactly as many drafts as incremental
+    selection does, whatever the teacher tokens after the first failure."""
+    from drelay_model.training.step import _selector_policy, history_windows
+
+    sel = perturb(make_selector(), 9, gate_bias=gate_bias)
+    B, N = 4, 30
+    g = torch.Generator().manual_seed(3)
+    features = torch.randn(B, N, F_DIM, generator=g)
+    anchor_pos = torch.tensor([3, 12, 20, 29])
+    anchor_ids = torch.randint(0, V, (B,), generator=g)
+    policy = _selector_policy(sel, features)
+    for seed in range(4):
+        block = random_block(B, seed)
+        hist, hmask = history_windows(features, anchor_pos[:, None], SMALL["history_len"])
+        ctx = SelectionContext(anchor_ids=anchor_ids, anchor_pos=anchor_pos, row_ids=torch.arange(B), history=hist, history_mask=hmask)
+        path = sel.select(block, ctx).path_ids  # [B, H] incremental selection
+        labels = path.clone()
+        first_error = torch.randint(0, H + 1, (B,), generator=g)  # H: no error at all
+        for b in range(B):
+            if first_error[b] < H:
+                labels[b, first_error[b]] = (labels[b, first_error[b]] + 1) % V
+                labels[b, first_error[b] + 1 :] = torch.randint(0, V, (H - 1 - int(first_error[b]),), generator=g)
+        forced = policy(block, anchor_ids, anchor_pos, labels)
+        accepted = lambda p: (p == labels).long().cumprod(1).sum(1)  # noqa: E731
+        assert torch.equal(accepted(forced), accepted(path)) and torch.equal(accepted(path), first_error)

@@ -147,3 +147,48 @@ def test_history_windows_match_the_engine_layout():
     assert win[0, :, 0].tolist() == [0, 0, 1, 2] and mask[0].tolist() == [False, True, True, True]
     assert win[1, :, 0].tolist() == [5, 6, 7, 8] and mask[1].all()
     assert mask[2].tolist() == [False] * 4 and win[3, :, 0].tolist() == [11, 12, 13, 14]
+
+
+def test_scout_restarts_chains_so_every_row_yields_its_share(target, make_drafter):
+    """A chain that runs off the response restarts at a fresh uniform position: m eligible anchors
+    per row (one chain alone runs out on short responses)."""
+    drafter = make_drafter(target, top_k=8)
+    prompts, outs, ids, mask = _data(target, n=3, new=12)
+    feats = target(ids, target.new_cache(3, ids.shape[1]), feature_layers=drafter.config.target_layer_ids).features
+    ctx = drafter.context_kv(feats, torch.arange(ids.shape[1])[None].expand(3, -1))
+    m = 12
+    single, single_ok = scout_anchors(drafter, ctx, ids, ids, mask, m, torch.Generator().manual_seed(0))
+    chains, chains_ok = scout_anchors(drafter, ctx, ids, ids, mask, m, torch.Generator().manual_seed(0), restart=True)
+    elig = eligible_anchors(mask)
+    assert bool(chains_ok.all()) and bool(torch.gather(elig, 1, chains).all())
+    assert int(single_ok.sum()) < int(chains_ok.sum()) == 3 * m
+    # The first chain is the same either way (same start, same native path).
+    for b in range(3):
+        n = int(single_ok[b].sum())
+        assert chains[b, :n].tolist() == single[b, :n].tolist()
+
+
+def test_scout_with_an_oracle_policy_advances_a_whole_block(target, make_drafter):
+    drafter = make_drafter(target, top_k=8)
+    prompts, outs, ids, mask = _data(target, n=2, new=40)
+    feats = target(ids, target.new_cache(2, ids.shape[1]), feature_layers=drafter.config.target_layer_ids).features
+    ctx = drafter.context_kv(feats, torch.arange(ids.shape[1])[None].expand(2, -1))
+    oracle = lambda block, anchor_ids, anchor_pos, labels: labels  # noqa: E731
+    anchors, ok = scout_anchors(drafter, ctx, ids, ids, mask, 3, torch.Generator().manual_seed(1), policy=oracle)
+    H = drafter.config.num_slots
+    for b in range(2):
+        a = anchors[b][ok[b]].tolist()
+        assert all(y - x == H + 1 for x, y in zip(a, a[1:]))  # every draft accepted: a += H + 1
+
+
+def test_joint_step_realises_the_native_anchor_fraction(target, make_drafter):
+    drafter = make_drafter(target, num_layers=1, top_k=8)
+    selector = default_registry().create("drelay", drafter=drafter, config={"d_sel": 32, "read_dim": 32, "compact_dim": 16, "history_len": 8})
+    module = DraftTrainModule(drafter, selector)
+    prompts, outs, ids, mask = _data(target, n=4, new=10)
+    feats = target(ids, target.new_cache(4, ids.shape[1]), feature_layers=drafter.config.target_layer_ids).features
+    for policy in ("native", "selector"):
+        cfg = StepConfig(anchors_per_seq=8, native_fraction=0.5, scout_policy=policy, scout_restart=True)
+        out = training_step(module, module, ids, mask, feats, cfg, torch.Generator().manual_seed(0))
+        assert out.metrics["anchors/native_fraction"] == pytest.approx(0.5)
+        assert torch.isfinite(out.loss)

@@ -119,3 +119,15 @@ def test_checkpoint_meta_that_says_none_reads_as_native(tmp_path):
     drafter = BlockDrafter(DrafterConfig.for_target(target, num_layers=1, top_k=4), target)
     save_drafter(drafter, tmp_path / "ck", meta={"selector": {"name": "none"}})
     assert trained_selector(tmp_path / "ck") == "native"
+
+def test_paper_defaults_and_their_switches():
+    """Defaults read the paper (Eq. 4 without a slot decay, α reaching 1 and holding, the scout's
+    chains restarting); today's behaviour stays selectable."""
+    t = load_config(None, []).train
+    assert t.slot_decay is None and t.scout_policy == "native" and t.scout_restart
+    assert t.selector_alpha.at(0.3) == pytest.approx(1.0) and t.selector_alpha.at(0.0) == pytest.approx(0.05)
+    old = load_config(None, ["train.slot_decay=7.0", "train.scout_policy=selector", "train.scout_restart=false"]).train
+    assert old.slot_decay == 7.0 and old.scout_policy == "selector" and not old.scout_restart
+    for bad, field in (("train.slot_decay=0", "train.slot_decay"), ("train.scout_policy=magic", "train.scout_policy")):
+        with pytest.raises(DRelayError, match=field):
+            load_config(None, [bad])
