@@ -8,7 +8,8 @@
               commit path[:n] + [x]; crop both caches to the accepted length; anchor ← x
 
 Autoregressive decoding (no drafter) is the same loop with an empty path, so AR and speculative
-timings come from one code path. The engine knows nothing about tokenization: token ids in and out.
+timings come from one code path. With measured `costs`, each round verifies the number of path
+tokens that maximises expected tokens per second (`verify_length.py`; 0 = an AR round). The engine knows nothing about tokenization: token ids in and out.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from drelay_model.decoding.generation import GenerationConfig
 from drelay_model.decoding.history import VerifiedHistory
 from drelay_model.decoding.stats import DecodeStats
 from drelay_model.decoding.verify import accept, pick_tokens
+from drelay_model.decoding.verify_length import CostAwareLength, VerifyCosts
 from drelay_model.drafter.model import BlockDrafter
 from drelay_model.errors import DRelayError
 from drelay_model.kv_cache import KVCache
@@ -74,7 +76,16 @@ class GenerationResult:
 class SpeculativeEngine:
     """Runs a target with an optional drafter + selector. Without a drafter it decodes AR."""
 
-    def __init__(self, target: TargetModel, drafter: BlockDrafter | None = None, selector: Selector | None = None):
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter: BlockDrafter | None = None,
+        selector: Selector | None = None,
+        *,
+        costs: VerifyCosts | None = None,
+    ):
+        """costs: measured round costs; given, the verification length is cost-aware (see
+        `verify_length.py`); None: every round verifies the selector's whole path (the paper's setting)."""
         if drafter is not None:
             drafter.config.check_target(target)
             selector = selector if selector is not None else NativeSelector()
@@ -84,6 +95,7 @@ class SpeculativeEngine:
         self.feature_layers = drafter.config.target_layer_ids if drafter is not None else ()
         self.num_slots = drafter.config.num_slots if drafter is not None else 0
         self.history_len = self.selector.capabilities.history_len if self.selector is not None else 0
+        self.costs = costs if drafter is not None else None
 
     # ---- public --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -95,12 +107,13 @@ class SpeculativeEngine:
         eos = set(self.target.eos_token_ids) if config.stop_on_eos else set()
         t_start = time.perf_counter()
 
+        policy = CostAwareLength(self.costs, self.num_slots) if self.costs is not None else None
         state = self._prefill(prompts, config, gen)
         stats.time_prefill = time.perf_counter() - t_start
         out: list[list[int]] = [[t] for t in state.anchor.tolist()]
         state.keep([b for b in state.rows if not self._finished(out[b], config, eos)])
         while state.rows:
-            accepted, next_tok, path = self._round(state, config, gen, stats)
+            accepted, next_tok, path = self._round(state, config, gen, stats, policy)
             committed = []
             n_list, x_list, p_list = accepted.tolist(), next_tok.tolist(), path.tolist()  # one host copy
             for i, b in enumerate(state.rows):
@@ -135,7 +148,7 @@ class SpeculativeEngine:
         state.anchor = pick_tokens(res.logits[:, 0], config.temperature, gen)  # [B]
         return state
 
-    def _round(self, state: "_BatchState", config: GenerationConfig, gen, stats: DecodeStats):
+    def _round(self, state: "_BatchState", config: GenerationConfig, gen, stats: DecodeStats, policy: CostAwareLength | None = None):
         """One batched round; returns accepted [R], next token [R], path [R, G].
 
         Timing: `draft` = drafter forwards (block + context extension), `select` = the selector,
@@ -145,15 +158,24 @@ class SpeculativeEngine:
         anchor, cache = state.anchor, state.cache
         R = anchor.shape[0]
         clock = time.perf_counter
-        if self.drafter is None:
+        H = self.num_slots
+        head = H if policy is None else policy.plan(partial=self.selector.capabilities.partial_block)
+        q = None
+        if self.drafter is None or head == 0:  # AR round: verify the anchor alone
             path = torch.empty(R, 0, dtype=torch.long)
             length = torch.zeros(R, dtype=torch.long)
         else:
+            head = head if self.selector.capabilities.partial_block else H
             t0 = clock()
-            block = self.drafter.draft(anchor, state.ctx)
+            block = self.drafter.draft(anchor, state.ctx, head_slots=head if head < H else None)
             t1 = clock()
             selection = self.selector.select(block, state.selection_context())
             path, length = selection.path_ids, selection.length
+            if policy is not None:  # cut each row's path where verifying more stops paying
+                q = block.cand_logq.gather(2, selection.pool_index[:, :, None])[:, :, 0].float().exp()  # [R, head]
+                length = torch.minimum(length, policy.choose(q, head))
+                G = int(length.max())  # one host sync: the verify forward's width
+                path, q = path[:, :G], q[:, :G]
             stats.time_draft += t1 - t0
             stats.time_select += clock() - t1
         start = cache.lengths.clone()
@@ -161,6 +183,8 @@ class SpeculativeEngine:
         res = self.target(torch.cat([anchor[:, None], path], dim=1), cache, feature_layers=self.feature_layers)
         stats.time_verify += clock() - t0
         accepted, next_tok = accept(path, res.logits, length, temperature=config.temperature, generator=gen)
+        if q is not None:
+            policy.observe(q, length, accepted)
         # Keep the anchor and the accepted drafts; the next token becomes the new (uncached) anchor.
         cache.crop(start + 1 + accepted)
         if state.ctx is not None:

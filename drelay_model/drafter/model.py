@@ -219,16 +219,18 @@ class BlockDrafter(nn.Module):
 
     # ---- inference -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def draft(self, anchor_ids: torch.Tensor, ctx_cache: KVCache) -> DraftBlock:
+    def draft(self, anchor_ids: torch.Tensor, ctx_cache: KVCache, *, head_slots: int | None = None) -> DraftBlock:
         """Draft one block per row after the verified context in `ctx_cache`.
 
         anchor_ids [B] int64, the last verified token of each row, at position ctx_cache.lengths[b].
+        head_slots: evaluate the LM head (the costly part of drafting) only for the first
+        `head_slots` slots; the pool then has that many slots. Default: all H.
         """
         anchor_pos = ctx_cache.lengths[:, None]  # [B, 1]
         C = int(anchor_pos.max())
         ctx_kv = [(ctx_cache.k[i, :, :, :C], ctx_cache.v[i, :, :, :C]) for i in range(self.config.num_layers)]
         hidden = self.block_hidden(anchor_ids[:, None], anchor_pos, ctx_kv)[:, 0, 1:]  # [B, H, D]
-        return self.pool(hidden)
+        return self.pool(hidden if head_slots is None else hidden[:, :head_slots])
 
     def pool(self, hidden: torch.Tensor) -> DraftBlock:
         """Slot hidden states [B, H, D] → the top-K pool under the drafter's softmax."""

@@ -20,6 +20,8 @@ class SelectorCapabilities:
     history_len       how many of the last strictly verified target features it reads (0: none).
     supports_sampling may be used with T > 0 verification.
     may_shorten       may return a path shorter than H (a per-row `length`).
+    partial_block     selects from a block whose pool covers only the first L ≤ H slots (then the
+                      drafter evaluates its LM head for those slots only); False: needs all H.
     """
 
     trainable: bool = False
@@ -27,6 +29,7 @@ class SelectorCapabilities:
     history_len: int = 0
     supports_sampling: bool = True
     may_shorten: bool = False
+    partial_block: bool = False
 
 
 @dataclass(frozen=True)

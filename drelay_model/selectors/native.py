@@ -9,7 +9,7 @@ from drelay_model.selectors.base import SelectionContext, Selection, Selector, S
 
 
 class NativeSelector(Selector):
-    capabilities = SelectorCapabilities()
+    capabilities = SelectorCapabilities(partial_block=True)
 
     def select(self, block: DraftBlock, ctx: SelectionContext) -> Selection:
         B, H, _ = block.cand_ids.shape

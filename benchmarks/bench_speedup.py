@@ -1,0 +1,135 @@
+"""End-to-end speedup S on the eight benchmarks: fixed vs cost-aware verification length.
+
+Batch 1, greedy, the bundled drafter, one engine for AR and speculative decoding. Every prompt is
+decoded by each contender back to back (AR, then each method; the order rotates per prompt), so a
+busy machine slows all of them alike; S per prompt = AR seconds ÷ method seconds (the outputs are
+identical — lossless — and the script checks it), and S per benchmark is the median of these paired
+ratios, with their min–max. The other processes' CPU share during the run is printed and logged.
+
+The cost curve for cost-aware length is measured first (`measure_costs`, cached under --costs-dir
+by target, checkpoint, method and threads; --remeasure to redo it).
+
+Run:  .venv/bin/python benchmarks/bench_speedup.py                         # 2 prompts × 8 benchmarks × 128 tokens
+      .venv/bin/python benchmarks/bench_speedup.py --limit 1 --max-new-tokens 64 --benchmarks gsm8k,mt_bench
+Results go to --out (JSON) and MLflow (experiment `drelay-benchmarks`) unless --no-mlflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from drelay_model.decoding import GenerationConfig, SpeculativeEngine  # noqa: E402
+from drelay_model.decoding.verify_length import VerifyCosts, measure_costs  # noqa: E402
+from pipelines.cli import guarded  # noqa: E402
+
+ALL = "gsm8k,math500,aime25,humaneval,mbpp,livecodebench,mt_bench,alpaca"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--checkpoint", default=None, help="drafter checkpoint (default: the bundled one)")
+    p.add_argument("--benchmarks", default=ALL)
+    p.add_argument("--limit", type=int, default=2, help="prompts per benchmark")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--methods", default="native,drelay")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--costs-dir", default=str(REPO / "outputs" / "costs"))
+    p.add_argument("--remeasure", action="store_true", help="measure the cost curve again")
+    p.add_argument("--out", default=str(REPO / "outputs" / "bench_speedup.json"))
+    p.add_argument("--no-mlflow", action="store_true")
+    args = p.parse_args(argv)
+    if args.limit < 1 or args.max_new_tokens < 1 or args.threads < 1:
+        p.error("--limit, --max-new-tokens and --threads must be positive")
+    return args
+
+
+def cpu_busy() -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK"), time.process_time()
+
+
+def costs_for(args, method: str, target, drafter, selector) -> VerifyCosts:
+    key = f"{args.target}__{Path(args.checkpoint or 'bundled').name}__{method}__t{args.threads}.json"
+    path = Path(args.costs_dir) / key
+    if path.exists() and not args.remeasure:
+        return VerifyCosts.load(path)
+    costs = measure_costs(target, drafter, selector)
+    costs.save(path)
+    return costs
+
+
+def timed(engine, prompt, max_new: int) -> tuple[list[int], float, float]:
+    t0 = time.perf_counter()
+    res = engine.generate([prompt], GenerationConfig(max_new_tokens=max_new))
+    return res.tokens[0], time.perf_counter() - t0, res.stats.tau
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from pipelines.benchmarks import load_benchmark
+    from pipelines.eval_prompts import encoder_for
+    from pipelines.resolve import load_method, load_target_spec
+
+    target = load_target_spec(args.target)
+    encoder = encoder_for(target)
+    engines = {"ar": SpeculativeEngine(target)}
+    for method in args.methods.split(","):
+        drafter, selector = load_method(method, target, target_spec=args.target, checkpoint=args.checkpoint)
+        engines[f"{method}/fixed"] = SpeculativeEngine(target, drafter, selector)
+        engines[f"{method}/cost"] = SpeculativeEngine(target, drafter, selector, costs=costs_for(args, method, target, drafter, selector))
+    names = list(engines)
+    ratios = {b: {n: [] for n in names[1:]} for b in args.benchmarks.split(",")}
+    taus = {b: {n: [] for n in names[1:]} for b in ratios}
+    start, t_start = cpu_busy(), time.perf_counter()
+    for bench in ratios:
+        prompts = [encoder.encode(p.turns[:1], []) for p in load_benchmark(bench, limit=args.limit)]
+        for i, prompt in enumerate(tqdm(prompts, desc=bench)):
+            order = names[i % len(names):] + names[: i % len(names)]  # rotate who goes first
+            runs = {n: timed(engines[n], prompt, args.max_new_tokens) for n in order}
+            for n in names[1:]:
+                if runs[n][0] != runs["ar"][0]:
+                    print(f"error: {n} output differs from AR on {bench} prompt {i}", file=sys.stderr)
+                    return 1
+                ratios[bench][n].append(runs["ar"][1] / runs[n][1])
+                taus[bench][n].append(runs[n][2])
+    wall = time.perf_counter() - t_start
+    busy, own = (b - a for a, b in zip(start, cpu_busy()))
+    other_pct = 100 * max(busy - own, 0.0) / (wall * len(os.sched_getaffinity(0)))
+    table = {b: {n: {"S": statistics.median(r), "S_min": min(r), "S_max": max(r), "tau": statistics.mean(taus[b][n])}
+                 for n, r in per.items()} for b, per in ratios.items()}  # fmt: skip
+    mean = {n: statistics.mean(table[b][n]["S"] for b in table) for n in names[1:]}
+    print(f"\nS = AR time ÷ method time, median of paired per-prompt ratios (other processes: {other_pct:.0f}% CPU)")
+    print(f"{'benchmark':<14}" + "".join(f"{n:>16}" for n in names[1:]))
+    for b, row in table.items():
+        print(f"{b:<14}" + "".join(f"{row[n]['S']:>9.2f} τ{row[n]['tau']:<5.2f}" for n in names[1:]))
+    print(f"{'mean':<14}" + "".join(f"{mean[n]:>16.2f}" for n in names[1:]))
+    out = {"args": vars(args), "table": table, "mean_S": mean, "other_processes_cpu_pct": other_pct, "wall_s": wall}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    if not args.no_mlflow:
+        from pipelines.tracking import tracked_run
+
+        params = {k: v for k, v in vars(args).items() if k not in ("out", "costs_dir")}
+        with tracked_run("drelay-benchmarks", run_name="bench_speedup", params=params) as run:
+            run.log_metrics({f"S_{n.replace('/', '_')}_{b}": row[n]["S"] for b, row in table.items() for n in names[1:]})
+            run.log_metrics({f"S_mean_{n.replace('/', '_')}": v for n, v in mean.items()} | {"other_processes_cpu_pct": other_pct})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(guarded(main, "bench_speedup"))

@@ -1,0 +1,130 @@
+"""Cost-aware verification length: the expectation it maximises, its choices, and losslessness at
+every length (0 = an AR round)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from drelay_model.decoding import GenerationConfig, SpeculativeEngine
+from drelay_model.decoding.verify_length import CostAwareLength, VerifyCosts, expected_committed, measure_costs
+from drelay_model.errors import DRelayError
+from drelay_model.selectors import default_registry
+
+H = 4
+
+
+def costs(verify=(30.0, 32.0, 34.0, 36.0, 38.0), block=5.0, head=1.0, select=1.0) -> VerifyCosts:
+    return VerifyCosts(verify_ms=tuple(verify), block_ms=block, head_ms=head, select_ms=select)
+
+
+def test_expected_committed_is_the_mean_of_1_plus_accepted():
+    p = torch.tensor([0.9, 0.5, 0.7, 0.2], dtype=torch.float64)
+    e = expected_committed(p)
+    for L in range(H + 1):  # brute force over accept/reject outcomes of the L verified drafts
+        mean = 0.0
+        for outcome in itertools.product([0, 1], repeat=L):
+            prob = 1.0
+            for i, o in enumerate(outcome):
+                prob *= float(p[i]) if o else 1 - float(p[i])
+            accepted = next((i for i, o in enumerate(outcome) if not o), L)
+            mean += prob * (1 + accepted)
+        assert float(e[L]) == pytest.approx(mean)
+
+
+def test_choices_follow_the_costs():
+    policy = CostAwareLength(costs(), H)
+    sure = torch.ones(2, H)
+    assert policy.choose(sure * 0.999, H).tolist() == [H, H]  # cheap verification, sure drafts: all of them
+    assert policy.choose(torch.full((2, H), 0.01), H).tolist() == [0, 0]  # hopeless drafts: verify none
+    expensive = CostAwareLength(costs(verify=(10.0, 100.0, 200.0, 300.0, 400.0)), H)
+    assert expensive.choose(sure * 0.6, H).tolist() == [0, 0]
+    # plan: with low running acceptance an AR round wins, but every `probe` rounds it drafts anyway
+    slow = CostAwareLength(costs(block=200.0), H, probe=3)
+    slow.slot_rate[:] = 0.05
+    plans = [slow.plan() for _ in range(9)]
+    assert plans.count(0) == 7 and plans[2] > 0  # probes at rounds 3 and 3 + 6 (the interval doubles)
+    fast = CostAwareLength(costs(block=1.0), H)
+    fast.slot_rate[:] = 0.95
+    assert fast.plan() == H
+
+
+def test_observe_learns_acceptance_and_calibration():
+    policy = CostAwareLength(costs(), H, prior=1.0)
+    q = torch.full((4, H), 0.95)
+    for _ in range(30):  # confident drafts that are always rejected at the first slot
+        policy.observe(q, torch.full((4,), H), torch.zeros(4, dtype=torch.long))
+    assert float(policy.slot_rate[0]) < 0.05
+    assert float(policy.confidence(torch.tensor([0.95]))[0]) < 0.05  # the 0.9 bin learned it
+    assert float(policy.confidence(torch.tensor([0.15]))[0]) == pytest.approx(0.15)  # an unseen bin keeps q
+
+
+def test_bad_costs_are_clear_errors(tmp_path):
+    with pytest.raises(DRelayError, match="verify_ms"):
+        VerifyCosts(verify_ms=(10.0, -1.0), block_ms=1.0, head_ms=1.0, select_ms=1.0)
+    with pytest.raises(DRelayError, match="block_ms"):
+        VerifyCosts(verify_ms=(10.0,), block_ms=float("nan"), head_ms=1.0, select_ms=1.0)
+    bad = tmp_path / "costs.json"
+    bad.write_text("{not json")
+    with pytest.raises(DRelayError, match="cannot read"):
+        VerifyCosts.load(bad)
+    with pytest.raises(DRelayError, match="re-measure"):
+        CostAwareLength(costs(), num_slots=H + 3)
+    good = costs()
+    good.save(tmp_path / "c.json")
+    assert VerifyCosts.load(tmp_path / "c.json") == good
+
+
+class _Forced(CostAwareLength):
+    """Verifies exactly `length` path tokens every round (0: an AR round), for the lossless test."""
+
+    def __init__(self, length: int, num_slots: int):
+        super().__init__(costs(verify=[1.0] * (num_slots + 1)), num_slots)
+        self.length = length
+
+    def plan(self, *, partial: bool = True) -> int:
+        return self.length
+
+    def choose(self, q, head_slots):
+        return torch.full((q.shape[0],), min(self.length, head_slots), dtype=torch.long)
+
+
+@pytest.mark.parametrize("name", default_registry().names())
+def test_every_verification_length_is_lossless(target, make_drafter, prompts_of, name, monkeypatch):
+    prompts = prompts_of(target.vocab_size, (5, 11, 3))
+    drafter = make_drafter(target, top_k=16)
+    torch.manual_seed(0)
+    selector = default_registry().create(name, drafter=drafter).eval()
+    cfg = GenerationConfig(max_new_tokens=24)
+    greedy = SpeculativeEngine(target).generate(prompts, cfg).tokens
+    H = drafter.config.num_slots
+    for L in sorted({0, 1, 2, H // 2, H}):
+        engine = SpeculativeEngine(target, drafter, selector, costs=costs(verify=[1.0] * (H + 1)))
+        monkeypatch.setattr("drelay_model.decoding.engine.CostAwareLength", lambda c, n, L=L: _Forced(L, n))
+        out = engine.generate(prompts, cfg)
+        assert out.tokens == greedy, L
+        if L == 0:
+            assert out.stats.tau == 1.0
+
+
+@pytest.mark.parametrize("block_ms", [0.1, 1000.0])
+def test_cost_aware_engine_is_lossless_and_falls_back_to_ar(target, make_drafter, prompts_of, block_ms):
+    prompts = prompts_of(target.vocab_size, (6, 9))
+    drafter = make_drafter(target, top_k=16)
+    cfg = GenerationConfig(max_new_tokens=30)
+    greedy = SpeculativeEngine(target).generate(prompts, cfg).tokens
+    H = drafter.config.num_slots
+    c = VerifyCosts(verify_ms=tuple(10.0 + i for i in range(H + 1)), block_ms=block_ms, head_ms=0.1, select_ms=0.1)
+    out = SpeculativeEngine(target, drafter, costs=c).generate(prompts, cfg)
+    assert out.tokens == greedy
+    if block_ms > 100:  # drafting never pays: all but the probe rounds are AR rounds
+        assert out.stats.accept_hist[0] >= out.stats.rounds - 8
+
+
+def test_measure_costs_on_a_tiny_target(target, make_drafter):
+    drafter = make_drafter(target)
+    selector = default_registry().create("native", drafter=drafter)
+    c = measure_costs(target, drafter, selector, context_len=16, reps=2)
+    assert len(c.verify_ms) == drafter.config.num_slots + 1 and c.block_ms >= 0 and c.select_ms >= 0
