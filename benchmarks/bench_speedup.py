@@ -81,15 +81,15 @@ def timed(engine, prompt, max_new: int) -> tuple[list[int], float, float]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from pipelines.benchmarks import load_benchmark
-    from pipelines.eval_prompts import encoder_for
-    from pipelines.resolve import load_method, load_target_spec
+    from pipelines.common.methods import load_method, load_target_spec, resolve_method
+    from pipelines.data.eval_sets import load_benchmark
+    from pipelines.eval.prompts import encoder_for
 
     target = load_target_spec(args.target)
     encoder = encoder_for(target)
     engines = {"ar": SpeculativeEngine(target)}
     for method in args.methods.split(","):
-        drafter, selector = load_method(method, target, target_spec=args.target, checkpoint=args.checkpoint)
+        drafter, selector = load_method(resolve_method(method, target_spec=args.target, checkpoint=args.checkpoint), target)
         engines[f"{method}/fixed"] = SpeculativeEngine(target, drafter, selector)
         engines[f"{method}/cost"] = SpeculativeEngine(target, drafter, selector, costs=costs_for(args, method, target, drafter, selector))
     names = list(engines)
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     if not args.no_mlflow:
-        from pipelines.tracking import tracked_run
+        from pipelines.common.tracking import tracked_run
 
         params = {k: v for k, v in vars(args).items() if k not in ("out", "costs_dir")}
         with tracked_run("drelay-benchmarks", run_name="bench_speedup", params=params) as run:
