@@ -11,6 +11,7 @@ from drelay_model.decoding import SpeculativeEngine
 from drelay_model.errors import DRelayError
 from pipelines.cli.options import add_max_new_tokens, add_target, decode_config
 from pipelines.common.chat import user_prompt
+from pipelines.common.costs import VERIFY_LENGTHS, verify_costs
 from pipelines.common.methods import NATIVE, load_method, load_target_spec, method_names, resolve_method
 
 
@@ -27,6 +28,9 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     add_max_new_tokens(p)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verify-length", choices=VERIFY_LENGTHS, default="cost",
+                   help="cost: each round verifies as many drafts as pays off on this machine (0 = an AR step; "
+                        "costs measured once and cached, see `drelay costs`); fixed: the whole path (the paper's setting)")  # fmt: skip
     p.add_argument("--compare-ar", action="store_true", help="also decode autoregressively and print the speedup")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(run=run)
@@ -56,8 +60,11 @@ def run(args: argparse.Namespace) -> int:
     spec = resolve_method(args.method, target_spec=args.target, checkpoint=args.checkpoint, random_drafter=args.random_drafter)
     messages, prompt_ids = _read_prompts(args, target.tokenizer)
     drafter, selector = load_method(spec, target)
-    result = SpeculativeEngine(target, drafter, selector).generate(prompt_ids, config)
-    report = {"method": args.method, "target": args.target, **result.stats.summary()}
+    costs = None
+    if args.verify_length == "cost" and not spec.is_ar:
+        costs = verify_costs(target, drafter, selector, target_spec=args.target, spec=spec)
+    result = SpeculativeEngine(target, drafter, selector, costs=costs).generate(prompt_ids, config)
+    report = {"method": args.method, "target": args.target, "verify_length": args.verify_length, **result.stats.summary()}
     if args.compare_ar and not spec.is_ar:
         ar = SpeculativeEngine(target).generate(prompt_ids, config)
         report["ar_tokens_per_s"] = ar.stats.tokens_per_second
@@ -69,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for msg, text in zip(messages, texts):
         print(f"### {msg}\n{text}\n")
-    line = f"[{args.method}] τ={report['tau']:.2f}  {report['tokens_per_s']:.1f} tok/s  ({report['generated_tokens']} tokens, {report['wall_s']:.1f} s)"
+    line = f"[{args.method}, {args.verify_length} length] τ={report['tau']:.2f}  {report['tokens_per_s']:.1f} tok/s  ({report['generated_tokens']} tokens, {report['wall_s']:.1f} s)"
     if "speedup" in report:
         line += f"  | AR {report['ar_tokens_per_s']:.1f} tok/s  speedup {report['speedup']:.2f}×"
         if report["same_output_as_ar"] is not None:

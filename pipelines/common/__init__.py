@@ -3,6 +3,7 @@
     paths.py     REPO_ROOT, repo_path, bundled checkpoints, NAME_PATTERN (run and variant labels)
     methods.py   the method spec: 'ar' or a registered selector plus its checkpoint, resolved once
     chat.py      chat messages → prompt token ids (the one place a chat template is applied)
+    costs.py     the measured round-cost curve (cost-aware verification length), cached per machine
     tracking.py  MLflow: where runs go, runs that always end, stale-run cleanup
     store.py     one JSON file per key, written atomically (evaluation cells, replay cells)
     signals.py   SIGTERM as SystemExit while a tracked job runs

@@ -28,11 +28,15 @@ def test_ar_generation_on_the_bundled_target(capsys):
     assert report["tau"] == 1.0 and report["outputs"][0].strip()
 
 
-def test_speculative_generation_reports_speedup_and_matches_ar(capsys):
-    rc, out, err = _run(capsys, "--chat", "Name a colour.", "--random-drafter", "--compare-ar", "--max-new-tokens", "12", "--json")
+@pytest.mark.parametrize("length", ["cost", "fixed"])
+def test_speculative_generation_reports_speedup_and_matches_ar(capsys, tmp_path, monkeypatch, length):
+    monkeypatch.setattr("pipelines.common.costs.cache_root", lambda: tmp_path)
+    argv = ["--chat", "Name a colour.", "--random-drafter", "--compare-ar", "--max-new-tokens", "12", "--json", "--verify-length", length]
+    rc, out, err = _run(capsys, *argv)
     assert rc == 0, err
     report = json.loads(out)
-    assert report["same_output_as_ar"] is True
+    assert report["same_output_as_ar"] is True and report["verify_length"] == length
+    assert bool(list(tmp_path.glob("costs/*.json"))) == (length == "cost")  # measured once, cached
     assert report["speedup"] > 0 and report["ar_tokens_per_s"] > 0
 
 
@@ -90,3 +94,14 @@ def test_console_script_never_prints_a_traceback(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "drelay: error: unknown target 'nope': expected smollm2-135m, tiny-llama, tiny-qwen3, a Hugging Face model directory, or a hub id 'org/name'"
+
+
+def test_costs_command_measures_caches_and_shows(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr("pipelines.common.costs.cache_root", lambda: tmp_path)
+    assert main(["costs", "--random-drafter", "--show"]) == 2 and "run without --show" in capsys.readouterr().err
+    assert main(["costs", "--random-drafter", "--json"]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert len(measured["verify_ms"]) == 16 and all(t > 0 for t in measured["verify_ms"])
+    assert main(["costs", "--random-drafter", "--show", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == measured
+    assert main(["costs", "--method", "ar"]) == 2 and "no drafting costs" in capsys.readouterr().err

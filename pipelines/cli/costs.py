@@ -1,0 +1,39 @@
+"""`drelay costs`: measure (or show) the round cost curve that cost-aware verification length uses."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from drelay_model.errors import DRelayError
+from pipelines.cli.options import add_target
+from pipelines.common.costs import costs_path, verify_costs
+from pipelines.common.methods import NATIVE, load_method, load_target_spec, method_names, resolve_method
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("costs", help="measure the per-round cost curve for cost-aware verification", description=__doc__)
+    add_target(p)
+    p.add_argument("--method", default=NATIVE, help=f"selector: {', '.join(method_names()[1:])}")
+    p.add_argument("--checkpoint", help="drafter checkpoint directory (default: the one bundled for the target)")
+    p.add_argument("--random-drafter", action="store_true", help="an untrained drafter (timing only: costs do not depend on training)")
+    p.add_argument("--show", action="store_true", help="print the cached curve without measuring")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = resolve_method(args.method, target_spec=args.target, checkpoint=args.checkpoint, random_drafter=args.random_drafter)
+    if spec.is_ar:
+        raise DRelayError("--method ar has no drafting costs; choose a selector")
+    target = load_target_spec(args.target)
+    if args.show and not costs_path(args.target, spec, target.embed_weight.device.type).exists():
+        raise DRelayError(f"no cached costs for {args.target}/{args.method}; run without --show to measure them")
+    drafter, selector = load_method(spec, target)
+    costs = verify_costs(target, drafter, selector, target_spec=args.target, spec=spec, remeasure=not args.show)
+    if args.json:
+        print(json.dumps({"verify_ms": costs.verify_ms, "block_ms": costs.block_ms, "head_ms": costs.head_ms, "select_ms": costs.select_ms}))
+        return 0
+    print(f"drafter block {costs.block_ms:.1f} ms + LM head {costs.head_ms:.2f} ms/slot + select {costs.select_ms:.1f} ms")
+    print("verify(t) ms: " + "  ".join(f"{t}:{ms:.1f}" for t, ms in enumerate(costs.verify_ms, start=1)))
+    return 0
