@@ -74,7 +74,7 @@ def test_bundled_checkpoint_is_small_trained_and_lossless(capsys, method):
     exactly the target's greedy output with either method."""
     assert sum(f.stat().st_size for f in BUNDLED.iterdir()) <= 50 * 2**20
     rc, out, err = _run(capsys, "--chat", "What is 12 times 7? Explain briefly.", "--method", method, "--compare-ar",
-                        "--max-new-tokens", "48", "--json")  # fmt: skip
+                        "--max-new-tokens", "48", "--json", "--verify-length", "fixed")  # fmt: skip
     assert rc == 0, err
     report = json.loads(out)
     assert report["same_output_as_ar"] is True and report["tau"] > 1.0
