@@ -26,6 +26,7 @@ def _build_parser() -> argparse.ArgumentParser:
     train_cmd.add_parser(sub)
     compare_cmd.add_parser(sub)
     study_cmd.add_parser(sub)
+    from pipelines.cluster import jobs, submit; submit.add_parser(sub); jobs.add_parser(sub)  # noqa: E702 — TEMPORARY (issue 17): coordinator wires pipelines/cli/ modules
     return parser
 
 

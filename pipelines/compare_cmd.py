@@ -81,7 +81,8 @@ def compare(job: CompareJob) -> int:
     from pipelines.eval_results import CellStore
     from pipelines.evaluate import EvalConfig, Evaluation, MethodUnderTest
     from pipelines.benchmarks import load_benchmark
-    from pipelines.resolve import AR, REPO_ROOT, load_target_spec
+    from pipelines.cluster.paths import ensure_writable_dir, local_dir, resolve_path
+    from pipelines.resolve import AR, load_target_spec
 
     check_budget(job.max_new_tokens, job.limit)
     variants, baseline = parse_variants(job.variants, job.baseline)
@@ -89,7 +90,7 @@ def compare(job: CompareJob) -> int:
     run_name = job.run_name or f"{job.target}-{'+'.join(v.label for v in variants)}-{job.max_new_tokens}tok" + (f"-n{job.limit}" if job.limit else "")
     if any(q in run_name for q in "'\"`/"):
         raise DRelayError(f"--run-name must not contain quotes or slashes, got {run_name!r}")
-    out_dir = Path(job.out) if job.out else REPO_ROOT / "outputs" / "compare" / run_name
+    out_dir = ensure_writable_dir(local_dir(resolve_path(job.out or f"outputs/compare/{run_name}"), "--out"), "--out", create=False)
     prompts = {b: load_benchmark(b, limit=job.limit, seed=job.subset_seed, data_dir=job.data_dir) for b in benchmarks}
     target = load_target_spec(job.target)
     encoder = encoder_for(target)

@@ -115,6 +115,7 @@ class RunConfig(_Strict):
     ray: RaySection = RaySection()
     mlflow: MlflowSection = MlflowSection()
     output_dir: str = "outputs/train"
+    output_root: str | None = None  # where `outputs/…` paths land (else $DRELAY_OUTPUT_ROOT; pipelines/cluster/paths.py)
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":

@@ -23,7 +23,8 @@ from pipelines.eval_prompts import encoder_for
 from pipelines.eval_results import CellStore
 from pipelines.eval_session import run_session
 from pipelines.evaluate import EvalConfig, Evaluation, MethodUnderTest
-from pipelines.resolve import AR, REPO_ROOT, bundled_checkpoint, load_method, load_target_spec, method_names
+from pipelines.cluster.paths import ensure_writable_dir, local_dir, resolve_path
+from pipelines.resolve import AR, bundled_checkpoint, load_method, load_target_spec, method_names
 
 DEFAULT_EXPERIMENT = "drelay-eval"
 
@@ -195,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
     run_name = args.run_name or default_run_name(config)
     if any(q in run_name for q in "'\"`"):
         raise DRelayError(f"--run-name must not contain quotes, got {run_name!r}")
-    out_dir = Path(args.out) if args.out else REPO_ROOT / "outputs" / "eval" / run_name
+    out_dir = local_dir(resolve_path(args.out or f"outputs/eval/{run_name}"), "--out")
+    ensure_writable_dir(out_dir, "--out", create=False)
     prompts = load_prompts(config)
     target = load_target_spec(config.target)
     evaluation = Evaluation(

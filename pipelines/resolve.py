@@ -17,9 +17,14 @@ BUNDLED_CHECKPOINTS = REPO_ROOT / "checkpoints"
 
 
 def bundled_checkpoint(target_spec: str) -> Path | None:
-    """The checkpoint shipped in the repo for a target, if any (checkpoints/<target>/)."""
-    path = BUNDLED_CHECKPOINTS / target_spec
-    return path if path.is_dir() else None
+    """The checkpoint shipped for a target, if any: `<output root>/checkpoints/<target>/` (what
+    `drelay study` ships when an output root is configured), else the repo's `checkpoints/<target>/`."""
+    from pipelines.cluster.paths import checkpoints_dir
+
+    for path in (checkpoints_dir() / target_spec, BUNDLED_CHECKPOINTS / target_spec):
+        if path.is_dir():
+            return path
+    return None
 
 
 def method_names() -> tuple[str, ...]:

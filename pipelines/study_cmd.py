@@ -31,10 +31,11 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pipelines.study import final_checkpoint, finished, load_study, run_configs
+    from pipelines.cluster.paths import rooted
     from pipelines.train.driver import check_inputs, repo_path, run_training
 
     spec = load_study(args.spec)
-    configs = run_configs(spec, repo_path)
+    configs = {label: rooted(c) for label, c in run_configs(spec, repo_path).items()}
     unknown = [x for x in args.only if x not in configs]
     if unknown:
         raise DRelayError(f"--only: unknown run label(s) {', '.join(unknown)} (have: {', '.join(configs)})")
@@ -84,9 +85,9 @@ def _compare(spec, configs, final_checkpoint, repo_path, no_progress: bool) -> N
 
 def _ship(cfg, checkpoint) -> None:
     from drelay_model.atomic import atomic_directory
-    from pipelines.resolve import BUNDLED_CHECKPOINTS
+    from pipelines.cluster.paths import checkpoints_dir
 
-    dest = BUNDLED_CHECKPOINTS / cfg.target.spec
+    dest = checkpoints_dir() / cfg.target.spec
     with atomic_directory(dest) as tmp:
         shutil.copytree(checkpoint, tmp, dirs_exist_ok=True)
     print(f"[study] shipped {checkpoint} → {dest}")

@@ -9,7 +9,6 @@ continues from the latest checkpoint; a killed worker is restarted from it (`ray
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,8 @@ from drelay_model.errors import DRelayError
 from pipelines.config import RunConfig
 from pipelines.train.data import data_files
 from pipelines.train.model_io import continues_selector
-from pipelines.tracking import REPO_ROOT, fail_stale_runs, get_client, git_commit, hardware_description, tracked_run
+from pipelines.cluster.paths import ensure_writable_dir, local_dir, resolve_path, rooted
+from pipelines.tracking import fail_stale_runs, get_client, git_commit, hardware_description, tracked_run
 
 
 @dataclass(frozen=True)
@@ -30,9 +30,9 @@ class TrainResult:
 
 
 def repo_path(path: str) -> Path:
-    """A config path as an absolute path (relative paths are relative to the repository)."""
-    p = Path(path).expanduser()
-    return p if p.is_absolute() else REPO_ROOT / p
+    """A config path as an absolute path: `outputs/…` under the output root, other relative paths
+    relative to the repository; URIs (`s3://…`) come back untouched (pipelines/cluster/paths.py)."""
+    return resolve_path(path)
 
 
 def check_inputs(cfg: RunConfig) -> None:
@@ -50,14 +50,8 @@ def check_inputs(cfg: RunConfig) -> None:
         except DRelayError as exc:
             raise DRelayError(f"drafter.init_checkpoint: {exc}") from exc
         continues_selector(cfg, meta)  # a selector.config that contradicts the saved selector fails here
-    for field, path in (("output_dir", cfg.output_dir), ("ray.storage_path", cfg.ray.storage_path)):
-        folder = repo_path(path)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise DRelayError(f"{field}: cannot create '{folder}' ({exc.strerror})") from exc
-        if not os.access(folder, os.W_OK):
-            raise DRelayError(f"{field}: '{folder}' is not writable")
+    ensure_writable_dir(local_dir(repo_path(cfg.output_dir), "output_dir"), "output_dir")
+    ensure_writable_dir(repo_path(cfg.ray.storage_path), "ray.storage_path")
 
 
 def run_training(cfg: RunConfig, *, extra_worker_config: dict | None = None) -> TrainResult:
@@ -67,6 +61,7 @@ def run_training(cfg: RunConfig, *, extra_worker_config: dict | None = None) -> 
 
     from pipelines.train.worker import train_loop_per_worker
 
+    cfg = rooted(cfg)
     check_inputs(cfg)
     client = get_client(cfg.mlflow.tracking_uri)
     fail_stale_runs(cfg.mlflow.experiment, client=client, run_name=cfg.ray.run_name)
