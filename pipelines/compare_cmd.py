@@ -124,12 +124,13 @@ def compare(job: CompareJob) -> int:
 def _track(stack, job: CompareJob, run_name, variants, baseline, benchmarks, summary, files) -> None:
     """One MLflow run: params, `<variant>/<metric>` metrics, the table, JSON and plot as artifacts."""
     from pipelines.eval_session import connect
-    from pipelines.tracking import git_commit, hardware_description, tracked_run
+    from pipelines.run_tags import run_tags
+    from pipelines.tracking import tracked_run
 
     client = connect(job.experiment, run_name)
     params = {"target": job.target, "benchmarks": ",".join(benchmarks), "limit": job.limit, "max_new_tokens": job.max_new_tokens,
               "baseline": baseline, **{f"variant.{v.label}": f"{v.checkpoint}:{v.selector}" for v in variants}}  # fmt: skip
-    tags = {"drelay.kind": "compare", "drelay.git_commit": git_commit(), "drelay.hardware": hardware_description()}
+    tags = run_tags("compare", target=job.target, method=",".join(v.label for v in variants))
     run = stack.enter_context(tracked_run(job.experiment, run_name=run_name, tags=tags, params=params, client=client))
     run.log_metrics({f"{v}/{k}": x for v, m in summary.metrics.items() for k, x in m.items()})
     for f in files:

@@ -104,6 +104,7 @@ class RaySection(_Strict):
 class MlflowSection(_Strict):
     tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI or the project's SQLite store
     experiment: str = "drelay-train"
+    registered_model: str | None = Field(None, pattern=r"^[A-Za-z0-9][\w.+-]{0,99}$")  # register the drafter, alias `champion`
 
 
 class RunConfig(_Strict):

@@ -24,6 +24,7 @@ from pipelines.eval_results import CellStore
 from pipelines.eval_session import run_session
 from pipelines.evaluate import EvalConfig, Evaluation, MethodUnderTest
 from pipelines.cluster.paths import ensure_writable_dir, local_dir, resolve_path
+from pipelines.cluster.registry import resolve_checkpoint
 from pipelines.resolve import AR, bundled_checkpoint, load_method, load_target_spec, method_names
 
 DEFAULT_EXPERIMENT = "drelay-eval"
@@ -115,7 +116,7 @@ def parse_checkpoints(values: list[str], methods: tuple[str, ...], *, target: st
         raise DRelayError("--random-drafter and --checkpoint exclude each other")
     out: dict[str, str | None] = {AR: None}
     for m in methods[1:]:
-        path = per.get(m) or shared or (None if random_drafter else _bundled(target))
+        path = resolve_checkpoint(per.get(m) or shared or (None if random_drafter else _bundled(target)) or "") or None
         if path is None and not random_drafter:
             raise DRelayError(f"method '{m}' needs a drafter checkpoint: none is bundled for target '{target}'; "
                               "pass --checkpoint DIR (or --random-drafter for a smoke run)")  # fmt: skip

@@ -28,6 +28,7 @@ from pathlib import Path
 from drelay_model.errors import DRelayError
 from pipelines.eval_results import CellResult
 from pipelines.report import MethodRow
+from pipelines.cluster.provenance import checkpoint_run_tag
 from pipelines.tracking import PARENT_TAG, TrackedRun
 
 LEVEL_TAG = "drelay.level"
@@ -43,7 +44,8 @@ class EvalTracker:
 
     def method_run(self, method: str) -> TrackedRun:
         if method not in self._methods:
-            tags = {LEVEL_TAG: "method", "drelay.method": method, "drelay.checkpoint": self.checkpoints.get(method) or "", KIND[0]: KIND[1]}
+            tags = {LEVEL_TAG: "method", "drelay.method": method, "drelay.checkpoint": self.checkpoints.get(method) or "", KIND[0]: KIND[1],
+                    **checkpoint_run_tag(self.checkpoints.get(method))}  # fmt: skip
             self._methods[method] = self.stack.enter_context(self.parent.child(method, tags=tags))
         return self._methods[method]
 

@@ -3,6 +3,7 @@
     drelay jobs list                    # id, status, command, start time — newest last
     drelay jobs logs JOB_ID [--follow]
     drelay jobs stop JOB_ID
+    drelay jobs check platform/cluster/*.yaml   # validate specs before `kubectl apply` / `ray up` (no cluster needed)
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ def add_parser(sub) -> None:
     add_address_flag(stop)
     stop.add_argument("job_id")
     stop.set_defaults(run=run_stop)
+    check = actions.add_parser("check", help="validate platform/cluster specs (schemas, referenced repo paths)")
+    check.add_argument("files", nargs="+")
+    check.set_defaults(run=run_check)
 
 
 def run_list(args: argparse.Namespace) -> int:
@@ -63,4 +67,13 @@ def run_stop(args: argparse.Namespace) -> int:
     _known(client, args.job_id)
     stopped = client.stop_job(args.job_id)
     print(f"{args.job_id}: {'stop requested' if stopped else 'already finished'}")
+    return 0
+
+
+def run_check(args: argparse.Namespace) -> int:
+    from pipelines.cluster.specs import check_spec_file
+
+    for f in args.files:
+        kinds = [type(m).__name__ for m in check_spec_file(f)]
+        print(f"{f}: ok ({', '.join(kinds)})")
     return 0

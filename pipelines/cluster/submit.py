@@ -95,10 +95,22 @@ def connect(address: str | None):
     from ray.job_submission import JobSubmissionClient
 
     try:
-        return JobSubmissionClient(address)
+        return JobSubmissionClient(address, headers=auth_headers())
     except Exception as exc:  # noqa: BLE001 - connection, auth and version errors all mean "cannot submit"
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise DRelayError(f"--address {address}: cannot reach the Ray job server ({first[:200]})") from exc
+
+
+def auth_headers() -> dict[str, str]:
+    """Ray 2.60 turns token auth on for clusters started by `ray start`; its SDK sends the token
+    only when `$RAY_AUTH_MODE=token` is set in the client. We send it whenever one is available:
+    `$RAY_AUTH_TOKEN`, else the file `$RAY_AUTH_TOKEN_PATH`, else `~/.ray/auth_token` (where
+    `ray start` writes it). A server without auth ignores the header."""
+    token = os.environ.get("RAY_AUTH_TOKEN", "").strip()
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if not token and path.is_file():
+        token = path.read_text().strip()
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def entrypoint(python: str, command: str, args: list[str]) -> str:

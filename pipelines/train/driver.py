@@ -19,7 +19,10 @@ from pipelines.config import RunConfig
 from pipelines.train.data import data_files
 from pipelines.train.model_io import continues_selector
 from pipelines.cluster.paths import ensure_writable_dir, local_dir, resolve_path, rooted
-from pipelines.tracking import fail_stale_runs, get_client, git_commit, hardware_description, tracked_run
+from pipelines.cluster.provenance import write_provenance
+from pipelines.cluster.registry import register_checkpoint
+from pipelines.run_tags import run_tags
+from pipelines.tracking import fail_stale_runs, get_client, tracked_run
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ def run_training(cfg: RunConfig, *, extra_worker_config: dict | None = None) -> 
     worker_cfg["data"]["regenerated"] = str(repo_path(cfg.data.regenerated))
     if cfg.drafter.init_checkpoint:
         worker_cfg["drafter"]["init_checkpoint"] = str(repo_path(cfg.drafter.init_checkpoint))
-    tags = {"target": cfg.target.spec, "selector": cfg.selector.name, "git_commit": git_commit(), "hardware": hardware_description()}
+    tags = run_tags("train", target=cfg.target.spec, method="native" if cfg.selector.name == "none" else cfg.selector.name)
     with tracked_run(cfg.mlflow.experiment, run_name=cfg.ray.run_name, tags=tags, client=client) as run:
         run.log_params(_flat(cfg.model_dump(mode="json")))
         worker_cfg.update(extra_worker_config or {}, _mlflow_run_id=run.run_id, _mlflow_uri=client.tracking_uri)
@@ -94,7 +97,10 @@ def run_training(cfg: RunConfig, *, extra_worker_config: dict | None = None) -> 
         final = repo_path(cfg.output_dir) / cfg.ray.run_name / "drafter"
         with result.checkpoint.as_directory() as d, atomic_directory(final) as tmp:
             shutil.copytree(Path(d) / "drafter", tmp, dirs_exist_ok=True)
+            write_provenance(tmp, run_id=run.run_id, tracking_uri=client.tracking_uri, experiment=cfg.mlflow.experiment)
         run.log_artifact(final, artifact_path="drafter")
+        if cfg.mlflow.registered_model:
+            register_checkpoint(run.run_id, cfg.mlflow.registered_model, client=client)
         return TrainResult(checkpoint=final, metrics=dict(result.metrics or {}), mlflow_run_id=run.run_id)
 
 
