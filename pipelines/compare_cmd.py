@@ -17,7 +17,6 @@ import json
 import sys
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
 
 from drelay_model.errors import DRelayError
 

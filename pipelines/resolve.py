@@ -19,10 +19,11 @@ BUNDLED_CHECKPOINTS = REPO_ROOT / "checkpoints"
 def bundled_checkpoint(target_spec: str) -> Path | None:
     """The checkpoint shipped for a target, if any: `<output root>/checkpoints/<target>/` (what
     `drelay study` ships when an output root is configured), else the repo's `checkpoints/<target>/`."""
-    from pipelines.cluster.paths import checkpoints_dir
+    from pipelines.cluster.paths import shipped_checkpoints_dir
 
-    for path in (checkpoints_dir() / target_spec, BUNDLED_CHECKPOINTS / target_spec):
-        if path.is_dir():
+    for folder in (shipped_checkpoints_dir(), BUNDLED_CHECKPOINTS):
+        path = None if folder is None else folder / target_spec
+        if path is not None and path.is_dir():
             return path
     return None
 

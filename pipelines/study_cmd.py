@@ -85,9 +85,10 @@ def _compare(spec, configs, final_checkpoint, repo_path, no_progress: bool) -> N
 
 def _ship(cfg, checkpoint) -> None:
     from drelay_model.atomic import atomic_directory
-    from pipelines.cluster.paths import checkpoints_dir
+    from pipelines.cluster.paths import shipped_checkpoints_dir
+    from pipelines.resolve import BUNDLED_CHECKPOINTS
 
-    dest = checkpoints_dir() / cfg.target.spec
+    dest = (shipped_checkpoints_dir() or BUNDLED_CHECKPOINTS) / cfg.target.spec
     with atomic_directory(dest) as tmp:
         shutil.copytree(checkpoint, tmp, dirs_exist_ok=True)
     print(f"[study] shipped {checkpoint} → {dest}")

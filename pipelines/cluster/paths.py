@@ -81,7 +81,7 @@ def ensure_writable_dir(path: Path | str, field: str, *, create: bool = True) ->
     folder = Path(path).absolute()
     existing = next(p for p in (folder, *folder.parents) if p.exists())
     if not existing.is_dir():
-        raise DRelayError(f"{field}: '{existing}' is not a folder")
+        raise DRelayError(f"{field}: cannot create '{folder}' ('{existing}' is not a folder)")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise DRelayError(f"{field}: '{folder}' is not writable ('{existing}' is read-only for this user)")
     if create:
@@ -92,12 +92,12 @@ def ensure_writable_dir(path: Path | str, field: str, *, create: bool = True) ->
     return folder
 
 
-def checkpoints_dir() -> Path:
-    """Where `drelay study` ships drafters: `<output root>/checkpoints` when a root is configured
-    (shared storage), else the repository's `checkpoints/` (the bundled drafters)."""
+def shipped_checkpoints_dir() -> Path | None:
+    """Where `drelay study` ships drafters when an output root is configured (`<root>/checkpoints`,
+    shared storage); None otherwise (then: the repository's bundled `checkpoints/`)."""
     if root_is_configured():
         return local_dir(join(output_root(), "checkpoints"), OUTPUT_ROOT_ENV)
-    return REPO_ROOT / "checkpoints"
+    return None
 
 
 def rooted(cfg):

@@ -124,8 +124,8 @@ def run(args: argparse.Namespace) -> int:
     job_id = f"drelay-{args.command}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
     from pipelines.tracking import git_commit
 
-    client.submit_job(
-        entrypoint=entrypoint(args.python, args.command, list(args.args)), submission_id=job_id, runtime_env=env,
+    submit_with_retry(
+        client, entrypoint=entrypoint(args.python, args.command, list(args.args)), submission_id=job_id, runtime_env=env,
         entrypoint_num_gpus=args.num_gpus or None, metadata={"drelay.command": args.command, "drelay.git_commit": git_commit()},
     )  # fmt: skip
     print(job_id, flush=True)
@@ -133,6 +133,22 @@ def run(args: argparse.Namespace) -> int:
     if args.no_wait:
         return 0
     return follow(client, job_id)
+
+
+def submit_with_retry(client, *, timeout_s: float = 120.0, **job) -> None:
+    """`submit_job`, retried while a freshly started head has no job agent yet (HTTP 500 "No available
+    agent"); other refusals (bad runtime env, duplicate id, auth) are one-line errors."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.submit_job(**job)
+            return
+        except RuntimeError as exc:
+            text = str(exc)
+            if "No available agent" in text and time.monotonic() < deadline:
+                time.sleep(2)
+                continue
+            raise DRelayError(f"the job server refused the job: {text.strip().splitlines()[0][:240]}") from exc
 
 
 def follow(client, job_id: str) -> int:

@@ -48,7 +48,7 @@ def test_rooted_config_anchors_every_output_path(monkeypatch, tmp_path):
 def test_unwritable_root_is_one_line_and_creates_nothing(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    with pytest.raises(DRelayError, match="^out: '.*a-file' is not a folder$"):
+    with pytest.raises(DRelayError, match="^out: cannot create '.*' \\('.*a-file' is not a folder\\)$"):
         ensure_writable_dir(blocker / "sub" / "dir", "out")
     with pytest.raises(DRelayError, match="is a URI"):
         paths.local_dir("s3://b/x", "--out")

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -80,6 +81,8 @@ def ray_head(tmp_path):
         while True:
             try:
                 urllib.request.urlopen(f"{address}/api/version", timeout=5)  # noqa: S310 - local head
+                break
+            except urllib.error.HTTPError:  # it answers (401 without the token: auth is on)
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
