@@ -7,7 +7,7 @@
     └── <method>                one per method (drelay.level=method) = one Table-1 row:
         │                       `<benchmark>/tau`, `<benchmark>/speedup` (+ _std, tokens_per_s,
         │                       tau_replay, oracle_tau, efficiency, coverage…, one_edit_gain),
-        │                       `mean_tau`, `mean_speedup`, `mean_…`, pooled slot_acceptance/NN,
+        │                       `mean_tau`, `mean_speedup` (headline copies: `tau`, `speedup`), `mean_…`, pooled slot_acceptance/NN,
         │                       ms_draft|select|verify|other, throughput/cN, speedup/cN
         └── <benchmark>/<method>   one per cell (drelay.level=cell): the unprefixed metrics,
                                 series `slot_acceptance` (step = slot) and `throughput` (step =
@@ -66,7 +66,7 @@ class EvalTracker:
 
     def log_summary(self, method_metrics: dict[str, dict[str, float]], files: list[Path], plots: list[Path]) -> None:
         for method, m in method_metrics.items():
-            self.method_run(method).log_metrics(m)
+            self.method_run(method).log_metrics({**m, "tau": m.get("mean_tau"), "speedup": m.get("mean_speedup")})  # headline
             self.parent.log_metrics({f"{method}/mean_tau": m.get("mean_tau"), f"{method}/mean_speedup": m.get("mean_speedup")})
         for f in files:
             self.parent.log_artifact(f)

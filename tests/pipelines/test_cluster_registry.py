@@ -45,6 +45,8 @@ def test_register_resolve_and_eval_through_champion(tiny, uri, data_dir, tmp_pat
     exp = client.get_experiment_by_name("drelay-eval")
     native = client.search_runs([exp.experiment_id], "tags.`drelay.level` = 'method' and tags.`drelay.method` = 'native'")
     assert native[0].data.tags[CHECKPOINT_RUN] == second  # the eval links back to the training run
+    metrics = native[0].data.metrics
+    assert metrics["tau"] == metrics["mean_tau"] >= 1.0 and metrics["speedup"] == metrics["mean_speedup"]  # headline
 
 
 def test_bad_model_references_are_one_line(uri, tmp_path, monkeypatch, capsys):
