@@ -6,6 +6,7 @@ tracking and the `drelay` CLI. Layers, lowest first — a package imports only f
     eval/     evaluation runner, results, metrics, plots, report, compare         (+ common, data)
     train/    run config, Ray Train driver and worker, training data, model I/O   (+ common, data)
     study/    staged training runs + their comparison                             (+ eval, train)
+    cluster/  Ray job submission, platform/cluster spec schemas                   (+ common)
     cli/      one thin module per `drelay` command                                (+ everything, deploy lazily)
 
 eval and train are siblings and never import each other. Nothing here but cli imports deploy;

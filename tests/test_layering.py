@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("drelay_model", "pipelines", "deploy")
 MODEL_FORBIDDEN = ("pipelines", "deploy", "ray", "mlflow", "sglang")
-PIPELINES_RANK = {"common": 0, "data": 1, "eval": 2, "train": 2, "study": 3, "cli": 4}
+PIPELINES_RANK = {"common": 0, "data": 1, "eval": 2, "train": 2, "study": 3, "cluster": 3, "tune": 3, "cli": 4}
 CLI_SHARED = {"pipelines.cli", "pipelines.cli.main", "pipelines.cli.__main__", "pipelines.cli.options"}
 
 

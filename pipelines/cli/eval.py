@@ -17,7 +17,7 @@ from pathlib import Path
 from drelay_model.errors import DRelayError
 from pipelines.cli.options import add_benchmark_set, add_max_new_tokens, add_run_outputs, add_target, check_limit, decode_config, parse_ints, split_list
 from pipelines.common.methods import AR, NATIVE, MethodSpec, check_method, load_target_spec, method_names, resolve_method
-from pipelines.common.paths import REPO_ROOT
+from pipelines.common.outputs import ensure_writable_dir, local_dir, resolve_path
 from pipelines.common.signals import sigterm_as_exit
 from pipelines.data.eval_sets import load_benchmarks, parse_benchmarks
 from pipelines.eval.prompts import encoder_for
@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     run_name = args.run_name or config.default_run_name()
     if any(q in run_name for q in "'\"`"):
         raise DRelayError(f"--run-name must not contain quotes, got {run_name!r}")
-    out_dir = Path(args.out) if args.out else REPO_ROOT / "outputs" / "eval" / run_name
+    out_dir = local_dir(resolve_path(args.out or f"outputs/eval/{run_name}"), "--out")
+    ensure_writable_dir(out_dir, "--out", create=False)
     prompts = load_benchmarks(config.benchmarks, limit=config.limit, seed=config.subset_seed, data_dir=config.data_dir)
     target = load_target_spec(config.target)
     methods = {s.name: MethodUnderTest.load(s, target) for s in config.specs}

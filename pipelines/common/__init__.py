@@ -1,6 +1,10 @@
 """What every part of the platform shares.
 
     paths.py     REPO_ROOT, repo_path, bundled checkpoints, NAME_PATTERN (run and variant labels)
+    outputs.py   the one output root (config field > $DRELAY_OUTPUT_ROOT > <repo>/outputs), URIs untouched
+    run_tags.py  the MLflow tag vocabulary (drelay.kind/target/method/git_commit/hardware)
+    provenance.py  which MLflow run made a checkpoint (provenance.json)
+    registry.py  MLflow model registry: register a checkpoint, resolve models:/<name>@<alias>
     methods.py   the method spec: 'ar' or a registered selector plus its checkpoint, resolved once
     chat.py      chat messages → prompt token ids (the one place a chat template is applied)
     costs.py     the measured round-cost curve (cost-aware verification length), cached per machine

@@ -22,6 +22,7 @@ from drelay_model.errors import DRelayError
 from drelay_model.selectors import Selector, default_registry
 from drelay_model.target import TargetModel, load_target
 from pipelines.common.paths import bundled_checkpoint
+from pipelines.common.registry import is_model_ref, resolve_checkpoint
 
 AR = "ar"
 NATIVE = "native"  # the drafter's own argmax path; also "trained without a selector"
@@ -78,7 +79,8 @@ def trained_selector(checkpoint: str | Path) -> str:
 
 def resolve_method(name: str, *, target_spec: str, checkpoint: str | None = None, random_drafter: bool = False,
                    hint: str = "pass --checkpoint DIR (or --method ar)") -> MethodSpec:  # fmt: skip
-    """Check the name, pick the checkpoint (given, else the one bundled for the target) and check it exists."""
+    """Check the name, pick the checkpoint (given — a directory or an MLflow registry reference — else the
+    one bundled for the target) and check it exists."""
     check_method(name)
     if name == AR:
         return MethodSpec(AR)
@@ -87,6 +89,8 @@ def resolve_method(name: str, *, target_spec: str, checkpoint: str | None = None
             raise DRelayError("--random-drafter and --checkpoint exclude each other")
         return MethodSpec(name, None, True)
     path = checkpoint or bundled_checkpoint(target_spec)
+    if path is not None and is_model_ref(str(path)):  # models:/<name>@<alias> or models:/<name>/<version>
+        path = resolve_checkpoint(str(path))
     if path is None:
         raise DRelayError(f"method '{name}' needs a drafter checkpoint: none is bundled for target '{target_spec}'; {hint}")
     if not Path(path).is_dir():

@@ -38,13 +38,14 @@ _MAX_PARAM = 6000  # MLflow's limit on a param value
 
 
 def tracking_uri() -> str:
-    """`$MLFLOW_TRACKING_URI`, else the repo's SQLite store (its folder is created on demand)."""
+    """`$MLFLOW_TRACKING_URI`, else a SQLite store in the output root (its folder is created on demand)."""
+    from pipelines.common.outputs import OUTPUT_ROOT_ENV, ensure_writable_dir, local_dir, output_root
+
     uri = os.environ.get(TRACKING_URI_ENV)
     if uri:
         return uri
-    db = REPO_ROOT / "outputs" / "mlflow.db"
-    db.parent.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{db}"
+    root = local_dir(output_root(), f"{OUTPUT_ROOT_ENV} (set {TRACKING_URI_ENV} for a URI output root)")
+    return f"sqlite:///{ensure_writable_dir(root, OUTPUT_ROOT_ENV) / 'mlflow.db'}"
 
 
 def artifact_root(uri: str) -> Path | None:

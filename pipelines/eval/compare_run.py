@@ -10,12 +10,11 @@ import json
 import sys
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
 
 from drelay_model.decoding import GenerationConfig
 from drelay_model.errors import DRelayError
 from pipelines.common.methods import AR, MethodSpec, load_target_spec
-from pipelines.common.paths import REPO_ROOT
+from pipelines.common.outputs import ensure_writable_dir, local_dir, resolve_path
 from pipelines.common.signals import sigterm_as_exit
 from pipelines.data.eval_sets import load_benchmarks, parse_benchmarks
 from pipelines.eval.compare import parse_variants, replay_store, replay_variants, summarize
@@ -61,7 +60,7 @@ def run_compare(job: CompareJob) -> int:
     run_name = job.run_name or job.default_run_name([v.label for v in variants])
     if any(q in run_name for q in "'\"`/"):
         raise DRelayError(f"--run-name must not contain quotes or slashes, got {run_name!r}")
-    out_dir = Path(job.out) if job.out else REPO_ROOT / "outputs" / "compare" / run_name
+    out_dir = ensure_writable_dir(local_dir(resolve_path(job.out or f"outputs/compare/{run_name}"), "--out"), "--out", create=False)
     prompts = load_benchmarks(benchmarks, limit=job.limit, seed=job.subset_seed, data_dir=job.data_dir)
     target = load_target_spec(job.target)
     encoder = encoder_for(target)
@@ -94,13 +93,14 @@ def run_compare(job: CompareJob) -> int:
 
 def _track(stack, job: CompareJob, run_name, variants, baseline, benchmarks, summary, files) -> None:
     """One MLflow run: params, `<variant>/<metric>` metrics, the table, JSON and plot as artifacts."""
-    from pipelines.common.tracking import git_commit, hardware_description, tracked_run
+    from pipelines.common.run_tags import run_tags
+    from pipelines.common.tracking import tracked_run
     from pipelines.eval.session import connect
 
     client = connect(job.experiment, run_name)
     params = {"target": job.target, "benchmarks": ",".join(benchmarks), "limit": job.limit, "max_new_tokens": job.decode.max_new_tokens,
               "baseline": baseline, **{f"variant.{v.label}": f"{v.checkpoint}:{v.selector}" for v in variants}}  # fmt: skip
-    tags = {"drelay.kind": "compare", "drelay.git_commit": git_commit(), "drelay.hardware": hardware_description()}
+    tags = run_tags("compare", target=job.target, method=",".join(v.label for v in variants))
     run = stack.enter_context(tracked_run(job.experiment, run_name=run_name, tags=tags, params=params, client=client))
     run.log_metrics({f"{v}/{k}": x for v, m in summary.metrics.items() for k, x in m.items()})
     for f in files:

@@ -51,7 +51,7 @@ def eval_tags(c: EvalConfig, run_name: str, out_dir: Path) -> dict[str, str]:
     return {
         LEVEL_TAG: "evaluation", KIND[0]: KIND[1], "drelay.methods": ",".join(c.methods),
         "drelay.benchmarks": ",".join(c.benchmarks), "drelay.checkpoint": "random" if c.random_drafter else checkpoints,
-        "drelay.target": c.target, "drelay.hardware": hardware_description(), "drelay.git_commit": commit,
+        "drelay.target": c.target, "drelay.method": ",".join(c.methods), "drelay.hardware": hardware_description(), "drelay.git_commit": commit,
         "mlflow.source.git.commit": commit, "drelay.temperature": f"{c.temperature:g}", "drelay.out_dir": str(out_dir),
         "mlflow.note.content": f"drelay eval {run_name}",
     }  # fmt: skip

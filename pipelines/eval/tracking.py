@@ -7,7 +7,7 @@
     └── <method>                one per method (drelay.level=method) = one Table-1 row:
         │                       `<benchmark>/tau`, `<benchmark>/speedup` (+ _std, tokens_per_s,
         │                       tau_replay, oracle_tau, efficiency, coverage…, one_edit_gain),
-        │                       `mean_tau`, `mean_speedup`, `mean_…`, pooled slot_acceptance/NN,
+        │                       `mean_tau`, `mean_speedup` (headline copies: `tau`, `speedup`), `mean_…`, pooled slot_acceptance/NN,
         │                       ms_draft|select|verify|other, throughput/cN, speedup/cN
         └── <benchmark>/<method>   one per cell (drelay.level=cell): the unprefixed metrics,
                                 series `slot_acceptance` (step = slot) and `throughput` (step =
@@ -26,10 +26,11 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from drelay_model.errors import DRelayError
-from pipelines.eval.results import CellResult
-from pipelines.eval.report import ComparisonTable, MethodRow
 from pipelines.common.methods import AR
+from pipelines.common.provenance import checkpoint_run_tag
 from pipelines.common.tracking import PARENT_TAG, TrackedRun
+from pipelines.eval.report import ComparisonTable, MethodRow
+from pipelines.eval.results import CellResult
 
 LEVEL_TAG = "drelay.level"
 KIND = ("drelay.kind", "eval")
@@ -44,7 +45,8 @@ class EvalTracker:
 
     def method_run(self, method: str) -> TrackedRun:
         if method not in self._methods:
-            tags = {LEVEL_TAG: "method", "drelay.method": method, "drelay.checkpoint": self.checkpoints.get(method) or "", KIND[0]: KIND[1]}
+            tags = {LEVEL_TAG: "method", "drelay.method": method, "drelay.checkpoint": self.checkpoints.get(method) or "", KIND[0]: KIND[1],
+                    **checkpoint_run_tag(self.checkpoints.get(method))}  # fmt: skip
             self._methods[method] = self.stack.enter_context(self.parent.child(method, tags=tags))
         return self._methods[method]
 
@@ -65,7 +67,7 @@ class EvalTracker:
 
     def log_summary(self, method_metrics: dict[str, dict[str, float]], files: list[Path], plots: list[Path]) -> None:
         for method, m in method_metrics.items():
-            self.method_run(method).log_metrics(m)
+            self.method_run(method).log_metrics({**m, "tau": m.get("mean_tau"), "speedup": m.get("mean_speedup")})  # headline
             self.parent.log_metrics({f"{method}/mean_tau": m.get("mean_tau"), f"{method}/mean_speedup": m.get("mean_speedup")})
         for f in files:
             self.parent.log_artifact(f)

@@ -8,6 +8,7 @@ import shutil
 
 from drelay_model.atomic import atomic_directory
 from drelay_model.errors import DRelayError
+from pipelines.common.outputs import rooted, shipped_checkpoints_dir
 from pipelines.common.paths import BUNDLED_CHECKPOINTS, repo_path
 from pipelines.eval.compare_run import CompareJob, run_compare
 from pipelines.study.spec import StudySpec, final_checkpoint, finished, run_configs
@@ -17,7 +18,7 @@ from pipelines.train.driver import check_inputs, run_training
 
 def plan(spec: StudySpec, only: list[str]) -> tuple[dict[str, RunConfig], list[str]]:
     """Every run's config (validated up front) and the labels to train; prints one line per run."""
-    configs = run_configs(spec, repo_path)
+    configs = {label: rooted(c) for label, c in run_configs(spec, repo_path).items()}
     unknown = [x for x in only if x not in configs]
     if unknown:
         raise DRelayError(f"--only: unknown run label(s) {', '.join(unknown)} (have: {', '.join(configs)})")
@@ -68,7 +69,7 @@ def _compare(spec: StudySpec, configs: dict[str, RunConfig], progress: bool) -> 
 
 
 def _ship(cfg: RunConfig, checkpoint) -> None:
-    dest = BUNDLED_CHECKPOINTS / cfg.target.spec
+    dest = (shipped_checkpoints_dir() or BUNDLED_CHECKPOINTS) / cfg.target.spec
     with atomic_directory(dest) as tmp:
         shutil.copytree(checkpoint, tmp, dirs_exist_ok=True)
     print(f"[study] shipped {checkpoint} → {dest}")

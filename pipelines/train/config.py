@@ -135,6 +135,7 @@ class RaySection(_Strict):
 class MlflowSection(_Strict):
     tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI or the project's SQLite store
     experiment: str = "drelay-train"
+    registered_model: str | None = Field(None, pattern=r"^[A-Za-z0-9][\w.+-]{0,99}$")  # register the drafter, alias `champion`
 
 
 class RunConfig(_Strict):
@@ -146,6 +147,7 @@ class RunConfig(_Strict):
     ray: RaySection = RaySection()
     mlflow: MlflowSection = MlflowSection()
     output_dir: str = "outputs/train"
+    output_root: str | None = None  # where `outputs/…` paths land (else $DRELAY_OUTPUT_ROOT; pipelines/common/outputs.py)
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":

@@ -9,7 +9,6 @@ continues from the latest checkpoint; a killed worker is restarted from it (`ray
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,11 @@ from pipelines.train.config import RunConfig
 from pipelines.train.data import data_files
 from pipelines.train.model_io import continues_selector
 from pipelines.common.paths import repo_path
-from pipelines.common.tracking import fail_stale_runs, get_client, git_commit, hardware_description, tracked_run
+from pipelines.common.outputs import ensure_writable_dir, local_dir, rooted
+from pipelines.common.provenance import write_provenance
+from pipelines.common.registry import register_checkpoint
+from pipelines.common.run_tags import run_tags
+from pipelines.common.tracking import fail_stale_runs, get_client, tracked_run
 
 
 @dataclass(frozen=True)
@@ -45,14 +48,8 @@ def check_inputs(cfg: RunConfig) -> None:
         except DRelayError as exc:
             raise DRelayError(f"drafter.init_checkpoint: {exc}") from exc
         continues_selector(cfg, meta)  # a selector.config that contradicts the saved selector fails here
-    for field, path in (("output_dir", cfg.output_dir), ("ray.storage_path", cfg.ray.storage_path)):
-        folder = repo_path(path)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise DRelayError(f"{field}: cannot create '{folder}' ({exc.strerror})") from exc
-        if not os.access(folder, os.W_OK):
-            raise DRelayError(f"{field}: '{folder}' is not writable")
+    ensure_writable_dir(local_dir(repo_path(cfg.output_dir), "output_dir"), "output_dir")
+    ensure_writable_dir(repo_path(cfg.ray.storage_path), "ray.storage_path")
 
 
 def run_training(cfg: RunConfig, *, extra_worker_config: dict | None = None) -> TrainResult:
@@ -62,6 +59,7 @@ def run_training(cfg: RunConfig, *, extra_worker_config: dict | None = None) -> 
 
     from pipelines.train.worker import train_loop_per_worker
 
+    cfg = rooted(cfg)
     check_inputs(cfg)
     client = get_client(cfg.mlflow.tracking_uri)
     fail_stale_runs(cfg.mlflow.experiment, client=client, run_name=cfg.ray.run_name)
@@ -69,7 +67,7 @@ def run_training(cfg: RunConfig, *, extra_worker_config: dict | None = None) -> 
     worker_cfg["data"]["regenerated"] = str(repo_path(cfg.data.regenerated))
     if cfg.drafter.init_checkpoint:
         worker_cfg["drafter"]["init_checkpoint"] = str(repo_path(cfg.drafter.init_checkpoint))
-    tags = {"target": cfg.target.spec, "selector": cfg.selector.name, "git_commit": git_commit(), "hardware": hardware_description()}
+    tags = run_tags("train", target=cfg.target.spec, method=cfg.selector.name)
     with tracked_run(cfg.mlflow.experiment, run_name=cfg.ray.run_name, tags=tags, client=client) as run:
         run.log_params(_flat(cfg.model_dump(mode="json")))
         worker_cfg.update(extra_worker_config or {}, _mlflow_run_id=run.run_id, _mlflow_uri=client.tracking_uri)
@@ -94,7 +92,10 @@ def run_training(cfg: RunConfig, *, extra_worker_config: dict | None = None) -> 
         final = repo_path(cfg.output_dir) / cfg.ray.run_name / "drafter"
         with result.checkpoint.as_directory() as d, atomic_directory(final) as tmp:
             shutil.copytree(Path(d) / "drafter", tmp, dirs_exist_ok=True)
+            write_provenance(tmp, run_id=run.run_id, tracking_uri=client.tracking_uri, experiment=cfg.mlflow.experiment)
         run.log_artifact(final, artifact_path="drafter")
+        if cfg.mlflow.registered_model:
+            register_checkpoint(run.run_id, cfg.mlflow.registered_model, client=client)
         return TrainResult(checkpoint=final, metrics=dict(result.metrics or {}), mlflow_run_id=run.run_id)
 
 

@@ -210,5 +210,10 @@ def _metric_logger(cfg_dict: dict):
         return None
     from pipelines.common.tracking import TrackedRun, get_client
 
+    import ray.train
+
+    from pipelines.common.run_tags import HARDWARE, worker_hardware
+
     run = TrackedRun(get_client(cfg_dict.get("_mlflow_uri")), run_id, experiment_id="", name="")
+    run.set_tags({HARDWARE: worker_hardware(ray.train.get_context().get_world_size())})  # the workers', not the driver's
     return lambda metrics, step: run.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=step)
