@@ -11,7 +11,7 @@ SGLang's DFlash draft model in three ways, all handled here rather than folded i
     rows (`d2t` maps draft ids to target ids).
 None of these can be folded exactly (an RMSNorm is not linear; no token row equals a learned
 vector), so the class runs our own drafter math and SGLang loads it through
-SGLANG_EXTERNAL_MODEL_PACKAGE (`EntryClass`). The frozen embedding and LM head are the target's:
+SGLANG_EXTERNAL_MODEL_PACKAGE=deploy.sglang.models (`EntryClass`). The frozen embedding and LM head are the target's:
 `bind_target` shares them (they are never exported), as SGLang shares its target's.
 
 Names (ours → exported), N = layer index:
@@ -101,6 +101,7 @@ class DRelayDraftModel(nn.Module):
         self._weights: dict[str, torch.Tensor] = {}
         self.drafter: BlockDrafter | None = None
         self.selector: Selector | None = None
+        self.candidate_selector = None  # the DFlash-2 seam; the plugin's worker installs it (seam.py)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Take (exported name, tensor) pairs; returns the names it kept."""
@@ -125,6 +126,25 @@ class DRelayDraftModel(nn.Module):
             self.selector = default_registry().from_checkpoint(saved["name"], drafter=self.drafter, tensors=extra, meta={"selector": saved})
         return self
 
+    def compute_candidates(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot hidden states [N, D] → (candidate ids [N, K] target ids, log q [N, K]): the pool
+        under the drafter's full softmax, as the selector seam expects."""
+        block = self.drafter.pool(hidden[:, None])  # [N, 1, K]
+        return block.cand_ids[:, 0], block.cand_logq[:, 0]
+
+    def selector_seam(self, *, max_requests: int, max_bs: int, device="cpu"):
+        """The DFlash-2 `candidate_selector` for this model (seam.py), with a verified-feature ring
+        for `max_requests` request-pool slots; None when the export holds no selector."""
+        from deploy.sglang.history import RequestFeatureRing
+        from deploy.sglang.seam import DRelayCandidateSelector
+
+        if self.selector is None:
+            return None
+        n = self.selector.config.history_len
+        dim = len(self.drafter_config.target_layer_ids) * self.drafter_config.hidden_size
+        ring = RequestFeatureRing(max_requests, n, dim, dtype=self.drafter.fc.weight.dtype, device=device) if n else None
+        return DRelayCandidateSelector(self.selector, history=ring, max_bs=max_bs, device=device)
+
     @classmethod
     def from_pretrained(cls, path: str | Path, target) -> "DRelayDraftModel":
         """Load an export directory and bind it to `target`."""
@@ -140,5 +160,3 @@ class DRelayDraftModel(nn.Module):
         model.load_weights(load_file(str(path / WEIGHTS)).items())
         return model.bind_target(target)
 
-
-EntryClass = DRelayDraftModel

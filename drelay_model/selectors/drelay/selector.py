@@ -26,7 +26,7 @@ from drelay_model.selectors.base import Selection, SelectionContext, Selector, S
 from drelay_model.selectors.drelay.causal import CausalSelector, Evidence, decide
 from drelay_model.selectors.drelay.config import DRelayConfig
 from drelay_model.selectors.drelay.global_read import GlobalRead
-from drelay_model.selectors.drelay.walk import WalkInputs, WalkResult, walk, walk_inputs
+from drelay_model.selectors.drelay.walk import WalkResult, walk, walk_inputs
 
 
 @dataclass(frozen=True)
@@ -171,14 +171,16 @@ class DRelaySelector(Selector):
         ev, cand_emb = self.evidence(block, history, ctx.history_mask if history is not None else None)
         anchor_emb = self.embed(ctx.anchor_ids)
         if self.config.decisions == "walk":
-            res = self._walk(walk_inputs(self.causal, ev, anchor_emb, cand_emb))
+            res = self.walk_decisions(ev, anchor_emb, cand_emb)
             pick, gate, rank = res.pool_index, res.gate, res.rank
         else:
             pick, gate, rank = self.causal.decide_block(ev, anchor_emb, cand_emb)
         return SelectionTrace(selection=self.gather(block, pick), output=SelectorOutput(gate=gate, rank=rank))
 
-    def _walk(self, w: WalkInputs) -> WalkResult:
-        """The decision walk on the configured backend (imported lazily: triton is optional)."""
+    def walk_decisions(self, ev: Evidence, anchor_emb: torch.Tensor, cand_emb: torch.Tensor) -> WalkResult:
+        """The graph-safe decision walk (walk.py) on the configured backend (triton is imported
+        lazily: it is optional). anchor_emb [B, d]; cand_emb [B, H, K, d]."""
+        w = walk_inputs(self.causal, ev, anchor_emb, cand_emb)
         if self.config.kernels == "triton":
             from drelay_model.kernels.walk import walk_triton
 
