@@ -38,6 +38,7 @@ def hf_config(config: DrafterConfig, meta: dict, *, dtype: torch.dtype, has_sele
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads,
         "head_dim": config.head_dim,
+        "vocab_size": config.target.vocab_size if config.target is not None else None,
         "intermediate_size": config.intermediate_size,
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
@@ -46,6 +47,8 @@ def hf_config(config: DrafterConfig, meta: dict, *, dtype: torch.dtype, has_sele
         "torch_dtype": str(dtype).removeprefix("torch."),
         "drelay_drafter": config.to_dict(),
     }
+    if doc["vocab_size"] is None:
+        del doc["vocab_size"]
     if has_selector:
         doc["drelay_selector"] = meta["selector"]
     return doc

@@ -37,7 +37,7 @@ from drelay_model.errors import DRelayError
 from drelay_model.selectors import Selector, default_registry
 
 ARCHITECTURE = "DRelayDraftModel"
-MODEL_TYPE = "drelay_draft"
+MODEL_TYPE = "qwen3"  # a type transformers knows: SGLang reads the draft config with AutoConfig while parsing args
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 

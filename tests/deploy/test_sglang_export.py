@@ -57,6 +57,10 @@ def test_export_round_trip_is_lossless(target, tmp_path, draft_vocab):
     assert main(["--format", "sglang", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["architectures"] == [ARCHITECTURE] and cfg["num_hidden_layers"] == 2
+    from transformers import AutoConfig  # SGLang reads the draft config this way while parsing args
+
+    hf = AutoConfig.from_pretrained(tmp_path / "out")
+    assert hf.architectures == [ARCHITECTURE] and DRelayDraftModel(hf).drafter_config == drafter.config
     loaded = DRelayDraftModel.from_pretrained(tmp_path / "out", target)
     a, b = drafter.state_dict(), loaded.drafter.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
