@@ -30,6 +30,12 @@ class DRelayConfig:
     global_read    False = the "No Global Read" ablation: no slot mixing and no candidate reads;
                    the causal selector then sees local slot and candidate features only.
     ln_eps         LayerNorm epsilon.
+    decisions      how inference finds the H causal decisions (same decisions either way):
+                   "walk" = the graph-safe walk (walk.py: fixed work, no host syncs),
+                   "passes" = `CausalSelector.decide_block` (parallel passes with early exit).
+    kernels        "torch" = the PyTorch reference; "triton" = the Triton kernels of
+                   drelay_model/kernels/ for Global Read's candidate attention and the walk
+                   (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
     """
 
     d_sel: int = 256
@@ -41,6 +47,8 @@ class DRelayConfig:
     compact_dim: int = 64
     global_read: bool = True
     ln_eps: float = 1e-5
+    decisions: str = "walk"
+    kernels: str = "torch"
 
     def __post_init__(self) -> None:
         checks = {
@@ -53,6 +61,8 @@ class DRelayConfig:
             "compact_dim": isinstance(self.compact_dim, int) and self.compact_dim >= 1,
             "global_read": isinstance(self.global_read, bool),
             "ln_eps": isinstance(self.ln_eps, float) and 0.0 < self.ln_eps < 1e-2,
+            "decisions": self.decisions in ("walk", "passes"),
+            "kernels": self.kernels in ("torch", "triton"),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:

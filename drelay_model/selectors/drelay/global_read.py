@@ -108,7 +108,7 @@ class GlobalRead(nn.Module):
     def __init__(self, cfg: DRelayConfig, *, num_slots: int, top_k: int) -> None:
         super().__init__()
         d, r, H = cfg.d_sel, cfg.read_dim, num_slots
-        self.heads = cfg.heads
+        self.heads, self.kernels = cfg.heads, cfg.kernels
         self.mix_in = nn.Linear(d, d, bias=False)  # W_m on the soft candidate summary
         self.blocks = nn.ModuleList(MixBlock(cfg) for _ in range(cfg.global_blocks))
         self.u_norm = nn.LayerNorm(d, eps=cfg.ln_eps)
@@ -156,10 +156,22 @@ class GlobalRead(nn.Module):
         B, H, K, d = n.shape
         nh, r = self.heads, self.read_out.in_features
         q, k, v = self.read_qkv(n).view(B, H * K, 3, nh, r // nh).permute(2, 0, 3, 1, 4)  # [B, nh, HK, dg]
+        if self.kernels == "triton":  # the same attention fused in one kernel (imported lazily)
+            from drelay_model.kernels.candidate_read import candidate_attention
+
+            out = candidate_attention(q, k, v, cand_logq.to(n.dtype), self.rel_bias, key_mask)
+        else:
+            out = self.attend(q, k, v, cand_logq, key_mask)
+        return self.read_out(out.transpose(1, 2).reshape(B, H, K, r))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cand_logq: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+        """The PyTorch reference of Eq. 1's attention. q, k, v [B, nh, HK, d_g]; cand_logq [B, H, K];
+        key_mask [B, H, K] bool or None → [B, nh, HK, d_g]."""
+        B, nh, HK, _ = q.shape
+        H, K = cand_logq.shape[1:]
         # Key-major bias [B, nh, (j, l), (i, k)]: the prior log q_j(v_jl) plus b_{j−i}.
-        prior = cand_logq.reshape(B, 1, H, K, 1, 1).to(n.dtype)
+        prior = cand_logq.reshape(B, 1, H, K, 1, 1).to(q.dtype)
         rel = self.rel_bias[:, self.rel_index][:, :, None, :, None]  # [nh, H(j), 1, H(i), 1]
         bias = (prior + rel).expand(B, nh, H, K, H, K).reshape(B, nh, H * K, H * K)
         mask = key_mask.reshape(B, H * K) if key_mask is not None else None
-        out = null_attention(q, k, v, bias=bias, key_mask=mask)  # [B, nh, HK, dg]
-        return self.read_out(out.transpose(1, 2).reshape(B, H, K, r))
+        return null_attention(q, k, v, bias=bias, key_mask=mask)  # [B, nh, HK, dg]

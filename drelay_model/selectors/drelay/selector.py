@@ -26,6 +26,7 @@ from drelay_model.selectors.base import Selection, SelectionContext, Selector, S
 from drelay_model.selectors.drelay.causal import CausalSelector, Evidence, decide
 from drelay_model.selectors.drelay.config import DRelayConfig
 from drelay_model.selectors.drelay.global_read import GlobalRead
+from drelay_model.selectors.drelay.walk import WalkResult, walk, walk_inputs
 
 
 @dataclass(frozen=True)
@@ -163,12 +164,28 @@ class DRelaySelector(Selector):
     # ---- inference -----------------------------------------------------------------------------
     @torch.inference_mode()
     def select_with_scores(self, block: DraftBlock, ctx: SelectionContext) -> SelectionTrace:
-        """Global Read once, then the H causal decisions (`CausalSelector.decide_block`: identical
-        to deciding slot by slot); also returns the scores the final decisions saw."""
+        """Global Read once, then the H causal decisions (`config.decisions`: the graph-safe walk or
+        `CausalSelector.decide_block`, both identical to deciding slot by slot); also returns the
+        scores the final decisions saw."""
         history = ctx.history if self.config.history_len else None
         ev, cand_emb = self.evidence(block, history, ctx.history_mask if history is not None else None)
-        pick, gate, rank = self.causal.decide_block(ev, self.embed(ctx.anchor_ids), cand_emb)
+        anchor_emb = self.embed(ctx.anchor_ids)
+        if self.config.decisions == "walk":
+            res = self.walk_decisions(ev, anchor_emb, cand_emb)
+            pick, gate, rank = res.pool_index, res.gate, res.rank
+        else:
+            pick, gate, rank = self.causal.decide_block(ev, anchor_emb, cand_emb)
         return SelectionTrace(selection=self.gather(block, pick), output=SelectorOutput(gate=gate, rank=rank))
+
+    def walk_decisions(self, ev: Evidence, anchor_emb: torch.Tensor, cand_emb: torch.Tensor) -> WalkResult:
+        """The graph-safe decision walk (walk.py) on the configured backend (triton is imported
+        lazily: it is optional). anchor_emb [B, d]; cand_emb [B, H, K, d]."""
+        w = walk_inputs(self.causal, ev, anchor_emb, cand_emb)
+        if self.config.kernels == "triton":
+            from drelay_model.kernels.walk import walk_triton
+
+            return walk_triton(w)
+        return walk(w)
 
     def select(self, block: DraftBlock, ctx: SelectionContext) -> Selection:
         return self.select_with_scores(block, ctx).selection

@@ -1,0 +1,108 @@
+"""`drelay export --format sglang <checkpoint> <out>`: a drafter checkpoint → an HF-style draft-model
+directory that SGLang loads through the plugin's `DRelayDraftModel` (model.py).
+
+Output: `config.json` (HF fields + `architectures = ["DRelayDraftModel"]`, our drafter config under
+`drelay_drafter`, the trained selector's name/config under `drelay_selector`) and
+`model.safetensors` (the drafter's trainable weights, the draft-vocab map and the selector's weights,
+under model.py's exported names; never the target's frozen embedding or LM head). Written into a
+temp directory and renamed into place: a failed export leaves nothing behind.
+
+Bad input (missing or corrupted checkpoint, existing non-empty output, unknown format) is one line
+on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from deploy.sglang.model import ARCHITECTURE, CONFIG, MODEL_TYPE, WEIGHTS, exported_name
+from drelay_model.atomic import atomic_directory
+from drelay_model.drafter import DrafterConfig, read_checkpoint
+from drelay_model.errors import DRelayError
+
+FORMATS = ("sglang",)
+
+
+def hf_config(config: DrafterConfig, meta: dict, *, dtype: torch.dtype, has_selector: bool) -> dict:
+    """config.json of the export: the usual HF fields (what SGLang's loader reads) plus ours."""
+    doc = {
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "vocab_size": config.target.vocab_size if config.target is not None else None,
+        "intermediate_size": config.intermediate_size,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "block_size": config.block_size,
+        "dflash_config": {"target_layer_ids": list(config.target_layer_ids), "block_size": config.block_size},
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "drelay_drafter": config.to_dict(),
+    }
+    if doc["vocab_size"] is None:
+        del doc["vocab_size"]
+    if has_selector:
+        doc["drelay_selector"] = meta["selector"]
+    return doc
+
+
+def export_sglang(checkpoint: str | Path, out: str | Path) -> Path:
+    """Export `checkpoint` to the new directory `out` (must not exist or be empty)."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DRelayError(f"output '{out}' already exists and is not an empty directory")
+    config, tensors, meta = read_checkpoint(checkpoint)
+    has_selector = any(k.startswith("selector.") for k in tensors)
+    if has_selector and not (meta.get("selector") or {}).get("name"):
+        raise DRelayError(f"checkpoint '{checkpoint}' holds selector tensors but no meta.selector name")
+    renamed = {exported_name(k): v.contiguous() for k, v in tensors.items()}
+    if len(renamed) != len(tensors):
+        raise DRelayError(f"checkpoint '{checkpoint}': two tensors map to the same exported name")
+    dtype = config_dtype(tensors)
+    with atomic_directory(out) as tmp:
+        save_file(renamed, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        doc = hf_config(config, meta, dtype=dtype, has_selector=has_selector)
+        (tmp / CONFIG).write_text(json.dumps(doc, indent=2))
+    return out
+
+
+def config_dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype:
+    """The floating dtype of the weights (float32 when there are none)."""
+    return next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage + error)
+        print(f"drelay export: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: `drelay export --format sglang CHECKPOINT OUT`. Returns 0, or exits 2."""
+    parser = _Parser(prog="drelay export", description="Export a drafter checkpoint for a serving framework.")
+    parser.add_argument("--format", required=True, help=f"output format ({', '.join(FORMATS)})")
+    parser.add_argument("checkpoint", help="drafter checkpoint directory (drafter.safetensors + drafter_config.json)")
+    parser.add_argument("out", help="new output directory")
+    args = parser.parse_args(argv)
+    if args.format not in FORMATS:
+        parser.error(f"--format: unknown format '{args.format}' (choose from: {', '.join(FORMATS)})")
+    try:
+        path = export_sglang(args.checkpoint, args.out)
+    except DRelayError as exc:
+        parser.error(str(exc))
+    print(f"exported {args.checkpoint} → {path} ({ARCHITECTURE})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""The graph-safe decision walk: the H causal KEEP/REPAIR decisions in order, fixed work per block.
+
+`CausalSelector.decide_block` finds the decisions with up to four parallel passes, each ending in a
+host sync (`torch.equal`), and falls back to a Python loop; neither can live inside a captured CUDA
+graph. The walk reaches the same decisions with the literal algorithm, arranged so that every
+tensor has a static shape and nothing reads a value back to the host:
+
+  1. everything a chosen token could contribute is prefix-independent, so it is computed for every
+     candidate at once (`walk_inputs`):
+        memory entry of candidate k at slot j:  k_jk, v_jk = W_kv LN(W_m[s_j; z_j] + p_j + W_x E(v_jk))
+        its query term for decision j + 1:      q_jk = W_e E(v_jk)
+     (entry 0, the anchor, likewise from g_a + p_0 and E(x_0));
+  2. decision i (0-based slot, position i + 1) then only gathers the picked candidate's terms:
+        o_ik  = softmax_j≤i((Q_ik + q_{i−1,x})·k_j / √d_g) v_j      per head, entries 0..i
+        [ρ'_ik, δ_ik] = W_h GELU(pre_ik + W_c o_ik)
+        S_ik = S⁰_ik + ρ'_ik,  g_i = g⁰_i + δ_iK,  pick_i = decide(g_i, S_i)
+     a Python loop over the static H (unrolled by a compiler), with `gather` for the picked index.
+
+The same decisions as `sequential` and `decide_block` (the scores agree to float rounding; picks can
+differ only where g + log r* lies within rounding of the tie tolerance). `walk` is the PyTorch
+reference; `drelay_model/kernels/walk.py` runs the same loop as one Triton program per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from drelay_model.selectors.drelay.causal import CausalSelector, Evidence, decide
+from drelay_model.selectors.drelay.global_read import null_attention
+
+
+@dataclass(frozen=True)
+class WalkInputs:
+    """Everything the walk reads (all prefix-independent). r = nh·d_g, C = compact width.
+
+    query     [B, H, nh, K+1, d_g]  prefix-read query base W_p a_ik (row K = the slot query)
+    pre       [B, H, K+1, C]        compact pre-activations
+    rank0     [B, H, K]             S⁰
+    gate0     [B, H]                g⁰
+    anchor_k, anchor_v, anchor_q    [B, r]        memory entry 0 and the query term of decision 0
+    cand_k, cand_v, cand_q          [B, H, K, r]  the same for every candidate of every slot
+    out_w     [C, r]  W_c;  head_w [2, C], head_b [2]  W_h (row 0: rank, row 1: gate)
+    """
+
+    query: torch.Tensor
+    pre: torch.Tensor
+    rank0: torch.Tensor
+    gate0: torch.Tensor
+    anchor_k: torch.Tensor
+    anchor_v: torch.Tensor
+    anchor_q: torch.Tensor
+    cand_k: torch.Tensor
+    cand_v: torch.Tensor
+    cand_q: torch.Tensor
+    out_w: torch.Tensor
+    head_w: torch.Tensor
+    head_b: torch.Tensor
+
+
+@dataclass(frozen=True)
+class WalkResult:
+    """pool_index [B, H] int64; gate [B, H]; rank [B, H, K] (the scores each decision saw)."""
+
+    pool_index: torch.Tensor
+    gate: torch.Tensor
+    rank: torch.Tensor
+
+
+def walk_inputs(causal: CausalSelector, ev: Evidence, anchor_emb: torch.Tensor, cand_emb: torch.Tensor) -> WalkInputs:
+    """Step 1 of the module docstring. anchor_emb [B, d]; cand_emb [B, H, K, d]."""
+    ak, av, aq = causal.token_terms(causal.anchor_flag + causal.mem_pos[0], anchor_emb)  # [B, r] each
+    ck, cv, cq = causal.token_terms(ev.slot_mem[:, :, None], cand_emb)  # [B, H, K, r] each
+    return WalkInputs(
+        query=ev.query,  # [B, H, nh, K+1, d_g]
+        pre=ev.pre,
+        rank0=ev.rank0,
+        gate0=ev.gate0,
+        anchor_k=ak, anchor_v=av, anchor_q=aq,
+        cand_k=ck, cand_v=cv, cand_q=cq,
+        out_w=causal.prefix_out.weight,
+        head_w=causal.head.weight,
+        head_b=causal.head.bias,
+    )
+
+
+def _pick_row(t: torch.Tensor, pick: torch.Tensor) -> torch.Tensor:
+    """t [B, K, r], pick [B] → t[b, pick[b]] [B, r] (a gather: no host sync)."""
+    return t.gather(1, pick[:, None, None].expand(-1, 1, t.shape[-1])).squeeze(1)
+
+
+def walk(w: WalkInputs) -> WalkResult:
+    """Step 2 of the module docstring: H decisions in order, static shapes, no host syncs."""
+    B, H, nh, K1, dh = w.query.shape
+    K = K1 - 1
+    keys, values = [w.anchor_k.view(B, nh, 1, dh)], [w.anchor_v.view(B, nh, 1, dh)]
+    q_term = w.anchor_q
+    picks, gates, ranks = [], [], []
+    for i in range(H):
+        q = w.query[:, i] + q_term.view(B, nh, 1, dh)  # [B, nh, K+1, d_g]
+        read = null_attention(q, torch.cat(keys, 2), torch.cat(values, 2), null_key=False)  # entries 0..i
+        read = read.transpose(1, 2).reshape(B, K1, nh * dh)  # [B, K+1, r]
+        out = F.linear(F.gelu(w.pre[:, i] + F.linear(read, w.out_w)), w.head_w, w.head_b)  # [B, K+1, 2]
+        gate, rank = w.gate0[:, i] + out[:, K, 1], w.rank0[:, i] + out[:, :K, 0]
+        pick = decide(gate, rank)  # [B] int64
+        keys.append(_pick_row(w.cand_k[:, i], pick).view(B, nh, 1, dh))
+        values.append(_pick_row(w.cand_v[:, i], pick).view(B, nh, 1, dh))
+        q_term = _pick_row(w.cand_q[:, i], pick)
+        picks.append(pick)
+        gates.append(gate)
+        ranks.append(rank)
+    return WalkResult(pool_index=torch.stack(picks, 1), gate=torch.stack(gates, 1), rank=torch.stack(ranks, 1))
