@@ -87,11 +87,12 @@ def replay(
 def _replay_row(
     target, drafter, selector, prompt, cont, row: int, oracle: bool, stats: DecodeStats, on_round: RoundHook | None = None
 ) -> None:
-    seq = torch.tensor(prompt + cont)[None]  # [1, N]
+    dev = target.device
+    seq = torch.tensor(prompt + cont, device=dev)[None]  # [1, N]
     N, P = seq.shape[1], len(prompt)
     cache = target.new_cache(1, N)
-    feats = target(seq, cache, feature_layers=drafter.config.target_layer_ids, logits_at=torch.tensor([[N - 1]])).features
-    ctx_kv = drafter.context_kv(feats, torch.arange(N)[None])  # per layer [1, n_kv, N, hd]
+    feats = target(seq, cache, feature_layers=drafter.config.target_layer_ids, logits_at=torch.tensor([[N - 1]], device=dev)).features
+    ctx_kv = drafter.context_kv(feats, torch.arange(N, device=dev)[None])  # per layer [1, n_kv, N, hd]
     H = drafter.config.num_slots
     a, left = P, len(cont) - 1  # anchor = first generated token (from prefill); tokens left to commit
     while left > 0:
@@ -104,7 +105,7 @@ def _replay_row(
             if selector.capabilities.history_len:
                 hist, hmask = history_window(feats, a, selector.capabilities.history_len)
             sctx = SelectionContext(
-                anchor_ids=seq[:, a], anchor_pos=torch.tensor([a]), row_ids=torch.tensor([row]), history=hist, history_mask=hmask
+                anchor_ids=seq[:, a], anchor_pos=torch.tensor([a], device=dev), row_ids=torch.tensor([row], device=dev), history=hist, history_mask=hmask
             )
             sel = selector.select(block, sctx)
             path = sel.path_ids[0, : int(sel.length[0])]
@@ -123,7 +124,7 @@ def _replay_row(
 
 def draft_at(drafter: BlockDrafter, anchor_id: torch.Tensor, a: int, ctx_kv) -> DraftBlock:
     """The drafted block at anchor position `a` from full-sequence context keys/values (sees p < a)."""
-    hidden = drafter.block_hidden(anchor_id.view(1, 1), torch.tensor([[a]]), ctx_kv)[:, 0, 1:]  # [1, H, D]
+    hidden = drafter.block_hidden(anchor_id.view(1, 1), torch.tensor([[a]], device=anchor_id.device), ctx_kv)[:, 0, 1:]  # [1, H, D]
     return drafter.pool(hidden)
 
 
