@@ -55,6 +55,7 @@ def measured_and_estimated(vocab, hidden, N, M, B, micro, chunk, joint) -> tuple
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "V{}-D{}-N{}-M{}-B{}-mb{}-chunk{}-{}".format(*c[:7], "joint" if c[7] else "drafter"))
 def test_estimate_is_within_25_percent_of_the_measured_peak(case):
     measured, estimated = measured_and_estimated(*case)
+    print(f"\n{case}: estimate {estimated / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB, ratio {estimated / measured:.2f}")
     assert 0.75 <= estimated / measured <= 1.25, f"estimate {estimated / 2**20:.1f} MiB vs measured {measured / 2**20:.1f} MiB"
 
 
