@@ -54,5 +54,6 @@ def load_method(
     return drafter, registry.from_checkpoint(method, drafter=drafter, tensors=extra, meta=meta)
 
 
-def load_target_spec(spec: str) -> TargetModel:
-    return load_target(spec)
+def load_target_spec(spec: str, *, device: str = "cpu", dtype: str = "float32") -> TargetModel:
+    """The target for a CLI spec on `device` (auto|cpu|cuda) in `dtype` (float32|bfloat16)."""
+    return load_target(spec, device=device, dtype=dtype)
