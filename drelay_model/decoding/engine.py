@@ -38,6 +38,7 @@ class _BatchState:
 
     rows: list[int]
     cache: KVCache
+    generators: list[torch.Generator] | None = None  # one per live row (sampling only)
     ctx: KVCache | None = None  # drafter context keys/values
     history: VerifiedHistory | None = None
     anchor: torch.Tensor | None = None  # [R] int64
@@ -47,7 +48,7 @@ class _BatchState:
         return SelectionContext(
             anchor_ids=self.anchor,
             anchor_pos=self.cache.lengths.clone(),
-            row_ids=torch.tensor(self.rows, dtype=torch.long),
+            row_ids=torch.tensor(self.rows, dtype=torch.long, device=self.anchor.device),
             history=hist.feats if hist is not None else None,
             history_mask=hist.mask() if hist is not None else None,
         )
@@ -56,8 +57,11 @@ class _BatchState:
         """Drop finished rows from every per-row state (no-op when all stay)."""
         if rows == self.rows:
             return
-        index = torch.tensor([self.rows.index(b) for b in rows], dtype=torch.long)
+        positions = [self.rows.index(b) for b in rows]
+        index = torch.tensor(positions, dtype=torch.long, device=self.anchor.device)
         self.cache.select_rows(index)
+        if self.generators is not None:
+            self.generators = [self.generators[i] for i in positions]
         for part in (self.ctx, self.history):
             if part is not None:
                 part.select_rows(index)
@@ -96,24 +100,42 @@ class SpeculativeEngine:
         self.num_slots = drafter.config.num_slots if drafter is not None else 0
         self.history_len = self.selector.capabilities.history_len if self.selector is not None else 0
         self.costs = costs if drafter is not None else None
+        self.device = target.device
+        for name, part in (("drafter", self.drafter), ("selector", self.selector)):
+            where = {p.device for p in part.parameters()} | {b.device for b in part.buffers()} if part is not None else set()
+            if where - {self.device}:
+                raise DRelayError(f"{name} is on {sorted(map(str, where))} but the target is on {self.device}: move it with .to()")
 
     # ---- public --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], config: GenerationConfig = GenerationConfig()) -> GenerationResult:
-        """Generate for a batch of tokenized prompts (lengths may differ)."""
+    def generate(
+        self, prompts: list[list[int]], config: GenerationConfig = GenerationConfig(), *, seeds: list[int] | None = None
+    ) -> GenerationResult:
+        """Generate for a batch of tokenized prompts (lengths may differ).
+
+        Sampling (T > 0) draws request b's tokens from its own generator, seeded with seeds[b]
+        (default config.seed + b), on the target's device: a request's output depends on its prompt
+        and seed, never on the other requests of the batch.
+        """
         self._check_prompts(prompts, config)
+        if seeds is not None and len(seeds) != len(prompts):
+            raise DRelayError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
         stats = DecodeStats(num_slots=self.num_slots, requests=len(prompts))
-        gen = torch.Generator().manual_seed(config.seed) if not config.greedy else None
+        gen = None
+        if config.temperature > 0:
+            seeds = seeds if seeds is not None else [config.seed + b for b in range(len(prompts))]
+            gen = [torch.Generator(device=self.device).manual_seed(int(s)) for s in seeds]
         eos = set(self.target.eos_token_ids) if config.stop_on_eos else set()
         t_start = time.perf_counter()
 
         policy = CostAwareLength(self.costs, self.num_slots) if self.costs is not None else None
         state = self._prefill(prompts, config, gen)
+        state.generators = gen
         stats.time_prefill = time.perf_counter() - t_start
         out: list[list[int]] = [[t] for t in state.anchor.tolist()]
         state.keep([b for b in state.rows if not self._finished(out[b], config, eos)])
         while state.rows:
-            accepted, next_tok, path = self._round(state, config, gen, stats, policy)
+            accepted, next_tok, path = self._round(state, config, state.generators, stats, policy)
             committed = []
             n_list, x_list, p_list = accepted.tolist(), next_tok.tolist(), path.tolist()  # one host copy
             for i, b in enumerate(state.rows):
@@ -128,12 +150,13 @@ class SpeculativeEngine:
 
     # ---- phases --------------------------------------------------------------------------------
     def _prefill(self, prompts, config: GenerationConfig, gen) -> "_BatchState":
-        B = len(prompts)
+        B, dev = len(prompts), self.device
         lengths = torch.tensor([len(p) for p in prompts])
         P = int(lengths.max())
         ids = torch.zeros(B, P, dtype=torch.long)
         for b, p in enumerate(prompts):
             ids[b, : len(p)] = torch.tensor(p)
+        ids, lengths = ids.to(dev), lengths.to(dev)  # one host→device copy each
         capacity = config.kv_positions(P, self.num_slots)
         state = _BatchState(rows=list(range(B)), cache=self.target.new_cache(B, capacity))
         res = self.target(ids, state.cache, feature_layers=self.feature_layers, logits_at=(lengths - 1)[:, None])
@@ -143,7 +166,7 @@ class SpeculativeEngine:
             self.drafter.extend_context(res.features, state.ctx)
             state.ctx.crop(lengths)
         if self.history_len:
-            state.history = VerifiedHistory(B, self.history_len, res.features.shape[-1], dtype=res.features.dtype)
+            state.history = VerifiedHistory(B, self.history_len, res.features.shape[-1], dtype=res.features.dtype, device=dev)
             state.history.push(res.features, lengths)
         state.anchor = pick_tokens(res.logits[:, 0], config.temperature, gen)  # [B]
         return state
@@ -162,8 +185,8 @@ class SpeculativeEngine:
         head = H if policy is None else policy.plan(partial=self.selector.capabilities.partial_block)
         q = None
         if self.drafter is None or head == 0:  # AR round: verify the anchor alone
-            path = torch.empty(R, 0, dtype=torch.long)
-            length = torch.zeros(R, dtype=torch.long)
+            path = torch.empty(R, 0, dtype=torch.long, device=anchor.device)
+            length = torch.zeros(R, dtype=torch.long, device=anchor.device)
         else:
             head = head if self.selector.capabilities.partial_block else H
             t0 = clock()

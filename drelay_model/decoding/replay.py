@@ -101,7 +101,7 @@ def _replay_batch(target, drafter, selector, prompts, conts, rows: list[int], or
     """Replay up to batch_size rows together (see `replay`)."""
     seqs = [p + c for p, c in zip(prompts, conts)]
     B, N = len(seqs), max(len(s) for s in seqs)
-    device = seq_device(target)
+    device = target.device
     seq = torch.zeros(B, N, dtype=torch.long, device=device)  # right-padded: causal rows never see the pad
     for b, s in enumerate(seqs):
         seq[b, : len(s)] = torch.tensor(s, device=device)
@@ -130,7 +130,7 @@ def _replay_batch(target, drafter, selector, prompts, conts, rows: list[int], or
             if hist_len:
                 wins = [history_window(feats[b : b + 1], anchor[b], hist_len) for b in live]
                 hist, hmask = torch.cat([w[0] for w in wins]), torch.cat([w[1] for w in wins])
-            sctx = SelectionContext(anchor_ids=seq[idx, a], anchor_pos=a, row_ids=torch.tensor([rows[b] for b in live]), history=hist, history_mask=hmask)
+            sctx = SelectionContext(anchor_ids=seq[idx, a], anchor_pos=a, row_ids=torch.tensor([rows[b] for b in live], device=device), history=hist, history_mask=hmask)
             sel = selector.select(block, sctx)
             lengths = sel.length.tolist()
             paths = [sel.path_ids[g, : lengths[g]] for g in range(len(live))]
@@ -163,8 +163,3 @@ def oracle_path(block: DraftBlock, ref: torch.Tensor) -> torch.Tensor:
 def _row_block(block: DraftBlock, g: int) -> DraftBlock:
     """Row g of a drafted block, as a batch of one."""
     return DraftBlock(hidden=block.hidden[g : g + 1], cand_ids=block.cand_ids[g : g + 1], cand_logq=block.cand_logq[g : g + 1])
-
-
-def seq_device(target: TargetModel) -> torch.device:
-    """Where the target's weights live (token ids go there too)."""
-    return next(target.parameters()).device

@@ -11,14 +11,23 @@ from __future__ import annotations
 import torch
 
 
-def pick_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+Generators = torch.Generator | list[torch.Generator] | None
+
+
+def pick_tokens(logits: torch.Tensor, temperature: float, generator: Generators) -> torch.Tensor:
     """The target's token at every position: argmax (T = 0) or a sample from softmax(logits / T).
 
-    logits [..., V] float32 → [...] int64.
+    logits [B, ...,  V] float32 → [B, ...] int64. `generator` is one generator for the whole batch,
+    or one per row (row b samples only from generator[b], so its draws do not depend on the other
+    rows of the batch).
     """
     if temperature <= 0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits / temperature, dim=-1)
+    if isinstance(generator, list):
+        assert len(generator) == probs.shape[0], "one generator per batch row"
+        rows = [torch.multinomial(p.reshape(-1, p.shape[-1]), 1, generator=g) for p, g in zip(probs, generator)]
+        return torch.stack(rows).view(probs.shape[:-1])
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
@@ -35,7 +44,7 @@ def accept(
     length: torch.Tensor,
     *,
     temperature: float = 0.0,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept the longest drafted prefix that matches the target, then take the target's token.
 

@@ -139,16 +139,18 @@ class CostAwareLength:
         return ((self.bin_hits[b] + self.prior * q.double()) / (self.bin_seen[b] + self.prior)).clamp(0.0, 1.0)
 
     def choose(self, q: torch.Tensor, head_slots: int) -> torch.Tensor:
-        """Per-row verification length from the chosen candidates' q [B, L_head] → [B] int64."""
-        p = self.confidence(q)  # [B, L_head]
+        """Per-row verification length from the chosen candidates' q [B, L_head] → [B] int64 (on
+        q's device; the policy's own state lives on the CPU)."""
+        p = self.confidence(q.detach().cpu())  # [B, L_head]
         e = expected_committed(p)  # [B, L_head + 1]
         sunk = self.costs.draft_ms(head_slots)
         t = torch.tensor([sunk + self.costs.verify_ms[L] for L in range(head_slots + 1)], dtype=torch.float64)
-        return (e / t).argmax(dim=-1)
+        return (e / t).argmax(dim=-1).to(q.device)
 
     # ---- after verification ----------------------------------------------------------------------
     def observe(self, q: torch.Tensor, length: torch.Tensor, accepted: torch.Tensor, decay: float = 0.9) -> None:
         """Update â_i and the calibration bins from one round: q [B, G], length/accepted [B]."""
+        q, length, accepted = q.detach().cpu(), length.cpu(), accepted.cpu()
         G = q.shape[1]
         i = torch.arange(G)[None, :]
         reached = (i < length[:, None]) & (i <= accepted[:, None])  # draft i was verified with i−1 accepted

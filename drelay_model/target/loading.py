@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from drelay_model.atomic import atomic_directory
+from drelay_model.device import resolve_device, resolve_dtype
 from drelay_model.errors import DRelayError
 from drelay_model.target.model import TargetModel
 
@@ -34,8 +35,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("DRELAY_CACHE_DIR", Path.home() / ".cache" / "drelay"))
 
 
-def load_target(spec: str, *, dtype: torch.dtype = torch.float32) -> TargetModel:
-    """Load a frozen target from a spec (see the module docstring)."""
+def load_target(spec: str, *, device: str | torch.device = "cpu", dtype: str | torch.dtype = torch.float32) -> TargetModel:
+    """Load a frozen target from a spec (see the module docstring) onto `device` in `dtype`.
+
+    device: auto | cpu | cuda | cuda:N (`resolve_device`); dtype: float32 | bfloat16 | float16.
+    """
+    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    return _load(spec, dt).to(device=dev, dtype=dt)
+
+
+def _load(spec: str, dtype: torch.dtype) -> TargetModel:
     base, _, options = spec.partition(":")
     if base == SMOLLM2:
         return _load_hf_dir(_smollm2_dir(), name=SMOLLM2, dtype=dtype)

@@ -38,19 +38,50 @@ class TargetOutput:
     features: torch.Tensor | None
 
 
-@dataclass
-class _Layer:
-    """Fused, frozen weights of one decoder layer (views of the HF parameters where possible)."""
+class _FusedLayer(nn.Module):
+    """Fused, frozen weights of one decoder layer.
 
-    in_norm: torch.Tensor  # [D]
-    qkv: torch.Tensor  # [(n_q + 2 n_kv) * hd, D]
-    qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None  # [hd] (Qwen3) or None
-    k_norm: torch.Tensor | None
-    o: torch.Tensor  # [D, n_q * hd]
-    post_norm: torch.Tensor  # [D]
-    gate_up: torch.Tensor  # [2 * I, D]
-    down: torch.Tensor  # [D, I]
+    The concatenated q/k/v and gate/up matrices are non-persistent buffers (so `.to()` moves and casts
+    them with the model); the other weights are read through the Hugging Face layer they belong to.
+        qkv      [(n_q + 2 n_kv) * hd, D]      qkv_bias [(n_q + 2 n_kv) * hd] or None
+        gate_up  [2 * I, D]
+    """
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        biases = [p.bias for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
+        self.register_buffer("qkv", qkv, persistent=False)
+        self.register_buffer("qkv_bias", torch.cat(biases).detach() if biases[0] is not None else None, persistent=False)
+        self.register_buffer("gate_up", torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(), persistent=False)
+        self._src = (layer,)  # a tuple, not a submodule: the HF layer is already registered under `hf`
+
+    @property
+    def in_norm(self) -> torch.Tensor:
+        return self._src[0].input_layernorm.weight
+
+    @property
+    def post_norm(self) -> torch.Tensor:
+        return self._src[0].post_attention_layernorm.weight
+
+    @property
+    def q_norm(self) -> torch.Tensor | None:
+        norm = getattr(self._src[0].self_attn, "q_norm", None)
+        return norm.weight if norm is not None else None
+
+    @property
+    def k_norm(self) -> torch.Tensor | None:
+        norm = getattr(self._src[0].self_attn, "k_norm", None)
+        return norm.weight if norm is not None else None
+
+    @property
+    def o(self) -> torch.Tensor:
+        return self._src[0].self_attn.o_proj.weight
+
+    @property
+    def down(self) -> torch.Tensor:
+        return self._src[0].mlp.down_proj.weight
 
 
 class TargetModel(nn.Module):
@@ -80,8 +111,18 @@ class TargetModel(nn.Module):
         self.eps: float = cfg.rms_norm_eps
         self.max_positions: int = cfg.max_position_embeddings
         self.eos_token_ids: tuple[int, ...] = _eos_ids(hf_model)
-        self._layers = [_fuse_layer(layer) for layer in hf_model.model.layers]
-        self._rope_cos, self._rope_sin = _rope_tables(hf_model, self.max_positions)
+        self._layers = nn.ModuleList(_FusedLayer(layer) for layer in hf_model.model.layers)
+        cos, sin = _rope_tables(hf_model, self.max_positions)  # [P, hd] each
+        self.register_buffer("_rope_cos", cos, persistent=False)
+        self.register_buffer("_rope_sin", sin, persistent=False)
+
+    def _apply(self, fn, recurse: bool = True):
+        """`.to()` / `.cuda()` / `.half()`: move everything, then re-derive the RoPE tables from the
+        moved rotary module (as HF does per forward), so a dtype round trip never keeps rounded tables."""
+        super()._apply(fn, recurse)
+        cos, sin = _rope_tables(self.hf, self.max_positions)
+        self._rope_cos, self._rope_sin = cos, sin  # replaces the registered buffers
+        return self
 
     # ---- frozen pieces the drafter shares ------------------------------------------------------
     @property
@@ -101,6 +142,10 @@ class TargetModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_weight.device
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """[B, T] int64 → [B, T, D]."""
@@ -160,7 +205,7 @@ class TargetModel(nn.Module):
         logits = F.linear(x, self.lm_head_weight).float()
         return TargetOutput(logits=logits, features=features)
 
-    def _layer_forward(self, w: _Layer, i: int, x, cache: KVCache, cos, sin, mask) -> torch.Tensor:
+    def _layer_forward(self, w: _FusedLayer, i: int, x, cache: KVCache, cos, sin, mask) -> torch.Tensor:
         B, T, D = x.shape
         hd, nq, nkv = self.head_dim, self.n_heads, self.n_kv_heads
         h = F.rms_norm(x, (D,), w.in_norm, self.eps)
@@ -185,30 +230,11 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def _fuse_layer(layer: nn.Module) -> _Layer:
-    attn, mlp = layer.self_attn, layer.mlp
-    biases = [p.bias for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
-    has_bias = biases[0] is not None
-    q_norm = getattr(attn, "q_norm", None)
-    k_norm = getattr(attn, "k_norm", None)
-    return _Layer(
-        in_norm=layer.input_layernorm.weight,
-        qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
-        qkv_bias=torch.cat(biases).detach() if has_bias else None,
-        q_norm=q_norm.weight if q_norm is not None else None,
-        k_norm=k_norm.weight if k_norm is not None else None,
-        o=attn.o_proj.weight,
-        post_norm=layer.post_attention_layernorm.weight,
-        gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
-        down=mlp.down_proj.weight,
-    )
-
-
 def _rope_tables(hf_model: nn.Module, n_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [n_positions, hd] from the model's own rotary module (so every RoPE variant matches)."""
     rotary = hf_model.model.rotary_emb
-    pos = torch.arange(n_positions)[None]
     probe = hf_model.model.embed_tokens.weight[:1]
+    pos = torch.arange(n_positions, device=probe.device)[None]
     with torch.no_grad():
         cos, sin = rotary(probe, pos)
     return cos[0].contiguous(), sin[0].contiguous()

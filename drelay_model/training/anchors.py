@@ -62,7 +62,9 @@ def make_blocks(label_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch
 def sample_uniform_anchors(eligible: torch.Tensor, m: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to m distinct eligible positions per row, uniformly. → (anchors [B, m], ok [B, m])."""
     B, N = eligible.shape
-    scores = torch.rand(B, N, generator=generator) + eligible.float() * 2.0  # eligible first, random order
+    # Drawn on the generator's device (the CPU in training), so anchors do not depend on where the batch lives.
+    noise = torch.rand(B, N, generator=generator, device=generator.device).to(eligible.device)
+    scores = noise + eligible.float() * 2.0  # eligible first, random order
     top = scores.topk(min(m, N), dim=1).indices
     ok = torch.gather(eligible, 1, top)
     if top.shape[1] < m:

@@ -223,18 +223,21 @@ def joint_loss(
     floor: float = 0.1,
     cap: float = 4.0,
     switches: LossSwitches = LossSwitches(),
+    denom: torch.Tensor | None = None,
 ) -> JointLoss:
     """Eq. 4: L_t = Σ_{b,i} m_{b,i} [−log q_{b,i}(y_{b,i}) + α_t w_{b,i} ℓ^sel_{b,i}] / Σ_{b,i} m_{b,i}.
 
     Args:
         support  `support_ce` output; sel `selector_loss` output; mask [B, H] bool m.
         alpha    selector coefficient α_t; beta credit blend β_t (see `repair_weights`).
+        denom    Σ m over the whole step when this call sees one micro-batch of it (default: Σ mask),
+                 so that micro-batch losses add up to the full step's loss.
     Returns:
         JointLoss.
     """
     m = mask.float()
     tokens = m.sum()
-    denom = tokens.clamp(min=1.0)
+    denom = (tokens if denom is None else denom.float()).clamp(min=1.0)
     weights = repair_weights(sel, beta=beta, floor=floor, cap=cap, uniform=not switches.credit)
     zero = m.new_zeros(())
     sup = (support.nll * support.counted).sum() / denom if switches.support else zero

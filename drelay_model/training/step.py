@@ -13,6 +13,7 @@ backbone through the slot states and pool log-probabilities (joint training).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,8 @@ from torch import nn
 from drelay_model.training import losses
 from drelay_model.drafter.model import BlockDrafter, DraftBlock
 from drelay_model.selectors.drelay.causal import decide
-from drelay_model.training.anchors import PathPolicy, eligible_anchors, make_blocks, sample_uniform_anchors, scout_anchors
+from drelay_model.training.anchors import Blocks, PathPolicy, eligible_anchors, make_blocks, sample_uniform_anchors, scout_anchors
+from drelay_model.training.head import DEFAULT_CHUNK_TOKENS, chunked_head
 from drelay_model.training.schedules import slot_weights
 
 
@@ -33,27 +35,32 @@ class DraftTrainModule(nn.Module):
         self.drafter = drafter
         self.selector = selector
 
-    def forward(self, anchor_ids, anchor_pos, features, prefix_tokens=None, history=None, history_mask=None):
-        """anchors [B, M]; features [B, N, F] → (logits [B, M, H, V], block DraftBlock over B·M, out).
+    def forward(self, anchor_ids, anchor_pos, features, labels, valid, history=None, history_mask=None, chunk_tokens=DEFAULT_CHUNK_TOKENS):
+        """anchors [B, M]; features [B, N, F]; labels, valid [B·M, H] → (HeadOutput over B·M blocks,
+        the selector's SelectorOutput (gate [B·M, H], rank [B·M, H, K]) or None).
 
-        `out` is the selector's SelectorOutput (gate [B·M, H], rank [B·M, H, K]) or None.
+        The vocabulary head runs in chunks (`chunked_head`): no [B, M, H, V] logits are ever built.
         """
         d = self.drafter
         hidden = d(anchor_ids, anchor_pos, features)[:, :, 1:]  # [B, M, H, D]
         B, M, H, D = hidden.shape
-        logits = d.logits(hidden)  # [B, M, H, V]
-        block = d.pool(hidden.reshape(B * M, H, D))  # cand_logq keeps its gradient
+        head = chunked_head(d, hidden.reshape(B * M, H, D), labels, valid, chunk_tokens=chunk_tokens)
         out = None
         if self.selector is not None:
             out = self.selector.forward_train(
-                block, anchor_ids=anchor_ids.reshape(-1), prefix_tokens=prefix_tokens, history=history, history_mask=history_mask
+                head.block, anchor_ids=anchor_ids.reshape(-1), prefix_tokens=labels, history=history, history_mask=history_mask
             )
-        return logits, block, out
+        return head, out
 
 
 @dataclass(frozen=True)
 class StepConfig:
-    """Per-step knobs; schedules (native fraction, α, β) are evaluated by the caller."""
+    """Per-step knobs; schedules (native fraction, α, β) are evaluated by the caller.
+
+    micro_batches  split the step's sequences into this many forward/backward passes (gradient
+                   accumulation; `training_step_backward`); the loss and gradients equal one pass.
+    chunk_tokens   anchor slots per vocabulary-head chunk (peak head memory ∝ chunk_tokens · V).
+    """
 
     anchors_per_seq: int
     native_fraction: float
@@ -65,6 +72,8 @@ class StepConfig:
     credit_floor: float = 0.1
     credit_cap: float = 4.0
     switches: losses.LossSwitches = losses.LossSwitches()
+    micro_batches: int = 1
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 
 
 @dataclass
@@ -76,14 +85,81 @@ class StepOutput:
 def history_windows(features: torch.Tensor, anchors: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The n verified features before each anchor, right-aligned (as the engine's VerifiedHistory).
 
-    features [B, N, F], anchors [B, M] → (windows [B·M, n, F], mask [B·M, n] bool).
+    features [B, N, F], anchors [B, M] → (windows [B·M, n, F] in the features' dtype, mask [B·M, n]
+    bool). Built as one gather from the features left-padded with n zero rows (window position j of
+    anchor a reads padded row a + j = feature row a − n + j), so entries before the sequence start
+    are zeros without a mask multiply, and nothing of size [B, M, N, F] is ever expanded.
     """
     B, N, F = features.shape
-    pos = anchors[:, :, None] - n + torch.arange(n, device=anchors.device)  # [B, M, n]
-    mask = pos >= 0
-    win = torch.gather(features[:, None].expand(B, anchors.shape[1], N, F), 2, pos.clamp(min=0)[..., None].expand(-1, -1, -1, F))
-    win = win * mask[..., None]
+    j = torch.arange(n, device=anchors.device)
+    padded = torch.nn.functional.pad(features, (0, 0, n, 0))  # [B, n + N, F]
+    rows = torch.arange(B, device=anchors.device)[:, None, None]
+    win = padded[rows, anchors[:, :, None] + j]  # [B, M, n, F]
+    mask = anchors[:, :, None] - n + j >= 0
     return win.reshape(-1, n, F), mask.reshape(-1, n)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Anchors and blocks of the whole step (drawn once, before any micro-batch runs)."""
+
+    anchors: torch.Tensor  # [B, M]
+    blocks: Blocks  # labels/valid [B, M, H]
+    denom: torch.Tensor  # [] Σ m over the whole step
+    native_fraction: float  # realised share of scout anchors among the step's anchors (vs the schedule)
+
+
+def _plan(core: DraftTrainModule, input_ids, loss_mask, features, labels_src, cfg: StepConfig, generator) -> _Plan:
+    B, N = input_ids.shape
+    drafter, selector = core.drafter, core.selector
+    n_native = int(round(cfg.anchors_per_seq * cfg.native_fraction))
+    anchors, ok = sample_uniform_anchors(eligible_anchors(loss_mask), cfg.anchors_per_seq - n_native, generator)
+    n_scout = 0
+    if n_native:
+        with torch.no_grad():
+            ctx = drafter.context_kv(features, torch.arange(N, device=input_ids.device)[None].expand(B, N))
+        policy = _selector_policy(selector, features) if cfg.scout_policy == "selector" and selector is not None else None
+        nat, nat_ok = scout_anchors(
+            drafter, ctx, input_ids, labels_src, loss_mask, n_native, generator, policy=policy, restart=cfg.scout_restart
+        )
+        anchors, ok = torch.cat([anchors, nat], 1), torch.cat([ok, nat_ok], 1)
+        n_scout = int(nat_ok.sum())
+    blocks = make_blocks(labels_src, loss_mask, anchors, ok, drafter.config.num_slots)
+    share = n_scout / max(int(ok.sum()), 1)
+    return _Plan(anchors=anchors, blocks=blocks, denom=blocks.valid.sum(), native_fraction=share)
+
+
+def _micro_step(model, core: DraftTrainModule, input_ids, features, plan: _Plan, rows: slice, cfg: StepConfig) -> StepOutput:
+    """Eq. 4 on the sequences `rows` of the step, divided by the whole step's Σ m."""
+    drafter, selector = core.drafter, core.selector
+    H = drafter.config.num_slots
+    anchors, feats = plan.anchors[rows], features[rows]
+    blocks = Blocks(anchors=anchors, labels=plan.blocks.labels[rows], valid=plan.blocks.valid[rows])
+    labels, valid = blocks.labels.reshape(-1, H), blocks.valid.reshape(-1, H)  # [B·M, H]
+    history = hmask = None
+    if selector is not None and selector.capabilities.history_len:
+        history, hmask = history_windows(feats, anchors, selector.capabilities.history_len)
+    head, sel_out = model(torch.gather(input_ids[rows], 1, anchors), anchors, feats, labels, valid, history, hmask, cfg.chunk_tokens)
+    w_slot = slot_weights(H, cfg.slot_decay).to(device=head.nll.device, dtype=head.nll.dtype)
+    support = losses.SupportLoss(nll=head.nll * w_slot, counted=head.counted, out_of_vocab=head.out_of_vocab)
+    metrics = _support_metrics(head.block.cand_ids[..., 0].view_as(blocks.labels), blocks, support)
+    metrics["anchors/native_fraction"] = plan.native_fraction
+    denom = plan.denom.clamp(min=1)
+    if sel_out is None:
+        loss = support.nll.sum() / denom if cfg.switches.support else head.block.hidden.sum() * 0.0
+        metrics["loss/support"] = float(support.nll.detach().sum() / denom)
+        return StepOutput(loss=loss, metrics=metrics)
+    block = head.block
+    sel = losses.selector_loss(sel_out.gate, sel_out.rank, block.cand_ids, labels, valid)
+    joint = losses.joint_loss(
+        support, sel, valid, alpha=cfg.alpha, beta=cfg.beta, floor=cfg.credit_floor, cap=cfg.credit_cap, switches=cfg.switches, denom=plan.denom
+    )
+    metrics.update({
+        "loss/support": joint.support.item(), "loss/selector": joint.selector.item(), "loss/total": joint.loss.item(),
+        "pool/coverage": joint.coverage.item(), "selector/alpha": cfg.alpha, "selector/credit_beta": cfg.beta,
+        **decision_metrics(sel_out.gate, sel_out.rank, block.cand_ids, labels, valid),
+    })  # fmt: skip
+    return StepOutput(loss=joint.loss, metrics=metrics)
 
 
 def training_step(
@@ -97,53 +173,68 @@ def training_step(
     *,
     label_ids: torch.Tensor | None = None,
 ) -> StepOutput:
-    """Anchors (uniform + scout) → blocks → Eq. 4. `model` may be the DDP wrapper of `core`.
+    """Anchors (uniform + scout) → blocks → Eq. 4 in one pass; the caller runs the backward.
+    `model` may be the DDP wrapper of `core`.
 
     input_ids, loss_mask [B, N]; features [B, N, F]; label_ids [B, N] (default input_ids: the
-    response is the target's own greedy output).
+    response is the target's own greedy output). Ignores `cfg.micro_batches` (see
+    `training_step_backward`).
     """
     labels_src = input_ids if label_ids is None else label_ids
-    B, N = input_ids.shape
-    drafter, selector = core.drafter, core.selector
-    H = drafter.config.num_slots
-    n_native = int(round(cfg.anchors_per_seq * cfg.native_fraction))
-    anchors, ok = sample_uniform_anchors(eligible_anchors(loss_mask), cfg.anchors_per_seq - n_native, generator)
-    n_scout = torch.zeros((), device=ok.device)
-    if n_native:
-        with torch.no_grad():
-            ctx = drafter.context_kv(features, torch.arange(N)[None].expand(B, N))
-        policy = _selector_policy(selector, features) if cfg.scout_policy == "selector" and selector is not None else None
-        nat, nat_ok = scout_anchors(
-            drafter, ctx, input_ids, labels_src, loss_mask, n_native, generator, policy=policy, restart=cfg.scout_restart
-        )
-        anchors, ok = torch.cat([anchors, nat], 1), torch.cat([ok, nat_ok], 1)
-        n_scout = nat_ok.sum()
-    blocks = make_blocks(labels_src, loss_mask, anchors, ok, H)
-    labels, valid = blocks.labels.reshape(-1, H), blocks.valid.reshape(-1, H)  # [B·M, H]
-    history = hmask = None
-    if selector is not None and selector.capabilities.history_len:
-        history, hmask = history_windows(features, anchors, selector.capabilities.history_len)
-    logits, block, sel_out = model(torch.gather(input_ids, 1, anchors), anchors, features, labels, history, hmask)
-    support = losses.support_ce(logits.flatten(0, 1), labels, valid, draft_to_target=drafter.draft_to_target)
-    w_slot = slot_weights(H, cfg.slot_decay).to(support.nll.dtype)
-    support = losses.SupportLoss(nll=support.nll * w_slot, counted=support.counted, out_of_vocab=support.out_of_vocab)
-    metrics = _support_metrics(drafter, logits, blocks, support)
-    metrics["anchors/native_fraction"] = float(n_scout / ok.sum().clamp(min=1))  # realised, vs the schedule
-    if sel_out is None:
-        denom = valid.sum().clamp(min=1)
-        loss = support.nll.sum() / denom if cfg.switches.support else logits.sum() * 0.0
-        metrics["loss/support"] = float(support.nll.detach().sum() / denom)
-        return StepOutput(loss=loss, metrics=metrics)
-    sel = losses.selector_loss(sel_out.gate, sel_out.rank, block.cand_ids, labels, valid)
-    joint = losses.joint_loss(
-        support, sel, valid, alpha=cfg.alpha, beta=cfg.beta, floor=cfg.credit_floor, cap=cfg.credit_cap, switches=cfg.switches
-    )
-    metrics.update({
-        "loss/support": joint.support.item(), "loss/selector": joint.selector.item(), "loss/total": joint.loss.item(),
-        "pool/coverage": joint.coverage.item(), "selector/alpha": cfg.alpha, "selector/credit_beta": cfg.beta,
-        **decision_metrics(sel_out.gate, sel_out.rank, block.cand_ids, labels, valid),
-    })
-    return StepOutput(loss=joint.loss, metrics=metrics)
+    plan = _plan(core, input_ids, loss_mask, features, labels_src, cfg, generator)
+    return _micro_step(model, core, input_ids, features, plan, slice(None), cfg)
+
+
+def training_step_backward(
+    model, core, input_ids, loss_mask, features, cfg: StepConfig, generator, *, label_ids=None, autocast_dtype: torch.dtype | None = None
+) -> StepOutput:
+    """`training_step` plus its backward, in `cfg.micro_batches` passes over disjoint sequences.
+
+    `autocast_dtype` (e.g. torch.bfloat16): forwards run under autocast on the batch's device type
+    (CPU or CUDA alike); backwards run outside it, as torch recommends.
+
+    Anchors are drawn once for the whole step and every pass divides by the whole step's Σ m, so the
+    accumulated gradients equal one pass's. DDP syncs gradients only on the last pass. Returns the
+    detached total loss; metrics: losses and counts summed, rates averaged weighted by valid tokens.
+    """
+    labels_src = input_ids if label_ids is None else label_ids
+    B = input_ids.shape[0]
+    n = min(max(cfg.micro_batches, 1), B)
+    bounds = [round(i * B / n) for i in range(n + 1)]
+    amp = dict(device_type=input_ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
+    with torch.autocast(**amp):
+        plan = _plan(core, input_ids, loss_mask, features, labels_src, cfg, generator)
+    total, parts = None, []
+    for i in range(n):
+        rows = slice(bounds[i], bounds[i + 1])
+        sync = i == n - 1 or not hasattr(model, "no_sync")
+        with contextlib.nullcontext() if sync else model.no_sync():
+            with torch.autocast(**amp):
+                out = _micro_step(model, core, input_ids, features, plan, rows, cfg)
+            out.loss.backward()
+        total = out.loss.detach() if total is None else total + out.loss.detach()
+        parts.append(out.metrics)
+    return StepOutput(loss=total, metrics=_merge_metrics(parts))
+
+
+_SUMMED = ("valid_tokens", "anchors", "draft_vocab/out_of_vocab")
+
+
+def _merge_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    if len(parts) == 1:
+        return parts[0]
+    weights = [p["valid_tokens"] for p in parts]
+    total_w = sum(weights) or 1.0
+    out = {}
+    for key in parts[0]:
+        values = [p[key] for p in parts]
+        if key.startswith("loss/") or key in _SUMMED:
+            out[key] = sum(values)
+        elif key in ("selector/alpha", "selector/credit_beta"):
+            out[key] = values[0]
+        else:
+            out[key] = sum(v * w for v, w in zip(values, weights)) / total_w
+    return out
 
 
 def _selector_policy(selector: nn.Module, features: torch.Tensor) -> PathPolicy:
@@ -195,9 +286,10 @@ def decision_metrics(gate, rank, cand_ids, labels, valid) -> dict[str, float]:
     return {f"selector/{name}": float(out[key].sum() / n) for key, name in names.items()}
 
 
-def _support_metrics(drafter, logits, blocks, support) -> dict[str, float]:
+def _support_metrics(top1_ids, blocks, support) -> dict[str, float]:
+    """top1_ids [B, M, H] the native (argmax) token of every slot, in target ids."""
     with torch.no_grad():
-        top1 = (drafter.to_target_ids(logits.argmax(-1)) == blocks.labels) & blocks.valid
+        top1 = (top1_ids == blocks.labels) & blocks.valid
         first = blocks.valid[:, :, 0].sum().clamp(min=1)
         return {
             "acc/slot1": float(top1[:, :, 0].sum() / first),
@@ -212,4 +304,4 @@ def unwrap(module: nn.Module) -> nn.Module:
     return getattr(module, "module", module)
 
 
-__all__ = ["DraftBlock", "DraftTrainModule", "StepConfig", "StepOutput", "decision_metrics", "decision_outcomes", "history_windows", "training_step", "unwrap"]
+__all__ = ["DraftBlock", "DraftTrainModule", "StepConfig", "StepOutput", "decision_metrics", "decision_outcomes", "history_windows", "training_step", "training_step_backward", "unwrap"]

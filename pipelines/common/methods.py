@@ -105,11 +105,12 @@ def load_method(spec: MethodSpec, target: TargetModel) -> tuple[BlockDrafter | N
     registry = default_registry()
     if spec.random_drafter:
         torch.manual_seed(0)
-        drafter = BlockDrafter(DrafterConfig.for_target(target), target).eval()
-        return drafter, registry.create(spec.name, drafter=drafter).eval()
+        drafter = BlockDrafter(DrafterConfig.for_target(target), target).to(target.device).eval()
+        return drafter, registry.create(spec.name, drafter=drafter).to(target.device).eval()
     drafter, extra, meta = load_drafter(spec.checkpoint, target)
-    return drafter, registry.from_checkpoint(spec.name, drafter=drafter, tensors=extra, meta=meta)
+    return drafter, registry.from_checkpoint(spec.name, drafter=drafter, tensors=extra, meta=meta).to(target.device)
 
 
-def load_target_spec(spec: str) -> TargetModel:
-    return load_target(spec)
+def load_target_spec(spec: str, *, device: str = "cpu", dtype: str = "float32") -> TargetModel:
+    """The target for a CLI spec on `device` (auto|cpu|cuda) in `dtype` (float32|bfloat16)."""
+    return load_target(spec, device=device, dtype=dtype)

@@ -25,6 +25,7 @@ class _Strict(BaseModel):
 class TargetSection(_Strict):
     spec: str = "smollm2-135m"
     dtype: Literal["float32", "bfloat16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: each worker's Ray Train device (CUDA with ray.use_gpu)
 
 
 class DrafterSection(_Strict):
@@ -119,12 +120,17 @@ class TrainSection(_Strict):
     checkpoint_every: int = Field(200, ge=1)
     validate_every: int = Field(200, ge=1)
     validation_prompts: int = Field(8, ge=0)
+    micro_batches: int = Field(1, ge=1, le=1024)  # gradient accumulation passes per step (memory ÷ micro_batches)
+    chunk_tokens: int = Field(2048, ge=16)  # anchor slots per vocabulary-head chunk (peak ∝ chunk_tokens · V)
 
 
 class RaySection(_Strict):
     num_workers: int = Field(1, ge=1)
     cpus_per_worker: int = Field(1, ge=1)
     use_gpu: bool = False
+    gpus_per_worker: float = Field(1.0, gt=0.0, le=8.0)  # with use_gpu
+    accelerator_type: str | None = None  # Ray accelerator type, e.g. "H800" / "A100"; None: any GPU
+    runtime_env: dict[str, Any] = Field(default_factory=dict)  # passed to ray.init (env_vars, pip, …)
     strategy: Literal["ddp", "fsdp"] = "ddp"
     storage_path: str = "outputs/ray"
     run_name: str = "smollm2-135m-dflash"

@@ -35,6 +35,7 @@ class TrainResult:
 
 def check_inputs(cfg: RunConfig) -> None:
     """Fail fast, before any cluster starts, on what the user can get wrong."""
+    check_device(cfg)
     if not cfg.data.fallback_reference_answers:
         try:
             data_files(repo_path(cfg.data.regenerated))
@@ -52,9 +53,32 @@ def check_inputs(cfg: RunConfig) -> None:
     ensure_writable_dir(repo_path(cfg.ray.storage_path), "ray.storage_path")
 
 
+def scaling_config(cfg: RunConfig):
+    """Ray Train scaling: CPUs (and, with use_gpu, GPUs of an optional accelerator type) per worker."""
+    from ray.train import ScalingConfig
+
+    resources = {"CPU": cfg.ray.cpus_per_worker}
+    if cfg.ray.use_gpu:
+        resources["GPU"] = cfg.ray.gpus_per_worker
+    return ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=cfg.ray.use_gpu, resources_per_worker=resources,
+                         accelerator_type=cfg.ray.accelerator_type)
+
+
+def check_device(cfg: RunConfig) -> None:
+    """target.device=cuda needs GPUs: ray.use_gpu, and CUDA here when Ray runs a local cluster."""
+    if cfg.target.device != "cuda":
+        return
+    if not cfg.ray.use_gpu:
+        raise DRelayError("target.device: 'cuda' needs ray.use_gpu=true (workers get GPUs only then)")
+    if cfg.ray.address is None:
+        from drelay_model.device import resolve_device
+
+        resolve_device("cuda")  # a one-line DRelayError without CUDA
+
+
 def run_training(cfg: RunConfig, *, extra_worker_config: dict | None = None) -> TrainResult:
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig
     from ray.train.torch import TorchTrainer
 
     from pipelines.train.worker import train_loop_per_worker
@@ -72,13 +96,12 @@ def run_training(cfg: RunConfig, *, extra_worker_config: dict | None = None) -> 
         run.log_params(_flat(cfg.model_dump(mode="json")))
         worker_cfg.update(extra_worker_config or {}, _mlflow_run_id=run.run_id, _mlflow_uri=client.tracking_uri)
         if not ray.is_initialized():
-            ray.init(address=cfg.ray.address, include_dashboard=True, log_to_driver=True, configure_logging=True)
+            ray.init(address=cfg.ray.address, include_dashboard=True, log_to_driver=True, configure_logging=True,
+                     runtime_env=cfg.ray.runtime_env or None)
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config=worker_cfg,
-            scaling_config=ScalingConfig(
-                num_workers=cfg.ray.num_workers, use_gpu=cfg.ray.use_gpu, resources_per_worker={"CPU": cfg.ray.cpus_per_worker}
-            ),
+            scaling_config=scaling_config(cfg),
             run_config=RayRunConfig(
                 name=cfg.ray.run_name,
                 storage_path=str(repo_path(cfg.ray.storage_path)),

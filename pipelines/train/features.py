@@ -25,9 +25,10 @@ def target_features(target, ids: torch.Tensor, layers: tuple[int, ...], *, bf16:
     """Features [B, N, L*D] float32 of right-padded sequences (padding sits after every real token,
     so it never changes them). Only one position goes through the LM head. `bf16`: the forward runs
     under CPU bfloat16 autocast."""
+    ids = ids.to(target.device)
     cache = target.new_cache(ids.shape[0], ids.shape[1])
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        out = target(ids, cache, feature_layers=layers, logits_at=torch.zeros(ids.shape[0], 1, dtype=torch.long))
+    with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=bf16):
+        out = target(ids, cache, feature_layers=layers, logits_at=torch.zeros(ids.shape[0], 1, dtype=torch.long, device=ids.device))
     return out.features.float()
 
 

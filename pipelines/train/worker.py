@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine, replay
-from drelay_model.training.step import StepConfig, training_step
+from drelay_model.training.step import StepConfig, training_step_backward
 from drelay_model.training.losses import LossSwitches
 from drelay_model.target import load_target
 from drelay_model.training.schedules import lr_at
@@ -82,7 +82,18 @@ def step_config(cfg: RunConfig, progress: float) -> StepConfig:
         credit_floor=t.credit_floor,
         credit_cap=t.credit_cap,
         switches=LossSwitches(support=t.support_loss, selector=t.selector_loss, credit=not t.uniform_repair_weights),
+        micro_batches=t.micro_batches,
+        chunk_tokens=t.chunk_tokens,
     )
+
+
+def worker_device(cfg: RunConfig) -> torch.device:
+    """Ray Train's device for this worker (its GPU with ray.use_gpu), unless target.device says cpu."""
+    import ray.train.torch
+
+    if cfg.target.device == "cpu" or not cfg.ray.use_gpu:
+        return torch.device("cpu")
+    return ray.train.torch.get_device()
 
 
 def _maybe_kill(cfg_dict: dict, step: int, rank: int) -> None:
@@ -108,11 +119,12 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(cfg.ray.cpus_per_worker)
-    target = load_target(cfg.target.spec, dtype=torch.bfloat16 if cfg.target.dtype == "bfloat16" else torch.float32)
+    device = worker_device(cfg)
+    target = load_target(cfg.target.spec, device=device, dtype=cfg.target.dtype)
     train_seqs, val_seqs = load_data(cfg, target)
-    module = build_module(cfg, target, train_seqs)
+    module = build_module(cfg, target, train_seqs).to(device)
     cache_dir = repo_path(cfg.data.feature_cache_dir) if cfg.data.feature_cache == "disk" else None
-    autocast = cfg.train.bf16 and not cfg.ray.use_gpu  # CPU bfloat16: the target's feature forward and the step
+    autocast = cfg.train.bf16  # bfloat16 autocast on CPU and CUDA alike: the feature forward and the step
     features = FeatureSource(target, module.drafter.config.target_layer_ids, cache_dir, bf16=autocast)
     model = ray.train.torch.prepare_model(
         module, parallel_strategy=cfg.ray.strategy if world > 1 else None,
@@ -139,16 +151,17 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
         epoch, i = divmod(step, per_epoch)
         order = batch_order(len(train_seqs), lengths, cfg.train.seqs_per_step, cfg.train.seed, epoch)
         batch = [train_seqs[j] for j in order[(i * world + rank) % len(order)]]
-        ids, mask = collate(batch)
+        ids, mask = (t.to(device) for t in collate(batch))
         labels = _labels(target, ids) if cfg.data.fallback_reference_answers else None
-        feats = features(batch)
+        feats = features(batch).to(device)
         lr = lr_at(step, base=cfg.train.lr, warmup=cfg.train.warmup_steps, total=cfg.train.max_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = training_step(model, module, ids, mask, feats, step_config(cfg, step / cfg.train.max_steps), gen, label_ids=labels)
         optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
+        out = training_step_backward(
+            model, module, ids, mask, feats, step_config(cfg, step / cfg.train.max_steps), gen, label_ids=labels,
+            autocast_dtype=torch.bfloat16 if autocast else None,
+        )
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip).item()
         optimizer.step()
         tokens += int(mask.sum())

@@ -137,7 +137,7 @@ class GlobalRead(nn.Module):
         Returns:
             GlobalFeatures (z [B, H, d], c [B, H, K, d], read [B, H, K, d]), the dtype of s.
         """
-        pi = torch.softmax(cand_logq, dim=-1)  # [B, H, K] q renormalised over the pool
+        pi = torch.softmax(cand_logq, dim=-1).to(cand_emb.dtype)  # [B, H, K] q renormalised over the pool
         summary = (pi.unsqueeze(-2) @ cand_emb).squeeze(-2)  # [B, H, d] Σ_k π_ik ê_ik
         x = s + self.mix_in(summary)
         for block in self.blocks:

@@ -1,0 +1,29 @@
+"""`drelay plan`: the shipped Qwen3 configs fit one 80 GB GPU; a config that does not is exit 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipelines.train.config import load_config
+from pipelines.train.plan import main, plan_from_config
+
+
+@pytest.mark.parametrize("name, selector_m", [("qwen3-4b", 34.5), ("qwen3-8b", 42.7)])
+def test_shipped_qwen3_configs_fit_80_gb(name, selector_m):
+    report = plan_from_config(load_config(f"platform/experiments/{name}/train.yaml"), 80)
+    assert report.fits and report.plan.total < 80 * 2**30
+    assert report.selector_params / 1e6 == pytest.approx(selector_m, abs=0.1)
+
+
+def test_a_plan_that_does_not_fit_is_exit_2_with_one_line(capsys):
+    rc = main(["--config", "platform/experiments/qwen3-8b/train.yaml", "train.micro_batches=1"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("error: the plan needs") and "\n" not in err
+    assert main(["--config", "platform/experiments/qwen3-4b/train.yaml", "--gpu-memory", "-1"]) == 2
+    assert "--gpu-memory must be" in capsys.readouterr().err
+
+
+def test_micro_batches_shrink_activations():
+    cfg = "platform/experiments/qwen3-4b/train.yaml"
+    one, eight = (plan_from_config(load_config(cfg, [f"train.micro_batches={m}"])) for m in (1, 8))
+    assert eight.plan.components["activations"] < one.plan.components["activations"] / 3
