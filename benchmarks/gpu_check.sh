@@ -24,8 +24,17 @@ echo "## timing (Qwen3-shaped random target)" >> "$REPORT"
 PYTHONPATH=$PWD $PY benchmarks/gpu_timing.py --out "$OUT/timing.txt" 2>&1 | tail -8
 echo '```' >> "$REPORT"; cat "$OUT/timing.txt" >> "$REPORT" 2>/dev/null; echo '```' >> "$REPORT"
 
-# ---- SGLang check (issue 16): the sglang engineer adds their script's call here -----------------
-# e.g.: echo "## sglang" >> "$REPORT"; $PY deploy/sglang/<their check script> >> "$REPORT"
+# ---- SGLang (issue 16): Triton kernels vs PyTorch at Qwen3-4B shapes, then a DRELAY server vs AR ---
+# Needs SGLang's own environment (docs/sglang.md: `pip install "sglang==0.5.23"` then
+# `pip install -e . --no-deps`, so the plugin's entry point exists); point SGLANG_PYTHON at it.
+SGPY="${SGLANG_PYTHON:-$PY}"
+echo "## sglang" >> "$REPORT"
+if $SGPY -c "import sglang" 2>/dev/null; then
+  PYTHONPATH=$PWD $SGPY benchmarks/gpu/sglang_check.py all --out "$OUT/sglang" 2>&1 | tee "$OUT/sglang.log" | tail -8
+  echo '```' >> "$REPORT"; tail -30 "$OUT/sglang.log" >> "$REPORT"; echo '```' >> "$REPORT"
+else
+  echo "skipped: sglang is not importable by $SGPY (set SGLANG_PYTHON to SGLang's environment)" >> "$REPORT"
+fi
 # ---------------------------------------------------------------------------------------------------
 
 echo "report: $REPORT"
