@@ -9,9 +9,7 @@ one-line error (exit 2).
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,7 +73,7 @@ def plan_from_config(cfg: RunConfig, gpu_memory_gib: float = 80.0, *, config_nam
         top_k=dr.top_k, draft_vocab=dr.draft_vocab_size,
     )
     s = None
-    if cfg.selector.name != "none":
+    if cfg.selector.trains_selector:
         from drelay_model.selectors.drelay.config import DRelayConfig
 
         sc = DRelayConfig.from_dict(cfg.selector.config)
@@ -93,24 +91,8 @@ def format_report(r: PlanReport) -> str:
     return head + "\n" + mp.format_plan(r.plan, r.gpu_memory_gib)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="drelay plan", description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True, help="YAML run config")
-    p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU (default 80)")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value")
-    args = p.parse_args(argv)
-    try:
-        report = plan_from_config(load_config(args.config, args.overrides), args.gpu_memory, config_name=args.config)
-    except DRelayError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(format_report(report))
-    if not report.fits:
-        print(f"error: the plan needs {report.plan.total / mp.GiB:.1f} GiB per GPU, more than {args.gpu_memory:g} GiB "
-              "(raise train.micro_batches, lower train.anchors_per_seq or train.chunk_tokens)", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def check_fits(r: PlanReport) -> None:
+    """A one-line DRelayError when the plan exceeds the GPU's memory."""
+    if not r.fits:
+        raise DRelayError(f"the plan needs {r.plan.total / mp.GiB:.1f} GiB per GPU, more than {r.gpu_memory_gib:g} GiB "
+                          "(raise train.micro_batches, lower train.anchors_per_seq or train.chunk_tokens)")

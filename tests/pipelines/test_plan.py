@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pipelines.train.config import load_config
-from pipelines.train.plan import main, plan_from_config
+from pipelines.cli import main as drelay
+from pipelines.train.plan import plan_from_config
 
 
 @pytest.mark.parametrize("name, selector_m", [("qwen3-4b", 34.5), ("qwen3-8b", 42.7)])
@@ -16,11 +17,17 @@ def test_shipped_qwen3_configs_fit_80_gb(name, selector_m):
 
 
 def test_a_plan_that_does_not_fit_is_exit_2_with_one_line(capsys):
-    rc = main(["--config", "platform/experiments/qwen3-8b/train.yaml", "train.micro_batches=1"])
+    rc = drelay(["plan", "--config", "platform/experiments/qwen3-8b/train.yaml", "train.micro_batches=1"])
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and err.startswith("error: the plan needs") and "\n" not in err
-    assert main(["--config", "platform/experiments/qwen3-4b/train.yaml", "--gpu-memory", "-1"]) == 2
+    assert rc == 2 and err.startswith("drelay: error: the plan needs") and "\n" not in err
+    assert drelay(["plan", "--config", "platform/experiments/qwen3-4b/train.yaml", "--gpu-memory", "-1"]) == 2
     assert "--gpu-memory must be" in capsys.readouterr().err
+
+
+def test_plan_prints_components_for_a_config_that_fits(capsys):
+    assert drelay(["plan", "--config", "platform/experiments/qwen3-4b/train.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "selector 34.5M params" in out and "fits" in out.lower()
 
 
 def test_micro_batches_shrink_activations():
