@@ -15,7 +15,7 @@ from pathlib import Path
 
 from drelay_model.errors import DRelayError
 from drelay_model.training import memory_plan as mp
-from pipelines.train.config import RunConfig, load_config
+from pipelines.train.config import RunConfig
 
 # Published architectures (config.json of each model), so planning needs no download.
 KNOWN_TARGETS = {
