@@ -26,6 +26,7 @@ def _build_parser() -> argparse.ArgumentParser:
     train_cmd.add_parser(sub)
     compare_cmd.add_parser(sub)
     study_cmd.add_parser(sub)
+    from pipelines.tune import command as tune_cmd; tune_cmd.add_parser(sub)  # noqa: E702 — TEMPORARY: the layout refactor wires `tune`
     return parser
 
 

@@ -19,7 +19,7 @@ from drelay_model.errors import DRelayError
 from pipelines.config import RunConfig
 from pipelines.train.data import data_files
 from pipelines.train.model_io import continues_selector
-from pipelines.tracking import REPO_ROOT, fail_stale_runs, get_client, git_commit, hardware_description, tracked_run
+from pipelines.tracking import REPO_ROOT, TrackedRun, fail_stale_runs, get_client, git_commit, hardware_description, tracked_run
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,11 @@ def check_inputs(cfg: RunConfig) -> None:
             raise DRelayError(f"{field}: '{folder}' is not writable")
 
 
-def run_training(cfg: RunConfig, *, extra_worker_config: dict | None = None) -> TrainResult:
+def run_training(
+    cfg: RunConfig, *, extra_worker_config: dict | None = None, ray_callbacks: tuple = (), parent_run_id: str | None = None
+) -> TrainResult:
+    """Train under Ray Train and export the drafter. `ray_callbacks` join the trainer's RunConfig (a Tune
+    trial passes `TuneReportCallback`); `parent_run_id` nests the MLflow run under that run (a sweep)."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -75,7 +79,10 @@ def run_training(cfg: RunConfig, *, extra_worker_config: dict | None = None) -> 
     if cfg.drafter.init_checkpoint:
         worker_cfg["drafter"]["init_checkpoint"] = str(repo_path(cfg.drafter.init_checkpoint))
     tags = {"target": cfg.target.spec, "selector": cfg.selector.name, "git_commit": git_commit(), "hardware": hardware_description()}
-    with tracked_run(cfg.mlflow.experiment, run_name=cfg.ray.run_name, tags=tags, client=client) as run:
+    parent = None
+    if parent_run_id:
+        parent = TrackedRun(client, parent_run_id, client.get_run(parent_run_id).info.experiment_id, name="")
+    with tracked_run(cfg.mlflow.experiment, run_name=cfg.ray.run_name, tags=tags, client=client, parent=parent) as run:
         run.log_params(_flat(cfg.model_dump(mode="json")))
         worker_cfg.update(extra_worker_config or {}, _mlflow_run_id=run.run_id, _mlflow_uri=client.tracking_uri)
         if not ray.is_initialized():
@@ -91,6 +98,7 @@ def run_training(cfg: RunConfig, *, extra_worker_config: dict | None = None) -> 
                 storage_path=str(repo_path(cfg.ray.storage_path)),
                 failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
                 checkpoint_config=CheckpointConfig(num_to_keep=2),
+                callbacks=list(ray_callbacks) or None,
             ),
         )
         result = trainer.fit()

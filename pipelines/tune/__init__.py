@@ -1,0 +1,1 @@
+"""Ray Tune sweeps over training configs (`drelay tune`): config, trials, runner, summary."""
