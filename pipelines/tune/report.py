@@ -44,7 +44,7 @@ def checkpoint_of(folder: Path, row: dict) -> Path | None:
     exported = folder / "trials" / row["run_name"] / "drafter"
     if exported.is_dir():
         return exported
-    ckpts = sorted((folder / "train" / row["run_name"]).glob("checkpoint_*"), key=lambda p: p.stat().st_mtime)
+    ckpts = sorted((p for p in (folder / "train" / row["run_name"]).glob("checkpoint_*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
     return ckpts[-1] if ckpts else None
 
 

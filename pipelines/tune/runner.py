@@ -121,11 +121,13 @@ def _tune_config(sweep: SweepConfig, max_steps: int):
         from ray.tune.search.optuna import OptunaSearch
 
         search = OptunaSearch(seed=sweep.seed)  # TPE by default
+        limit = sweep.max_concurrent_trials  # Tune wraps a Searcher in a ConcurrencyLimiter
     else:
-        search = BasicVariantGenerator(random_state=sweep.seed)
+        search = BasicVariantGenerator(random_state=sweep.seed, max_concurrent=sweep.max_concurrent_trials)
+        limit = None  # the generator limits itself (Tune ignores the setting for generators)
     return tune.TuneConfig(
         metric=sweep.metric, mode=sweep.mode, search_alg=search, scheduler=scheduler,
-        num_samples=sweep.num_samples, max_concurrent_trials=sweep.max_concurrent_trials,
+        num_samples=sweep.num_samples, max_concurrent_trials=limit,
     )  # fmt: skip
 
 

@@ -82,14 +82,16 @@ def best_config_doc(ctx: TrialContext, params: dict[str, Any]) -> dict:
     return doc
 
 
-def _report_callback(metric: str):
-    """`TuneReportCallback` that forwards only reports carrying the sweep's metric (validation steps):
-    Tune rejects a result without it, and checkpoint-only reports would carry none."""
+def _report_callback(metric: str, max_steps: int):
+    """`TuneReportCallback` forwarding the reports that carry the sweep's metric (validation steps;
+    Tune rejects a result without it), except the last: a scheduler may stop a trial at any result it
+    sees, ending its process, so the final result goes to Tune only after the drafter is exported and
+    the MLflow run closed (`run_trial`)."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     class ValidationReport(TuneReportCallback):
         def after_report(self, run_context, metrics, checkpoint):
-            if metrics and metric in metrics[0]:
+            if metrics and metric in metrics[0] and metrics[0].get("step", 0) < max_steps:
                 super().after_report(run_context, metrics, checkpoint)
 
     return ValidationReport()
@@ -104,7 +106,9 @@ def run_trial(config: dict, ctx: dict) -> None:
     context = TrialContext(**ctx)
     trial_id = tune.get_context().get_trial_id()
     cfg = trial_config(context, config["params"], trial_id)
-    run_training(cfg, ray_callbacks=(_report_callback(context.metric),), parent_run_id=context.parent_run_id)
+    callback = _report_callback(context.metric, context.max_steps)
+    result = run_training(cfg, ray_callbacks=(callback,), parent_run_id=context.parent_run_id)
+    tune.report({**result.metrics, "checkpoint_path": str(result.checkpoint)})
 
 
 def context_dict(ctx: TrialContext) -> dict:

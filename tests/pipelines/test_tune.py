@@ -36,7 +36,7 @@ def base_config(data: Path, **over) -> dict:
         "target": {"spec": "tiny-llama"},
         "drafter": {"num_layers": 1, "top_k": 8},
         "data": {"regenerated": str(data), "validation_fraction": 0.1},
-        "train": {"max_steps": 12, "checkpoint_every": 6, "validate_every": 3, "seqs_per_step": 4, "anchors_per_seq": 8,
+        "train": {"max_steps": 12, "checkpoint_every": 3, "validate_every": 3, "seqs_per_step": 4, "anchors_per_seq": 8,
                   "validation_prompts": 3, "warmup_steps": 1, "lr": 3e-3},
         "ray": {"num_workers": 1, "cpus_per_worker": 1, "max_failures": 1},
     }  # fmt: skip
@@ -50,7 +50,7 @@ def write_sweep(tmp_path: Path, data: Path, **over) -> Path:
     spec = {
         "name": "tiny-sweep",
         "base": base_config(data),
-        "space": {"train.credit_cap": {"values": [2.0, 4.0, 8.0]}, "train.lr": {"values": [1.0e-2, 1.0e-7]}},
+        "space": {"train.lr": {"values": [1.0e-2, 1.0e-7]}, "train.credit_cap": {"values": [2.0, 4.0, 8.0]}},
         "search": "grid",
         "scheduler": {"name": "asha", "grace_period": 3, "reduction_factor": 2},
         "num_samples": 1,
@@ -104,3 +104,112 @@ def test_sweep_config_accepts_ranges_and_dry_run(tmp_path, tiny_data, capsys):
     assert main(["tune", "--config", str(path), "--dry-run"]) == 0
     assert "config OK" in capsys.readouterr().out
     assert not (tmp_path / "sweeps").exists()
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    # 4 logical CPUs on 2 cores: two trials at once (each 1 worker CPU + a 0.1 trial driver).
+    ray.init(num_cpus=4, include_dashboard=True, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.slow
+def test_sweep_six_trials_asha_mlflow_best_config(tmp_path, tiny_data, ray_session, uri):
+    """Six grid trials (credit cap × lr, where lr 1e-7 cannot learn): ASHA stops some at a rung, every
+    trial is a nested MLflow run under the sweep's parent, the best config loads as a training config."""
+    from pipelines.config import load_config
+    from pipelines.tracking import PARENT_TAG, get_client
+
+    # A 12-step tiny drafter's τ barely moves; its training loss separates the trials clearly.
+    path = write_sweep(tmp_path, tiny_data, metric="loss/support", mode="min")
+    assert main(["tune", "--config", str(path)]) == 0
+    folder = tmp_path / "sweeps" / "tiny-sweep"
+    rows = list(__import__("csv").DictReader((folder / "trials.csv").open()))
+    assert len(rows) == 6
+    statuses = {r["trial_id"]: r["status"] for r in rows}
+    assert "stopped early" in statuses.values(), statuses
+    assert all(int(r["steps"]) < 12 for r in rows if r["status"] == "stopped early")
+
+    client = get_client()
+    parent_id = json.loads((folder / "sweep.json").read_text())["parent_run_id"]
+    parent = client.get_run(parent_id)
+    assert parent.info.status == "FINISHED"
+    children = client.search_runs([parent.info.experiment_id], f"tags.`{PARENT_TAG}` = '{parent_id}'")
+    assert sorted(c.info.run_name for c in children) == sorted(r["run_name"] for r in rows)
+    for child in children:
+        assert child.data.tags["drelay.checkpoint"].startswith("file://")
+        assert child.info.status == ("FINISHED" if statuses[child.data.tags["drelay.trial_id"]] == "completed" else "KILLED")
+        assert "train.lr" in child.data.params and "train.credit_cap" in child.data.params
+        assert len(client.get_metric_history(child.info.run_id, "val/tau")) >= 1
+    best = next(r for r in rows if r["trial_id"] == parent.data.tags["best_trial_id"])
+    assert best["status"] == "completed" and float(best["train.lr"]) == 1e-2
+    artifacts = {a.path for a in client.list_artifacts(parent_id)}
+    assert {"trials.csv", "trials.json", "parallel_coordinates.png", "metric_vs_params.png", "best.yaml"} <= artifacts
+
+    cfg = load_config(folder / "best.yaml")
+    assert cfg.train.lr == 1e-2 and cfg.train.credit_cap == float(best["train.credit_cap"])
+    assert cfg.ray.run_name == "tiny-sweep-best" and cfg.train.max_steps == 12
+
+
+@pytest.mark.slow
+def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path, tiny_data, ray_session, uri):
+    """SIGKILL the `drelay tune` process group once a trial has finished, then `--resume`: the sweep
+    completes under the same parent run and no finished trial trains again."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from pipelines.tracking import PARENT_TAG, get_client
+
+    base = base_config(tiny_data, **{"train.max_steps": 6})
+    path = write_sweep(tmp_path, tiny_data, base=base, space={"train.lr": {"values": [1e-2, 5e-3, 2e-3]}},
+                       scheduler={"name": "fifo"}, max_concurrent_trials=1)  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "TUNE_GLOBAL_CHECKPOINT_S": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "tune", "--config", str(path)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    client, folder = get_client(), tmp_path / "sweeps" / "tiny-sweep"
+    finished: set[str] = set()
+    try:
+        deadline = time.time() + 420
+        while not finished and time.time() < deadline and proc.poll() is None:
+            time.sleep(2)
+            exp = client.get_experiment_by_name("drelay-tune")
+            if exp is not None:
+                runs = client.search_runs([exp.experiment_id], f"attributes.status = 'FINISHED' and tags.`{PARENT_TAG}` != ''")
+                finished = {r.info.run_name for r in runs}
+        time.sleep(4)  # past Tune's next experiment-state save (TUNE_GLOBAL_CHECKPOINT_S=1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert finished, "no trial finished before the deadline"
+    parent_id = json.loads((folder / "sweep.json").read_text())["parent_run_id"]
+
+    assert main(["tune", "--config", str(path), "--resume"]) == 0
+    rows = list(__import__("csv").DictReader((folder / "trials.csv").open()))
+    assert len(rows) == 3 and all(r["status"] == "completed" for r in rows), rows
+    parent = client.get_run(parent_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["best_trial_id"] in {r["trial_id"] for r in rows}
+    children = client.search_runs([parent.info.experiment_id], f"tags.`{PARENT_TAG}` = '{parent_id}'")
+    attempts = {}
+    for child in children:
+        attempts.setdefault(child.info.run_name, []).append(child.info.status)
+    for name in finished:  # trained once, never again
+        assert attempts[name] == ["FINISHED"], attempts
+    assert all("FINISHED" in statuses for statuses in attempts.values()) and len(attempts) == 3
+
+
+def test_shipped_sweep_is_valid_and_holds_the_shipped_setting():
+    from pipelines.tune.config import load_sweep
+
+    root = Path(__file__).resolve().parents[2]
+    sweep, base = load_sweep(root / "platform/sweeps/smollm2-135m.yaml")
+    assert set(sweep.space) == {"train.selector_alpha.end", "train.credit_cap", "train.credit_floor"}
+    assert base["drafter"]["init_checkpoint"] == "checkpoints/smollm2-135m" and base["selector"]["name"] == "drelay"
+    assert 1.0 in sweep.space["train.selector_alpha.end"].values and 4.0 in sweep.space["train.credit_cap"].values
+    assert 0.1 in sweep.space["train.credit_floor"].values  # the bundled run's values: the control trial
+    assert sweep.scheduler.max_steps <= 100 and sweep.metric == "val/tau"
