@@ -17,12 +17,14 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from ray.tune import Callback
 
 from drelay_model.errors import DRelayError
 from pipelines.tracking import HOST_TAG, PARENT_TAG, PID_TAG, TrackedRun, ensure_experiment, get_client
@@ -131,6 +133,43 @@ def _tune_config(sweep: SweepConfig, max_steps: int):
     )  # fmt: skip
 
 
+def release_orphaned_placement_groups() -> int:
+    """Remove placement groups whose creating actor is dead; returns how many.
+
+    A trial that ASHA stops ends its process, and with it the Ray Train controller that it created;
+    the controller's worker-group placement group (its workers' CPUs) lives on with the job. Ray
+    Train's own PlacementGroupCleaner frees it through the state API, which fails on a host running
+    more than one Ray instance ("Found multiple active Ray instances"), leaving later trials waiting
+    for CPUs that never come back. Placement groups made by the driver (Tune's, per trial) and
+    detached ones are never touched."""
+    import ray
+    from ray._private.state import state
+    from ray.core.generated.gcs_pb2 import PlacementGroupTableData
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    released = 0
+    for raw in state._connect_and_get_accessor().get_placement_group_table():  # Ray-internal: the raw GCS rows
+        pg = PlacementGroupTableData.FromString(raw)
+        # A driver's creator id is ActorID::NilFromJob: the 12 unique bytes are 0xff, then the job id.
+        made_by_actor = pg.creator_actor_id[:12] != b"\xff" * 12
+        if pg.state != PlacementGroupTableData.REMOVED and made_by_actor and pg.creator_actor_dead and not pg.is_detached:
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
+            released += 1
+    return released
+
+
+class ReleaseOrphanedPlacementGroups(Callback):
+    """Runs `release_orphaned_placement_groups` from the sweep driver at most every `every_s` seconds."""
+
+    def __init__(self, every_s: float = 5.0) -> None:
+        self.every_s, self.last = every_s, 0.0
+
+    def on_step_end(self, iteration, trials, **info):
+        if time.monotonic() - self.last >= self.every_s:
+            self.last = time.monotonic()
+            release_orphaned_placement_groups()
+
+
 def _trainable(sweep: SweepConfig, ctx: TrialContext):
     from ray import tune
 
@@ -163,10 +202,11 @@ def run_sweep(sweep: SweepConfig, base_doc: dict, *, resume: bool = False) -> Sw
         else:
             tuner = tune.Tuner(
                 trainable, param_space=search_space(sweep), tune_config=_tune_config(sweep, ctx.max_steps),
-                run_config=tune.RunConfig(name="tune", storage_path=str(folder), verbose=1,
+                run_config=tune.RunConfig(name="tune", storage_path=str(folder), verbose=1, callbacks=[ReleaseOrphanedPlacementGroups()],
                                           failure_config=tune.FailureConfig(max_failures=base.ray.max_failures)),
             )  # fmt: skip
         grid = tuner.fit()
+        release_orphaned_placement_groups()  # of trials stopped after the callback's last pass
         return summarize(sweep, ctx, grid, parent, client, folder)
 
 

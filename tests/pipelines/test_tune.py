@@ -149,6 +149,17 @@ def test_sweep_six_trials_asha_mlflow_best_config(tmp_path, tiny_data, ray_sessi
     artifacts = {a.path for a in client.list_artifacts(parent_id)}
     assert {"trials.csv", "trials.json", "parallel_coordinates.png", "metric_vs_params.png", "best.yaml"} <= artifacts
 
+    # Stopped trials' Ray Train worker CPUs are given back (Ray's own cleaner fails on hosts running
+    # several Ray instances, like this shared one).
+    import time
+
+    import ray
+
+    deadline = time.time() + 30
+    while ray.available_resources().get("CPU", 0) < 4 and time.time() < deadline:
+        time.sleep(1)
+    assert ray.available_resources().get("CPU", 0) == 4
+
     cfg = load_config(folder / "best.yaml")
     assert cfg.train.lr == 1e-2 and cfg.train.credit_cap == float(best["train.credit_cap"])
     assert cfg.ray.run_name == "tiny-sweep-best" and cfg.train.max_steps == 12
@@ -213,3 +224,21 @@ def test_shipped_sweep_is_valid_and_holds_the_shipped_setting():
     assert 1.0 in sweep.space["train.selector_alpha.end"].values and 4.0 in sweep.space["train.credit_cap"].values
     assert 0.1 in sweep.space["train.credit_floor"].values  # the bundled run's values: the control trial
     assert sweep.scheduler.max_steps <= 100 and sweep.metric == "val/tau"
+
+
+def test_trials_get_their_own_names_folders_and_values(tmp_path, tiny_data):
+    from pipelines.tune.config import load_sweep
+    from pipelines.tune.report import COMPLETED, STOPPED, best_row
+    from pipelines.tune.trial import context_for, trial_config
+
+    sweep, base = load_sweep(write_sweep(tmp_path, tiny_data))
+    ctx = context_for(sweep, base, tmp_path / "s", parent_run_id="p", tracking_uri="sqlite:///x.db")
+    a = trial_config(ctx, {"train.lr": 1e-2, "train.credit_cap": 8.0}, "abc_00000")
+    b = trial_config(ctx, {"train.lr": 1e-7, "train.credit_cap": 2.0}, "abc_00001")
+    assert (a.ray.run_name, b.ray.run_name) == ("tiny-sweep-abc-00000", "tiny-sweep-abc-00001")
+    assert a.train.lr == 1e-2 and a.train.credit_cap == 8.0 and b.train.credit_cap == 2.0
+    assert a.ray.storage_path == b.ray.storage_path == str(tmp_path / "s" / "train")  # Ray keys runs by name
+    assert a.mlflow.tracking_uri == "sqlite:///x.db" and a.train.max_steps == 12
+    rows = [{"status": STOPPED, "m": 3.0}, {"status": COMPLETED, "m": 2.0}, {"status": COMPLETED, "m": float("nan")}]
+    assert best_row(rows, "m", "max") is rows[1]  # a completed trial beats one stopped at a rung
+    assert best_row([{"status": STOPPED, "m": 1.0}, {"status": STOPPED, "m": 2.0}], "m", "min")["m"] == 1.0
