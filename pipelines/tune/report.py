@@ -115,6 +115,9 @@ def plot_metric_vs_params(rows: list[dict], params: list[str], metric: str, path
             pts = [(_num(r[param]), r[metric]) for r in rows if r["status"] == status and r[metric] is not None]
             if pts:
                 ax.scatter(*zip(*pts), marker=marker, label=status)
+        xs = [_num(r[param]) for r in rows]
+        if min(xs) > 0 and max(xs) / min(xs) >= 100:  # a log-range value (e.g. the learning rate)
+            ax.set_xscale("log")
         ax.set_xlabel(param, fontsize=8)
         ax.set_ylabel(metric)
     axs[0][0].legend(fontsize=7)

@@ -242,3 +242,21 @@ def test_trials_get_their_own_names_folders_and_values(tmp_path, tiny_data):
     rows = [{"status": STOPPED, "m": 3.0}, {"status": COMPLETED, "m": 2.0}, {"status": COMPLETED, "m": float("nan")}]
     assert best_row(rows, "m", "max") is rows[1]  # a completed trial beats one stopped at a rung
     assert best_row([{"status": STOPPED, "m": 1.0}, {"status": STOPPED, "m": 2.0}], "m", "min")["m"] == 1.0
+
+
+def test_search_spaces_map_to_tune_domains(tmp_path, tiny_data):
+    from ray.tune.search.optuna import OptunaSearch
+    from ray.tune.search.sample import Categorical, Float
+
+    from pipelines.tune.config import load_sweep
+    from pipelines.tune.runner import _tune_config, search_space
+
+    space = {"train.lr": {"low": 1e-4, "high": 1e-2, "log": True}, "train.credit_cap": {"values": [2.0, 4.0]}}
+    sweep, _ = load_sweep(write_sweep(tmp_path, tiny_data, search="optuna", space=space, max_concurrent_trials=3))
+    params = search_space(sweep)["params"]
+    assert isinstance(params["train.lr"], Float) and params["train.lr"].lower == 1e-4
+    assert isinstance(params["train.credit_cap"], Categorical) and params["train.credit_cap"].categories == [2.0, 4.0]
+    tc = _tune_config(sweep, 12)
+    assert isinstance(tc.search_alg, OptunaSearch) and tc.max_concurrent_trials == 3 and tc.metric == "val/tau"
+    grid, _ = load_sweep(write_sweep(tmp_path, tiny_data))
+    assert search_space(grid)["params"]["train.lr"] == {"grid_search": [1e-2, 1e-7]}
