@@ -11,7 +11,6 @@ import torch
 import yaml
 
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine
-from drelay_model.errors import DRelayError
 from drelay_model.target import tiny_target
 from pipelines.cli import main
 
