@@ -7,6 +7,7 @@ tracking and the `drelay` CLI. Layers, lowest first — a package imports only f
     train/    run config, Ray Train driver and worker, training data, model I/O   (+ common, data)
     study/    staged training runs + their comparison                             (+ eval, train)
     cluster/  Ray job submission, platform/cluster spec schemas                   (+ common)
+    tune/     Ray Tune sweeps over training configs                               (+ train)
     cli/      one thin module per `drelay` command                                (+ everything, deploy lazily)
 
 eval and train are siblings and never import each other. Nothing here but cli imports deploy;

@@ -23,7 +23,7 @@ from pipelines.common.outputs import ensure_writable_dir, local_dir, rooted
 from pipelines.common.provenance import write_provenance
 from pipelines.common.registry import register_checkpoint
 from pipelines.common.run_tags import run_tags
-from pipelines.common.tracking import fail_stale_runs, get_client, tracked_run
+from pipelines.common.tracking import TrackedRun, fail_stale_runs, get_client, tracked_run
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,11 @@ def check_device(cfg: RunConfig) -> None:
         resolve_device("cuda")  # a one-line DRelayError without CUDA
 
 
-def run_training(cfg: RunConfig, *, extra_worker_config: dict | None = None) -> TrainResult:
+def run_training(
+    cfg: RunConfig, *, extra_worker_config: dict | None = None, ray_callbacks: tuple = (), parent_run_id: str | None = None
+) -> TrainResult:
+    """Train under Ray Train and export the drafter. `ray_callbacks` join the trainer's RunConfig (a Tune
+    trial passes `TuneReportCallback`); `parent_run_id` nests the MLflow run under that run (a sweep)."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig
     from ray.train.torch import TorchTrainer
@@ -92,7 +96,10 @@ def run_training(cfg: RunConfig, *, extra_worker_config: dict | None = None) -> 
     if cfg.drafter.init_checkpoint:
         worker_cfg["drafter"]["init_checkpoint"] = str(repo_path(cfg.drafter.init_checkpoint))
     tags = run_tags("train", target=cfg.target.spec, method=cfg.selector.name)
-    with tracked_run(cfg.mlflow.experiment, run_name=cfg.ray.run_name, tags=tags, client=client) as run:
+    parent = None
+    if parent_run_id:
+        parent = TrackedRun(client, parent_run_id, client.get_run(parent_run_id).info.experiment_id, name="")
+    with tracked_run(cfg.mlflow.experiment, run_name=cfg.ray.run_name, tags=tags, client=client, parent=parent) as run:
         run.log_params(_flat(cfg.model_dump(mode="json")))
         worker_cfg.update(extra_worker_config or {}, _mlflow_run_id=run.run_id, _mlflow_uri=client.tracking_uri)
         if not ray.is_initialized():
@@ -107,6 +114,7 @@ def run_training(cfg: RunConfig, *, extra_worker_config: dict | None = None) -> 
                 storage_path=str(repo_path(cfg.ray.storage_path)),
                 failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
                 checkpoint_config=CheckpointConfig(num_to_keep=2),
+                callbacks=list(ray_callbacks) or None,
             ),
         )
         result = trainer.fit()

@@ -53,8 +53,14 @@ def validation_set(cfg: RunConfig, target, val_seqs) -> tuple[list[list[int]], l
     return prompts, conts
 
 
+# The headline metric, one name for every run (sweeps rank trials by it): held-out greedy replay τ
+# with the run's own selector — `val/tau_selector` when it trains one, else `val/tau_native`.
+HEADLINE_METRIC = "val/tau"
+
+
 def validate(target, module, prompts, conts) -> dict[str, float]:
-    """Greedy replay τ of the native path, the pool's oracle and (if any) the trained selector."""
+    """Greedy replay τ of the native path, the pool's oracle, (if any) the trained selector, and the
+    headline `val/tau`."""
     if not prompts:
         return {}
     module.eval()
@@ -64,6 +70,7 @@ def validate(target, module, prompts, conts) -> dict[str, float]:
     }
     if module.selector is not None:
         out["val/tau_selector"] = replay(target, module.drafter, prompts, conts, selector=module.selector).tau
+    out[HEADLINE_METRIC] = out.get("val/tau_selector", out["val/tau_native"])
     module.train()
     return out
 
@@ -167,15 +174,19 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
         tokens += int(mask.sum())
         metrics = {**out.metrics, "lr": lr, "grad_norm": grad_norm, "step": step + 1}
         last = step + 1 == cfg.train.max_steps
-        if rank == 0 and ((step + 1) % cfg.train.validate_every == 0 or last):  # on its own schedule, not only at checkpoints
+        validating = (step + 1) % cfg.train.validate_every == 0 or last  # its own schedule, not only at checkpoints
+        if rank == 0 and validating:
             started = time.perf_counter()
             metrics.update(validate(target, module, *val))
             t_last += time.perf_counter() - started  # replay time is not training throughput
-        if (step + 1) % cfg.train.checkpoint_every == 0 or last:
+        checkpointing = (step + 1) % cfg.train.checkpoint_every == 0 or last
+        if checkpointing:
             now = time.perf_counter()
             metrics["throughput/tokens_per_s"] = tokens * world / (now - t_last)  # response tokens, all workers
             metrics["throughput/samples_per_s"] = (step + 1 - step_last) * cfg.train.seqs_per_step * world / (now - t_last)
-            _report(metrics, rank, module, optimizer, step + 1, cfg)
+        if checkpointing or validating:  # every rank reports at the same steps (Ray's report is a barrier)
+            _report(metrics, rank, module, optimizer, step + 1, cfg, checkpoint=checkpointing)
+        if checkpointing:
             t_last, tokens, step_last = time.perf_counter(), 0, step + 1
         if logger is not None:
             logger(metrics, step + 1)
@@ -204,11 +215,13 @@ class ProgressLine:
         print(line, file=sys.__stdout__, flush=True)
 
 
-def _report(metrics, rank, module, optimizer, step, cfg) -> None:
+def _report(metrics, rank, module, optimizer, step, cfg, *, checkpoint: bool) -> None:
+    """Report to Ray Train (and through a TuneReportCallback to Tune): at validation steps so a
+    scheduler sees `val/tau` as it comes, with rank 0's checkpoint at checkpoint steps."""
     import ray.train
     from ray.train import Checkpoint
 
-    if rank != 0:
+    if rank != 0 or not checkpoint:
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory() as tmp:

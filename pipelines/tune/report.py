@@ -1,0 +1,183 @@
+"""A finished sweep's summary: the trial table, the plots, the best trial and its ready-to-train config,
+written next to the results and logged on the MLflow parent run."""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from pipelines.common.tracking import PARENT_TAG, TrackedRun
+from pipelines.tune.config import SweepConfig
+from pipelines.tune.trial import TrialContext, best_config_doc, trial_run_name
+
+COMPLETED, STOPPED, ERROR = "completed", "stopped early", "error"
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    sweep_dir: Path
+    parent_run_id: str
+    best_trial_id: str | None
+    best_config: Path | None
+    rows: list[dict]
+
+
+def trial_runs(client, parent: TrackedRun) -> dict[str, list]:
+    """The parent's nested MLflow runs by run name (a restarted trial may have several)."""
+    runs = client.search_runs([parent.experiment_id], f"tags.`{PARENT_TAG}` = '{parent.run_id}'", max_results=5000)
+    out: dict[str, list] = {}
+    for run in sorted(runs, key=lambda r: r.info.start_time):
+        out.setdefault(run.info.run_name, []).append(run)
+    return out
+
+
+def write_best(ctx: TrialContext, params: dict, folder: Path, header: str) -> Path:
+    path = folder / "best.yaml"
+    doc = best_config_doc(ctx, params)
+    path.write_text(f"# {header}\n# train it: drelay train --config {path}\n" + yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def trial_rows(sweep: SweepConfig, ctx: TrialContext, grid) -> list[dict]:
+    """One row per trial: id, run name, status, steps trained, sampled values, final metric."""
+    rows = []
+    for result in grid:
+        trial_id = result.metrics.get("trial_id") or Path(result.path).name
+        steps = int(result.metrics.get("step") or 0)
+        status = ERROR if result.error else COMPLETED if steps >= ctx.max_steps else STOPPED
+        value = result.metrics.get(sweep.metric)
+        row = {"trial_id": trial_id, "run_name": trial_run_name(ctx, trial_id), "status": status, "steps": steps}
+        row.update({path: result.config["params"].get(path) for path in sweep.space})
+        row[sweep.metric] = float(value) if value is not None else None
+        rows.append(row)
+    return sorted(rows, key=lambda r: r["trial_id"])
+
+
+def best_row(rows: list[dict], metric: str, mode: str) -> dict | None:
+    """The best trial that trained its whole budget (else the best of all that reported)."""
+    scored = [r for r in rows if r[metric] is not None and math.isfinite(r[metric])]
+    pool = [r for r in scored if r["status"] == COMPLETED] or scored
+    if not pool:
+        return None
+    return (max if mode == "max" else min)(pool, key=lambda r: r[metric])
+
+
+def checkpoint_of(folder: Path, row: dict) -> Path | None:
+    """A completed trial's exported drafter, else its latest Ray Train checkpoint."""
+    exported = folder / "trials" / row["run_name"] / "drafter"
+    if exported.is_dir():
+        return exported
+    ckpts = sorted((p for p in (folder / "train" / row["run_name"]).glob("checkpoint_*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    return ckpts[-1] if ckpts else None
+
+
+def link_trial_runs(rows: list[dict], parent: TrackedRun, client, folder: Path) -> None:
+    """Tag each trial's nested run (id, status, checkpoint); a run whose trial ASHA stopped — its
+    process was ended mid-run — is closed as KILLED."""
+    runs = trial_runs(client, parent)
+    for row in rows:
+        attempts = runs.get(row["run_name"], [])
+        row["mlflow_run_id"] = attempts[-1].info.run_id if attempts else None
+        ckpt = checkpoint_of(folder, row)
+        row["checkpoint"] = str(ckpt) if ckpt else None
+        if not attempts:
+            continue
+        run = attempts[-1]
+        client.set_tag(run.info.run_id, "drelay.trial_id", row["trial_id"])
+        client.set_tag(run.info.run_id, "drelay.trial_status", row["status"])
+        if ckpt:
+            client.set_tag(run.info.run_id, "drelay.checkpoint", ckpt.as_uri())
+        if run.info.status == "RUNNING":
+            client.set_terminated(run.info.run_id, "KILLED" if row["status"] == STOPPED else "FAILED")
+
+
+def write_table(rows: list[dict], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def plot_parallel(rows: list[dict], params: list[str], metric: str, path: Path) -> None:
+    """Parallel coordinates: one axis per swept value (scaled to its sampled range) and the metric;
+    one line per trial, coloured by the metric."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    axes = [*params, metric]
+    scored = [r for r in rows if r[metric] is not None]
+    fig, ax = plt.subplots(figsize=(2.2 * len(axes) + 1, 4))
+    lo = {a: min(_num(r[a]) for r in scored) for a in axes} if scored else {}
+    hi = {a: max(_num(r[a]) for r in scored) for a in axes} if scored else {}
+    values = [r[metric] for r in scored]
+    cmap = plt.get_cmap("viridis")
+    for r in scored:
+        ys = [(_num(r[a]) - lo[a]) / ((hi[a] - lo[a]) or 1.0) for a in axes]
+        shade = (r[metric] - min(values)) / ((max(values) - min(values)) or 1.0)
+        ax.plot(range(len(axes)), ys, color=cmap(shade), alpha=0.85, linestyle="-" if r["status"] == COMPLETED else ":")
+    ax.set_xticks(range(len(axes)), [f"{a}\n[{lo.get(a, 0):.3g}, {hi.get(a, 0):.3g}]" for a in axes], fontsize=7)
+    ax.set_yticks([])
+    ax.set_title(f"{len(scored)} trials (dotted: stopped early); colour = {metric}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_metric_vs_params(rows: list[dict], params: list[str], metric: str, path: Path) -> None:
+    """The metric against each swept value, one panel per value."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axs = plt.subplots(1, len(params), figsize=(3.6 * len(params), 3.2), squeeze=False)
+    for ax, param in zip(axs[0], params):
+        for status, marker in ((COMPLETED, "o"), (STOPPED, "x")):
+            pts = [(_num(r[param]), r[metric]) for r in rows if r["status"] == status and r[metric] is not None]
+            if pts:
+                ax.scatter(*zip(*pts), marker=marker, label=status)
+        xs = [_num(r[param]) for r in rows]
+        if min(xs) > 0 and max(xs) / min(xs) >= 100:  # a log-range value (e.g. the learning rate)
+            ax.set_xscale("log")
+        ax.set_xlabel(param, fontsize=8)
+        ax.set_ylabel(metric)
+    axs[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _num(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float(hash(str(value)) % 1000)  # a categorical value: any stable position
+
+
+def summarize(sweep: SweepConfig, ctx: TrialContext, grid, parent: TrackedRun, client, folder: Path) -> SweepResult:
+    rows = trial_rows(sweep, ctx, grid)
+    link_trial_runs(rows, parent, client, folder)
+    params = list(sweep.space)
+    write_table(rows, folder / "trials.csv")
+    plot_parallel(rows, params, sweep.metric, folder / "parallel_coordinates.png")
+    plot_metric_vs_params(rows, params, sweep.metric, folder / "metric_vs_params.png")
+    parent.log_table(rows, "trials.json")
+    for name in ("trials.csv", "parallel_coordinates.png", "metric_vs_params.png"):
+        parent.log_artifact(folder / name)
+    best = best_row(rows, sweep.metric, sweep.mode)
+    best_path = None
+    if best is not None:
+        header = f"best trial {best['trial_id']} of sweep {sweep.name}: {sweep.metric} {best[sweep.metric]:.4f} after {best['steps']} steps"
+        best_path = write_best(ctx, {p: best[p] for p in params}, folder, header)
+        parent.log_artifact(best_path)
+        parent.set_tags({"best_trial_id": best["trial_id"], "best_run_id": best["mlflow_run_id"] or ""})
+        parent.log_metrics({f"best/{sweep.metric}": best[sweep.metric]})
+    counts = {s: sum(r["status"] == s for r in rows) for s in (COMPLETED, STOPPED, ERROR)}
+    parent.log_metrics({f"trials/{s.replace(' ', '_')}": n for s, n in counts.items()})
+    return SweepResult(folder, parent.run_id, best["trial_id"] if best else None, best_path, rows)

@@ -1,0 +1,224 @@
+"""`drelay tune` on a tiny target: real Ray Tune + Ray Train trials, ASHA, MLflow nesting, best config,
+and the sweep config's one-line errors (which need no Ray)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from drelay_model.decoding import GenerationConfig, SpeculativeEngine
+from drelay_model.target import tiny_target
+from pipelines.cli import main
+
+
+def tiny_data_file(path: Path) -> Path:
+    """Prompt + the tiny target's own greedy continuation, as a tokenized training file."""
+    target = tiny_target("tiny-llama")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, target.vocab_size, (8,), generator=g).tolist() for _ in range(48)]
+    outs = SpeculativeEngine(target).generate(prompts, GenerationConfig(max_new_tokens=24)).tokens
+    path.write_text("".join(json.dumps({"seq_id": f"s{i}", "input_ids": p + o, "response_start": 8}) + "\n" for i, (p, o) in enumerate(zip(prompts, outs))))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    return tiny_data_file(tmp_path_factory.mktemp("data") / "tiny.jsonl")
+
+
+def base_config(data: Path, **over) -> dict:
+    doc = {
+        "target": {"spec": "tiny-llama"},
+        "drafter": {"num_layers": 1, "top_k": 8},
+        "data": {"regenerated": str(data), "validation_fraction": 0.1},
+        "train": {"max_steps": 12, "checkpoint_every": 3, "validate_every": 3, "seqs_per_step": 4, "anchors_per_seq": 8,
+                  "validation_prompts": 3, "warmup_steps": 1, "lr": 3e-3},
+        "ray": {"num_workers": 1, "cpus_per_worker": 1, "max_failures": 1},
+    }  # fmt: skip
+    for dotted, value in over.items():
+        section, key = dotted.split(".")
+        doc[section][key] = value
+    return doc
+
+
+def write_sweep(tmp_path: Path, data: Path, **over) -> Path:
+    spec = {
+        "name": "tiny-sweep",
+        "base": base_config(data),
+        "space": {"train.lr": {"values": [1.0e-2, 1.0e-7]}, "train.credit_cap": {"values": [2.0, 4.0, 8.0]}},
+        "search": "grid",
+        "scheduler": {"name": "asha", "grace_period": 3, "reduction_factor": 2},
+        "num_samples": 1,
+        "max_concurrent_trials": 2,
+        "output_dir": str(tmp_path / "sweeps"),
+    }
+    spec.update(over)
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+BAD = [
+    ({"space": {"train.nope": {"low": 0.1, "high": 0.2}}}, "space: 'train.nope' is not a training-config field"),
+    ({"space": {"train.credit_floor": {"low": 0.3, "high": 0.3}}}, "space.train.credit_floor: empty range"),
+    ({"space": {"train.credit_floor": {"low": 0.5, "high": 0.2}}}, "space.train.credit_floor: inverted range"),
+    ({"space": {"train.credit_floor": {"low": 0.5, "high": 1.5}}}, "space.train.credit_floor: train.credit_floor: Input should be less than or equal to 1"),
+    ({"space": {"train.credit_cap": {"values": [0.5, 4.0]}}}, "space.train.credit_cap: train.credit_cap: Input should be greater than or equal to 1"),
+    ({"space": {"train.credit_cap": {"values": []}}}, "space.train.credit_cap: values is empty"),
+    ({"scheduler": {"name": "hyperband"}}, "scheduler.name: Input should be 'asha' or 'fifo'"),
+    ({"search": "bayes"}, "search: Input should be 'random', 'grid' or 'optuna'"),
+    ({"space": {"train.lr": {"low": 1e-4, "high": 1e-3}}}, "space.train.lr: grid search needs a list of values"),
+    ({"scheduler": {"reduction_factor": 1.0}}, "scheduler.reduction_factor: Input should be greater than 1"),
+    ({"typo": 1}, "typo: Extra inputs are not permitted"),
+]
+
+
+@pytest.mark.parametrize("over,message", BAD, ids=[m.split(":")[0] + str(i) for i, (_, m) in enumerate(BAD)])
+def test_bad_sweep_is_one_line_and_writes_nothing(tmp_path, tiny_data, capsys, over, message):
+    path = write_sweep(tmp_path, tiny_data, **over)
+    assert main(["tune", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("drelay: error: ") and message in err and "\n" not in err, err
+    assert not (tmp_path / "sweeps").exists()
+
+
+def test_resume_without_a_sweep_and_rerun_over_results_are_errors(tmp_path, tiny_data, capsys):
+    path = write_sweep(tmp_path, tiny_data)
+    assert main(["tune", "--config", str(path), "--resume"]) == 2
+    assert "no sweep to resume" in capsys.readouterr().err
+    (tmp_path / "sweeps" / "tiny-sweep").mkdir(parents=True)
+    (tmp_path / "sweeps" / "tiny-sweep" / "sweep.json").write_text("{}")
+    assert main(["tune", "--config", str(path)]) == 2
+    assert "pass --resume" in capsys.readouterr().err
+
+
+def test_sweep_config_accepts_ranges_and_dry_run(tmp_path, tiny_data, capsys):
+    path = write_sweep(tmp_path, tiny_data, search="random", space={
+        "train.selector_alpha.end": {"low": 0.5, "high": 1.0}, "train.lr": {"low": 1e-4, "high": 1e-2, "log": True},
+        "train.credit_floor": {"values": [0.05, 0.1]}, "train.native_anchor_fraction.end": {"low": 0.3, "high": 0.6}})  # fmt: skip
+    assert main(["tune", "--config", str(path), "--dry-run"]) == 0
+    assert "config OK" in capsys.readouterr().out
+    assert not (tmp_path / "sweeps").exists()
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    # 4 logical CPUs on 2 cores: two trials at once (each 1 worker CPU + a 0.1 trial driver).
+    ray.init(num_cpus=4, include_dashboard=True, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.slow
+def test_sweep_six_trials_asha_mlflow_best_config(tmp_path, tiny_data, ray_session, uri):
+    """Six grid trials (credit cap × lr, where lr 1e-7 cannot learn): ASHA stops some at a rung, every
+    trial is a nested MLflow run under the sweep's parent, the best config loads as a training config."""
+    from pipelines.train.config import load_config
+    from pipelines.common.tracking import PARENT_TAG, get_client
+
+    # A 12-step tiny drafter's τ barely moves; its training loss separates the trials clearly.
+    path = write_sweep(tmp_path, tiny_data, metric="loss/support", mode="min")
+    assert main(["tune", "--config", str(path)]) == 0
+    folder = tmp_path / "sweeps" / "tiny-sweep"
+    rows = list(__import__("csv").DictReader((folder / "trials.csv").open()))
+    assert len(rows) == 6
+    statuses = {r["trial_id"]: r["status"] for r in rows}
+    assert "stopped early" in statuses.values(), statuses
+    assert all(int(r["steps"]) < 12 for r in rows if r["status"] == "stopped early")
+
+    client = get_client()
+    parent_id = json.loads((folder / "sweep.json").read_text())["parent_run_id"]
+    parent = client.get_run(parent_id)
+    assert parent.info.status == "FINISHED"
+    children = client.search_runs([parent.info.experiment_id], f"tags.`{PARENT_TAG}` = '{parent_id}'")
+    assert sorted(c.info.run_name for c in children) == sorted(r["run_name"] for r in rows)
+    for child in children:
+        assert child.data.tags["drelay.checkpoint"].startswith("file://")
+        assert child.info.status == ("FINISHED" if statuses[child.data.tags["drelay.trial_id"]] == "completed" else "KILLED")
+        assert "train.lr" in child.data.params and "train.credit_cap" in child.data.params
+        assert len(client.get_metric_history(child.info.run_id, "val/tau")) >= 1
+    best = next(r for r in rows if r["trial_id"] == parent.data.tags["best_trial_id"])
+    assert best["status"] == "completed" and float(best["train.lr"]) == 1e-2
+    artifacts = {a.path for a in client.list_artifacts(parent_id)}
+    assert {"trials.csv", "trials.json", "parallel_coordinates.png", "metric_vs_params.png", "best.yaml"} <= artifacts
+
+    # Stopped trials' Ray Train worker CPUs are given back (Ray's own cleaner fails on hosts running
+    # several Ray instances, like this shared one).
+    import time
+
+    import ray
+
+    deadline = time.time() + 30
+    while ray.available_resources().get("CPU", 0) < 4 and time.time() < deadline:
+        time.sleep(1)
+    assert ray.available_resources().get("CPU", 0) == 4
+
+    cfg = load_config(folder / "best.yaml")
+    assert cfg.train.lr == 1e-2 and cfg.train.credit_cap == float(best["train.credit_cap"])
+    assert cfg.ray.run_name == "tiny-sweep-best" and cfg.train.max_steps == 12
+
+
+@pytest.mark.slow
+def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path, tiny_data, ray_session, uri):
+    """SIGKILL the `drelay tune` process group once a trial has finished and the next is past its first
+    checkpoint, then `--resume`: the sweep completes under the same parent run, no finished trial trains
+    again, and the interrupted one continues from its checkpoint."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from pipelines.common.tracking import PARENT_TAG, get_client
+
+    base = base_config(tiny_data, **{"train.max_steps": 12})
+    path = write_sweep(tmp_path, tiny_data, base=base, space={"train.lr": {"values": [1e-2, 5e-3, 2e-3]}},
+                       scheduler={"name": "fifo"}, max_concurrent_trials=1)  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "TUNE_GLOBAL_CHECKPOINT_S": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "tune", "--config", str(path)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    client, folder = get_client(), tmp_path / "sweeps" / "tiny-sweep"
+
+    def nested(status: str):
+        exp = client.get_experiment_by_name("drelay-tune")
+        query = f"attributes.status = '{status}' and tags.`{PARENT_TAG}` != ''"
+        return client.search_runs([exp.experiment_id], query) if exp is not None else []
+
+    try:
+        deadline, ready = time.time() + 600, False
+        while not ready and time.time() < deadline and proc.poll() is None:
+            time.sleep(1)
+            steps = [max((m.step for m in client.get_metric_history(r.info.run_id, "loss/support")), default=0)
+                     for r in nested("RUNNING")]  # fmt: skip
+            ready = bool(nested("FINISHED")) and any(4 <= s <= 10 for s in steps)  # past the step-3 checkpoint
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert ready, "the sweep did not reach a finished trial and a running one in time"
+    finished = {r.info.run_name for r in nested("FINISHED")}
+    interrupted = {r.info.run_name for r in nested("RUNNING")}
+    parent_id = json.loads((folder / "sweep.json").read_text())["parent_run_id"]
+
+    assert main(["tune", "--config", str(path), "--resume"]) == 0
+    rows = list(__import__("csv").DictReader((folder / "trials.csv").open()))
+    assert len(rows) == 3 and all(r["status"] == "completed" for r in rows), rows
+    parent = client.get_run(parent_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["best_trial_id"] in {r["trial_id"] for r in rows}
+    children = sorted(client.search_runs([parent.info.experiment_id], f"tags.`{PARENT_TAG}` = '{parent_id}'"),
+                      key=lambda r: r.info.start_time)  # fmt: skip
+    attempts: dict[str, list] = {}
+    for child in children:
+        attempts.setdefault(child.info.run_name, []).append(child)
+    assert len(attempts) == 3 and all(a[-1].info.status == "FINISHED" for a in attempts.values())
+    for name in finished:  # trained once, never again
+        assert [a.info.status for a in attempts[name]] == ["FINISHED"]
+    for name in interrupted:  # the killed attempt, then one that continued from its checkpoint
+        assert [a.info.status for a in attempts[name]] == ["FAILED", "FINISHED"]
+        resumed = {m.step for m in client.get_metric_history(attempts[name][-1].info.run_id, "loss/support")}
+        assert min(resumed) > 3 and max(resumed) == 12, sorted(resumed)
