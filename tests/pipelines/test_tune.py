@@ -222,3 +222,9 @@ def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path, tiny_d
         assert [a.info.status for a in attempts[name]] == ["FAILED", "FINISHED"]
         resumed = {m.step for m in client.get_metric_history(attempts[name][-1].info.run_id, "loss/support")}
         assert min(resumed) > 3 and max(resumed) == 12, sorted(resumed)
+
+
+@pytest.mark.parametrize("path", sorted(Path("platform/sweeps").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_sweeps_validate(path, capsys):
+    assert main(["tune", "--config", str(path), "--dry-run"]) == 0
+    assert "config OK" in capsys.readouterr().out
