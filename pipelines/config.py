@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from drelay_model.errors import DRelayError
 
@@ -37,11 +37,23 @@ class DrafterSection(_Strict):
     top_k: int = Field(16, ge=1, le=256)
     draft_vocab_size: int | None = Field(None, ge=16)
     init_checkpoint: str | None = None  # start from a trained drafter
+    freeze: bool = False  # keep the drafter (backbone) fixed: train only the selector (needs init_checkpoint)
 
 
 class SelectorSection(_Strict):
-    name: Literal["none", "drelay"] = "none"
+    name: str = "none"  # "none" or a trainable selector of the registry (`trainable_selectors()`)
     config: dict[str, Any] = Field(default_factory=dict)
+    fresh: bool = False  # start from the selector's initialisation even if drafter.init_checkpoint holds one
+
+    @field_validator("name")
+    @classmethod
+    def _trainable(cls, name: str) -> str:
+        from drelay_model.selectors import trainable_selectors
+
+        allowed = ("none", *trainable_selectors())
+        if name not in allowed:
+            raise ValueError(f"must be one of {', '.join(allowed)}")
+        return name
 
 
 class DataSection(_Strict):
@@ -120,6 +132,8 @@ class RunConfig(_Strict):
     def _consistent(self) -> "RunConfig":
         if self.drafter.draft_vocab_size is not None and self.drafter.draft_vocab_size < self.drafter.top_k:
             raise ValueError("drafter.draft_vocab_size must be ≥ drafter.top_k")
+        if self.drafter.freeze and (self.drafter.init_checkpoint is None or self.selector.name == "none" or not self.train.selector_loss):
+            raise ValueError("drafter.freeze needs drafter.init_checkpoint, a trainable selector.name and train.selector_loss")
         return self
 
 

@@ -1,8 +1,16 @@
 """Selectors: choose one pool entry per slot. One file each; `registry.default_registry()` lists them."""
 
-from drelay_model.selectors.base import Selection, SelectionContext, Selector, SelectorCapabilities
+from drelay_model.selectors.base import (
+    Selection,
+    SelectionContext,
+    Selector,
+    SelectorCapabilities,
+    SelectorLossKnobs,
+    SelectorTrainInputs,
+    SelectorTrainLoss,
+)
 from drelay_model.selectors.native import NativeSelector
-from drelay_model.selectors.registry import SelectorRegistry, default_registry
+from drelay_model.selectors.registry import SelectorRegistry, default_registry, trainable_selectors
 
 __all__ = [
     "NativeSelector",
@@ -10,6 +18,10 @@ __all__ = [
     "SelectionContext",
     "Selector",
     "SelectorCapabilities",
+    "SelectorLossKnobs",
+    "SelectorTrainInputs",
+    "SelectorTrainLoss",
     "SelectorRegistry",
     "default_registry",
+    "trainable_selectors",
 ]

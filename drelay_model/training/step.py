@@ -20,7 +20,8 @@ from torch import nn
 
 from drelay_model.training import losses
 from drelay_model.drafter.model import BlockDrafter, DraftBlock
-from drelay_model.selectors.drelay.causal import decide
+from drelay_model.selectors.base import SelectorLossKnobs, SelectorTrainInputs
+from drelay_model.selectors.drelay.objective import decision_metrics, decision_outcomes  # re-exported
 from drelay_model.training.anchors import eligible_anchors, make_blocks, sample_uniform_anchors, scout_anchors
 from drelay_model.training.schedules import slot_weights
 
@@ -33,22 +34,21 @@ class DraftTrainModule(nn.Module):
         self.drafter = drafter
         self.selector = selector
 
-    def forward(self, anchor_ids, anchor_pos, features, prefix_tokens=None, history=None, history_mask=None):
-        """anchors [B, M]; features [B, N, F] → (logits [B, M, H, V], block DraftBlock over B·M, out).
+    def forward(self, anchor_ids, anchor_pos, features, sel_inputs: SelectorTrainInputs | None = None):
+        """anchors [B, M]; features [B, N, F] → (logits [B, M, H, V], block DraftBlock over B·M, sel).
 
-        `out` is the selector's SelectorOutput (gate [B·M, H], rank [B·M, H, K]) or None.
+        `sel` is the selector's own `SelectorTrainLoss` on the drafted blocks (given `sel_inputs`:
+        labels, valid mask, history, knobs; the block and anchors are filled in here), or None.
         """
         d = self.drafter
         hidden = d(anchor_ids, anchor_pos, features)[:, :, 1:]  # [B, M, H, D]
         B, M, H, D = hidden.shape
         logits = d.logits(hidden)  # [B, M, H, V]
         block = d.pool(hidden.reshape(B * M, H, D))  # cand_logq keeps its gradient
-        out = None
-        if self.selector is not None:
-            out = self.selector.forward_train(
-                block, anchor_ids=anchor_ids.reshape(-1), prefix_tokens=prefix_tokens, history=history, history_mask=history_mask
-            )
-        return logits, block, out
+        sel = None
+        if self.selector is not None and sel_inputs is not None:
+            sel = self.selector.training_loss(sel_inputs.with_block(block, anchor_ids.reshape(-1)))
+        return logits, block, sel
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ class StepConfig:
     native_fraction: float
     slot_decay: float | None = 7.0
     alpha: float = 1.0  # selector coefficient α_t
+    progress: float = 1.0  # training progress ∈ [0, 1] (selectors whose loss mixes terms on a schedule)
     beta: float = 1.0  # credit blend β_t (0 = uniform weights)
     credit_floor: float = 0.1
     credit_cap: float = 4.0
@@ -113,10 +114,16 @@ def training_step(
         anchors, ok = torch.cat([anchors, nat], 1), torch.cat([ok, nat_ok], 1)
     blocks = make_blocks(labels_src, loss_mask, anchors, ok, H)
     labels, valid = blocks.labels.reshape(-1, H), blocks.valid.reshape(-1, H)  # [B·M, H]
-    history = hmask = None
-    if selector is not None and selector.capabilities.history_len:
-        history, hmask = history_windows(features, anchors, selector.capabilities.history_len)
-    logits, block, sel_out = model(torch.gather(input_ids, 1, anchors), anchors, features, labels, history, hmask)
+    sel_inputs = None
+    if selector is not None:
+        history = hmask = None
+        if selector.capabilities.history_len:
+            history, hmask = history_windows(features, anchors, selector.capabilities.history_len)
+        knobs = SelectorLossKnobs(
+            beta=cfg.beta, credit_floor=cfg.credit_floor, credit_cap=cfg.credit_cap, credit=cfg.switches.credit, progress=cfg.progress
+        )
+        sel_inputs = SelectorTrainInputs(labels=labels, valid=valid, history=history, history_mask=hmask, knobs=knobs)
+    logits, block, sel_out = model(torch.gather(input_ids, 1, anchors), anchors, features, sel_inputs)
     support = losses.support_ce(logits.flatten(0, 1), labels, valid, draft_to_target=drafter.draft_to_target)
     w_slot = slot_weights(H, cfg.slot_decay).to(support.nll.dtype)
     support = losses.SupportLoss(nll=support.nll * w_slot, counted=support.counted, out_of_vocab=support.out_of_vocab)
@@ -126,46 +133,19 @@ def training_step(
         loss = support.nll.sum() / denom if cfg.switches.support else logits.sum() * 0.0
         metrics["loss/support"] = float(support.nll.detach().sum() / denom)
         return StepOutput(loss=loss, metrics=metrics)
-    sel = losses.selector_loss(sel_out.gate, sel_out.rank, block.cand_ids, labels, valid)
-    joint = losses.joint_loss(
-        support, sel, valid, alpha=cfg.alpha, beta=cfg.beta, floor=cfg.credit_floor, cap=cfg.credit_cap, switches=cfg.switches
-    )
+    # Eq. 4: L_t = [Σ m·(−log q(y)) + α_t Σ m w ℓ_sel] / Σ m, the selector's term from its own loss.
+    denom = valid.float().sum().clamp(min=1.0)
+    zero = denom.new_zeros(())
+    sup = (support.nll * support.counted).sum() / denom if cfg.switches.support else zero
+    slt = cfg.alpha * sel_out.weighted_sum / denom if cfg.switches.selector else zero
+    loss = sup + slt
+    coverage = ((block.cand_ids == labels[..., None]).any(-1) & valid).float().sum() / denom
     metrics.update({
-        "loss/support": joint.support.item(), "loss/selector": joint.selector.item(), "loss/total": joint.loss.item(),
-        "pool/coverage": joint.coverage.item(), "selector/alpha": cfg.alpha, "selector/credit_beta": cfg.beta,
-        **decision_metrics(sel_out.gate, sel_out.rank, block.cand_ids, labels, valid),
+        "loss/support": sup.item(), "loss/selector": slt.item(), "loss/total": loss.item(),
+        "pool/coverage": coverage.item(), "selector/alpha": cfg.alpha, "selector/credit_beta": cfg.beta,
+        **sel_out.metrics,
     })
-    return StepOutput(loss=joint.loss, metrics=metrics)
-
-
-@torch.no_grad()
-def decision_outcomes(gate, rank, cand_ids, labels, valid) -> dict[str, torch.Tensor]:
-    """Teacher-forced decisions by Eq. 2's rule, as bool masks [R, H] over the valid slots —
-    gate [R, H], rank [R, H, K], cand_ids [R, H, K], labels/valid [R, H]:
-      valid    the slot is supervised
-      native   pool index 0 (the native argmax) is the label
-      chosen   the selector's choice is the label
-      repairs  the rule picks k > 0
-      fixed / broke / swapped  repairs that turn a wrong native token right / a right one wrong /
-               one wrong token into another
-    """
-    pick = decide(gate.float(), rank.float())  # [R, H]
-    chosen = cand_ids.gather(-1, pick[..., None])[..., 0]
-    native_ok, chosen_ok, repair = (cand_ids[..., 0] == labels) & valid, (chosen == labels) & valid, (pick > 0) & valid
-    return {
-        "valid": valid, "native": native_ok, "chosen": chosen_ok, "repairs": repair,
-        "fixed": repair & chosen_ok & ~native_ok, "broke": repair & native_ok & ~chosen_ok,
-        "swapped": repair & ~native_ok & ~chosen_ok,
-    }  # fmt: skip
-
-
-def decision_metrics(gate, rank, cand_ids, labels, valid) -> dict[str, float]:
-    """Is the selector better than the native argmax yet? `decision_outcomes` as shares of the valid
-    slots: selector/acc (chosen), selector/native_acc, selector/repair_rate, selector/fixed, selector/broke."""
-    out = decision_outcomes(gate, rank, cand_ids, labels, valid)
-    n = valid.sum().clamp(min=1)
-    names = {"chosen": "acc", "native": "native_acc", "repairs": "repair_rate", "fixed": "fixed", "broke": "broke"}
-    return {f"selector/{name}": float(out[key].sum() / n) for key, name in names.items()}
+    return StepOutput(loss=loss, metrics=metrics)
 
 
 def _support_metrics(drafter, logits, blocks, support) -> dict[str, float]:

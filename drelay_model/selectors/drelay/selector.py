@@ -22,10 +22,11 @@ from torch import nn
 from drelay_model.drafter.model import DraftBlock
 from drelay_model.errors import DRelayError
 from drelay_model.training.losses import log_p_act
-from drelay_model.selectors.base import Selection, SelectionContext, Selector, SelectorCapabilities
+from drelay_model.selectors.base import Selection, SelectionContext, Selector, SelectorCapabilities, SelectorTrainInputs, SelectorTrainLoss
 from drelay_model.selectors.drelay.causal import CausalSelector, Evidence, decide
 from drelay_model.selectors.drelay.config import DRelayConfig
 from drelay_model.selectors.drelay.global_read import GlobalRead
+from drelay_model.selectors.drelay.objective import drelay_training_loss
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,10 @@ class DRelaySelector(Selector):
         ev, _ = self.evidence(block, history, history_mask)
         gate, rank = self.causal.teacher_forced(ev, self.embed(anchor_ids), self.embed(prefix_tokens))
         return SelectorOutput(gate=gate, rank=rank)
+
+    def training_loss(self, inputs: SelectorTrainInputs) -> SelectorTrainLoss:
+        """Eq. 3 weighted by Eq. 5's prefix credit (see `objective.py`)."""
+        return drelay_training_loss(self, inputs)
 
     def forward(self, block: DraftBlock, **kwargs) -> SelectorOutput:
         """Alias of `forward_train`, so wrappers that call the module (DDP) work."""
