@@ -55,22 +55,29 @@ class DominoSelector(PoolHead):
         """GRU inputs W_x E(x_{i−1}) + W_h h_i for the given predecessors prev_ids [B, H] → [B, H, d]."""
         return self.token_in(self.embed(prev_ids)) + self.slot_in(block.hidden.to(self.dtype))
 
-    def residual(self, g: torch.Tensor, cand_ids: torch.Tensor) -> torch.Tensor:
-        """⟨W_o g, E(v)⟩ for states g [..., d] and pool ids [..., K] → [..., K] float32."""
-        return torch.einsum("...e,...ke->...k", self.out(g), self.embed(cand_ids)).float()
+    def cand_codes(self, cand_ids: torch.Tensor) -> torch.Tensor:
+        """W_oᵀ E(v) for pool ids [..., K] → [..., K, d], so that ⟨W_o g, E(v)⟩ = ⟨g, W_oᵀ E(v)⟩."""
+        return self.embed(cand_ids) @ self.out.weight
+
+    @staticmethod
+    def residual(g: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """⟨W_o g, E(v)⟩ for states g [..., d] and candidate codes [..., K, d] → [..., K] float32."""
+        return torch.einsum("...d,...kd->...k", g, codes).float()
 
     @torch.inference_mode()
     def select(self, block: DraftBlock, ctx: SelectionContext) -> Selection:
         B, H, K = self.check_block(block)
         h_in = self.slot_in(block.hidden.to(self.dtype))  # [B, H, d]
+        codes = self.cand_codes(block.cand_ids)  # [B, H, K, d]
+        tok_in = self.token_in(self.embed(block.cand_ids))  # [B, H, K, d] W_x E(v) of every candidate
+        x_prev = self.token_in(self.embed(ctx.anchor_ids))  # [B, d] the anchor enters first
         g = h_in.new_zeros(B, self.config.d)
-        prev = ctx.anchor_ids
         pick = torch.zeros(B, H, dtype=torch.long, device=block.cand_ids.device)
         for i in range(H):  # slot by slot: the residual sees the tokens chosen so far
-            g = self.gru(self.token_in(self.embed(prev)) + h_in[:, i], g)
-            post = block.cand_logq[:, i].float() + self.residual(g, block.cand_ids[:, i])  # [B, K]
+            g = self.gru(x_prev + h_in[:, i], g)
+            post = block.cand_logq[:, i].float() + self.residual(g, codes[:, i])  # [B, K]
             pick[:, i] = post.argmax(dim=-1)
-            prev = block.cand_ids[:, i].gather(1, pick[:, i, None])[:, 0]
+            x_prev = tok_in[:, i].gather(1, pick[:, i, None, None].expand(B, 1, tok_in.shape[-1]))[:, 0]
         return self.gather(block, pick)
 
     def post_scores(self, block: DraftBlock, prev_ids: torch.Tensor) -> torch.Tensor:
@@ -80,7 +87,7 @@ class DominoSelector(PoolHead):
         for i in range(x.shape[1]):
             g = self.gru(x[:, i], g)
             states.append(g)
-        return block.cand_logq.float() + self.residual(torch.stack(states, dim=1), block.cand_ids)
+        return block.cand_logq.float() + self.residual(torch.stack(states, dim=1), self.cand_codes(block.cand_ids))
 
     def training_loss(self, inputs: SelectorTrainInputs) -> SelectorTrainLoss:
         block, labels, valid = inputs.block, inputs.labels, inputs.valid

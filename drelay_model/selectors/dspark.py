@@ -67,21 +67,24 @@ class DSparkSelector(PoolHead):
     def scores(self, block: DraftBlock, prev_ids: torch.Tensor) -> torch.Tensor:
         """S_i(b) for predecessors prev_ids [B, H'] over the first H' slots' pools → [B, H', K] float32."""
         Hp = prev_ids.shape[1]
-        trans = torch.einsum("bhr,bhkr->bhk", self.pred_code(self.embed(prev_ids)), self.succ_code(self.embed(block.cand_ids[:, :Hp])))
-        return block.cand_logq[:, :Hp].float() + (trans * self.scale).float()
+        succ = self.succ_code(self.embed(block.cand_ids[:, :Hp])) * self.scale  # [B, H', K, r]
+        return block.cand_logq[:, :Hp].float() + torch.einsum("bhr,bhkr->bhk", self.pred_code(self.embed(prev_ids)), succ).float()
 
     @torch.inference_mode()
     def select(self, block: DraftBlock, ctx: SelectionContext) -> Selection:
         B, H, K = self.check_block(block)
+        cand_emb = self.embed(block.cand_ids)  # [B, H, K, E]
+        succ = self.succ_code(cand_emb) * self.scale  # [B, H, K, r] V E(b) / √r
+        pred = self.pred_code(cand_emb)  # [B, H, K, r] U E(a) of every candidate, as a predecessor
+        a = self.pred_code(self.embed(ctx.anchor_ids))  # [B, r] the anchor precedes slot 0
+        mass = block.cand_logq.float().logsumexp(dim=-1).exp()  # [B, H] Σ_k q_ik
         pick = torch.zeros(B, H, dtype=torch.long, device=block.cand_ids.device)
         conf = torch.zeros(B, H, dtype=torch.float32, device=block.cand_ids.device)
-        mass = block.cand_logq.float().logsumexp(dim=-1).exp()  # [B, H] Σ_k q_ik
-        prev = ctx.anchor_ids
         for i in range(H):  # the Markov head conditions on the token chosen just before
-            s = self.scores(_slot(block, i), prev[:, None])[:, 0]  # [B, K]
+            s = block.cand_logq[:, i].float() + torch.einsum("br,bkr->bk", a, succ[:, i]).float()  # [B, K]
             pick[:, i] = s.argmax(dim=-1)
             conf[:, i] = s.softmax(dim=-1).gather(1, pick[:, i, None])[:, 0] * mass[:, i]
-            prev = block.cand_ids[:, i].gather(1, pick[:, i, None])[:, 0]
+            a = pred[:, i].gather(1, pick[:, i, None, None].expand(B, 1, pred.shape[-1]))[:, 0]
         return self.gather(block, pick, cut_length(conf, self.config.threshold, self.config.min_length))
 
     def training_loss(self, inputs: SelectorTrainInputs) -> SelectorTrainLoss:
@@ -92,7 +95,3 @@ class DSparkSelector(PoolHead):
         per_token = pool_nll(s, PoolTargets.of(block.cand_ids, labels, valid))
         return SelectorTrainLoss(weighted_sum=per_token.sum(), metrics=choice_metrics(s, block.cand_ids, labels, valid))
 
-
-def _slot(block: DraftBlock, i: int) -> DraftBlock:
-    """Slot i of a block as a one-slot block (hidden, cand_ids, cand_logq [B, 1, ·])."""
-    return DraftBlock(hidden=block.hidden[:, i : i + 1], cand_ids=block.cand_ids[:, i : i + 1], cand_logq=block.cand_logq[:, i : i + 1])
