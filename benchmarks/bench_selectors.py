@@ -41,13 +41,22 @@ def main() -> None:
 
     from drelay_model.decoding.history import VerifiedHistory
     from drelay_model.drafter import load_drafter
+    from drelay_model.errors import DRelayError
     from drelay_model.selectors import SelectionContext, default_registry, trainable_selectors
     from drelay_model.target import load_target
 
+    trained = {}
+    for item in args.trained:
+        name, eq, path = item.partition("=")
+        if not eq or name not in trainable_selectors() or not Path(path).is_dir():
+            raise DRelayError(f"--trained {item}: expected NAME=DIR with NAME one of {', '.join(trainable_selectors())} and DIR a checkpoint directory")
+        trained[name] = path
+    if args.reps < 1 or args.threads < 1:
+        raise DRelayError("--reps and --threads must be ≥ 1")
     target = load_target(args.target)
     drafter, _, _ = load_drafter(args.checkpoint or ROOT / "checkpoints" / args.target, target)
     drafter.eval()
-    registry, trained = default_registry(), dict(t.split("=", 1) for t in args.trained)
+    registry = default_registry()
     heads = {}
     for name in trainable_selectors():
         if name in trained:
@@ -91,4 +100,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from pipelines.cli import guarded
+
+    raise SystemExit(guarded(main, Path(__file__).name))

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
     [
         ("bench_selector.py", ["--checkpoint", "/nonexistent"], "checkpoint '/nonexistent' not found"),
         ("selector_decisions.py", ["--checkpoint", "/nonexistent"], "checkpoint '/nonexistent' not found"),
+        ("bench_selectors.py", ["--trained", "dcoco"], "--trained dcoco: expected NAME=DIR"),
         ("trace_repairs.py", ["--checkpoint", "/nonexistent", "--cells", "/nonexistent"], "checkpoint '/nonexistent' not found"),
         ("trace_repairs.py", ["--checkpoint", str(ROOT / "checkpoints/smollm2-135m"), "--cells", "/nonexistent"], "--cells: no '/nonexistent/gsm8k__ar.json'"),
     ],
