@@ -66,8 +66,9 @@ def main() -> None:
             blocks = make_blocks(ids, mask, anchors, ok, H)
             labels, valid = blocks.labels.reshape(-1, H), blocks.valid.reshape(-1, H)
             history, hmask = history_windows(feats, anchors, selector.capabilities.history_len) if selector.capabilities.history_len else (None, None)
-            head, out = module(torch.gather(ids, 1, anchors), anchors, feats, labels, valid, history, hmask)
+            head, _ = module(torch.gather(ids, 1, anchors), anchors, feats, labels, valid)
             block = head.block
+            out = selector.forward_train(block, anchor_ids=ids.gather(1, anchors).reshape(-1), prefix_tokens=labels, history=history, history_mask=hmask)
         outcome = decision_outcomes(out.gate, out.rank, block.cand_ids, labels, valid)
         margin, _ = repair_margin(out.gate, out.rank)
         for k, hits in outcome.items():

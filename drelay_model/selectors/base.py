@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -64,8 +64,70 @@ class Selection:
     length: torch.Tensor
 
 
+@dataclass(frozen=True)
+class SelectorLossKnobs:
+    """Per-step knobs of a selector's training loss, evaluated by the trainer's schedules.
+
+    beta          credit blend β_t ∈ [0, 1] (0 = uniform weights) for selectors that weight slots by
+                  their prefix value (DRelay's Eq. 5); others ignore it, as they do the next three.
+    credit_floor  uniform floor f ∈ (0, 1] of the normalised credit weights.
+    credit_cap    cap C ≥ 1 on the largest credit weight.
+    credit        False = the "Uniform repair weights" ablation.
+    progress      training progress ∈ [0, 1] (for selectors whose loss mixes terms on a schedule).
+    """
+
+    beta: float = 1.0
+    credit_floor: float = 0.1
+    credit_cap: float = 4.0
+    credit: bool = True
+    progress: float = 1.0
+
+
+@dataclass(frozen=True)
+class SelectorTrainInputs:
+    """What a trainable selector's loss sees for R = B·M drafted blocks (teacher forcing).
+
+    block         DraftBlock: hidden [R, H, D], cand_ids / cand_logq [R, H, K]; hidden and cand_logq
+                  carry the backbone's gradient (joint training). None until the drafter has run.
+    anchor_ids    [R] int64 anchors (the verified token before slot 0).
+    labels        [R, H] int64 the target's greedy tokens (target vocabulary; any id, in the pool or not).
+    valid         [R, H] bool m: supervised positions.
+    history       [R, N, F] the last N verified target features before each anchor (right-aligned),
+                  or None when the selector reads none; history_mask [R, N] bool marks real entries.
+    knobs         SelectorLossKnobs.
+    """
+
+    labels: torch.Tensor
+    valid: torch.Tensor
+    block: DraftBlock | None = None
+    anchor_ids: torch.Tensor | None = None
+    history: torch.Tensor | None = None
+    history_mask: torch.Tensor | None = None
+    knobs: SelectorLossKnobs = SelectorLossKnobs()
+
+    def with_block(self, block: DraftBlock, anchor_ids: torch.Tensor) -> "SelectorTrainInputs":
+        R, H, _ = block.cand_ids.shape
+        assert anchor_ids.shape == (R,) and self.labels.shape == (R, H) == self.valid.shape, "anchors [R], labels/valid [R, H]"
+        return replace(self, block=block, anchor_ids=anchor_ids)
+
+
+@dataclass(frozen=True)
+class SelectorTrainLoss:
+    """A selector's share of the joint objective (Eq. 4) on one batch of blocks.
+
+    weighted_sum  [] Σ_{b,i} m_{b,i} w_{b,i} ℓ^sel_{b,i}: the selector's per-token loss times its own
+                  slot weights, summed; the joint step multiplies by α_t and divides by the common
+                  valid-token denominator Σ m (shared with the support CE).
+    metrics       float scalars for logging (names under `selector/`).
+    """
+
+    weighted_sum: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
 class Selector(nn.Module):
-    """Base class: subclasses set `capabilities` and implement `select`."""
+    """Base class: subclasses set `capabilities` and implement `select` (and, when trainable,
+    `training_loss`)."""
 
     capabilities: ClassVar[SelectorCapabilities] = SelectorCapabilities()
 
@@ -81,6 +143,20 @@ class Selector(nn.Module):
 
     def select(self, block: DraftBlock, ctx: SelectionContext) -> Selection:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def training_loss(self, inputs: SelectorTrainInputs) -> SelectorTrainLoss:
+        """The selector's own loss on teacher-forced blocks (trainable selectors only)."""
+        from drelay_model.errors import DRelayError
+
+        raise DRelayError(f"selector {type(self).__name__} is not trainable")
+
+    def teacher_forced_path(self, block: DraftBlock, *, anchor_ids, labels, history=None, history_mask=None) -> torch.Tensor:
+        """The path [B, H] (target ids) the selector chooses when the prefix is the teacher tokens
+        `labels` [B, H] — what the training scout follows with `train.scout_policy: selector`.
+        Before the first slot whose choice differs from the label it equals incremental selection."""
+        from drelay_model.errors import DRelayError
+
+        raise DRelayError(f"selector {type(self).__name__} has no teacher-forced path; use train.scout_policy=native")
 
     @staticmethod
     def gather(block: DraftBlock, pool_index: torch.Tensor, length: torch.Tensor | None = None) -> Selection:

@@ -68,10 +68,25 @@ class SelectorRegistry:
 
 def default_registry() -> SelectorRegistry:
     """Every selector the project ships."""
+    from drelay_model.selectors.dcoco import DCOCOSelector
+    from drelay_model.selectors.dflash2 import DFlash2Selector
+    from drelay_model.selectors.domino import DominoSelector
     from drelay_model.selectors.drelay import DRelaySelector
+    from drelay_model.selectors.dspark import DSparkSelector
     from drelay_model.selectors.native import NativeSelector
 
     registry = SelectorRegistry()
     registry.register("native", NativeSelector)
     registry.register("drelay", DRelaySelector)
+    registry.register("dcoco", DCOCOSelector)
+    registry.register("dflash2", DFlash2Selector)
+    registry.register("domino", DominoSelector)
+    registry.register("dspark", DSparkSelector)
     return registry
+
+
+def trainable_selectors(registry: SelectorRegistry | None = None) -> tuple[str, ...]:
+    """Names of the selectors with parameters to train (what `selector.name` of a training config
+    may be, besides "native"), in registry order."""
+    registry = registry if registry is not None else default_registry()
+    return tuple(n for n in registry.names() if registry.factory(n).capabilities.trainable)

@@ -21,7 +21,8 @@ from torch import nn
 
 from drelay_model.training import losses
 from drelay_model.drafter.model import BlockDrafter, DraftBlock
-from drelay_model.selectors.drelay.causal import decide
+from drelay_model.selectors.base import SelectorLossKnobs, SelectorTrainInputs
+from drelay_model.selectors.drelay.objective import decision_metrics, decision_outcomes  # re-exported
 from drelay_model.training.anchors import Blocks, PathPolicy, eligible_anchors, make_blocks, sample_uniform_anchors, scout_anchors
 from drelay_model.training.head import DEFAULT_CHUNK_TOKENS, chunked_head
 from drelay_model.training.schedules import slot_weights
@@ -35,22 +36,23 @@ class DraftTrainModule(nn.Module):
         self.drafter = drafter
         self.selector = selector
 
-    def forward(self, anchor_ids, anchor_pos, features, labels, valid, history=None, history_mask=None, chunk_tokens=DEFAULT_CHUNK_TOKENS):
+    def forward(self, anchor_ids, anchor_pos, features, labels, valid, sel_inputs: SelectorTrainInputs | None = None,
+                chunk_tokens=DEFAULT_CHUNK_TOKENS):  # fmt: skip
         """anchors [B, M]; features [B, N, F]; labels, valid [B·M, H] → (HeadOutput over B·M blocks,
-        the selector's SelectorOutput (gate [B·M, H], rank [B·M, H, K]) or None).
+        the selector's own `SelectorTrainLoss` on the drafted blocks, or None).
 
         The vocabulary head runs in chunks (`chunked_head`): no [B, M, H, V] logits are ever built.
+        `sel_inputs` carries labels, valid mask, history and loss knobs; the block and anchors are
+        filled in here, so the selector's loss sees exactly the pool the head produced.
         """
         d = self.drafter
         hidden = d(anchor_ids, anchor_pos, features)[:, :, 1:]  # [B, M, H, D]
         B, M, H, D = hidden.shape
         head = chunked_head(d, hidden.reshape(B * M, H, D), labels, valid, chunk_tokens=chunk_tokens)
-        out = None
-        if self.selector is not None:
-            out = self.selector.forward_train(
-                head.block, anchor_ids=anchor_ids.reshape(-1), prefix_tokens=labels, history=history, history_mask=history_mask
-            )
-        return head, out
+        sel = None
+        if self.selector is not None and sel_inputs is not None:
+            sel = self.selector.training_loss(sel_inputs.with_block(head.block, anchor_ids.reshape(-1)))
+        return head, sel
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class StepConfig:
     scout_policy: str = "native"  # "native": the scout follows the argmax path; "selector": the selector's
     scout_restart: bool = True  # teacher-forced choices. restart: fresh chains keep m scout anchors per row
     alpha: float = 1.0  # selector coefficient α_t
+    progress: float = 1.0  # training progress ∈ [0, 1] (selectors whose loss mixes terms on a schedule)
     beta: float = 1.0  # credit blend β_t (0 = uniform weights)
     credit_floor: float = 0.1
     credit_cap: float = 4.0
@@ -130,16 +133,25 @@ def _plan(core: DraftTrainModule, input_ids, loss_mask, features, labels_src, cf
 
 
 def _micro_step(model, core: DraftTrainModule, input_ids, features, plan: _Plan, rows: slice, cfg: StepConfig) -> StepOutput:
-    """Eq. 4 on the sequences `rows` of the step, divided by the whole step's Σ m."""
+    """Eq. 4 on the sequences `rows` of the step, divided by the whole step's Σ m:
+
+        L = [Σ m·w_slot·(−log q(y)) + α_t Σ m·w·ℓ_sel] / Σ m,  the selector's term from its own loss.
+    """
     drafter, selector = core.drafter, core.selector
     H = drafter.config.num_slots
     anchors, feats = plan.anchors[rows], features[rows]
     blocks = Blocks(anchors=anchors, labels=plan.blocks.labels[rows], valid=plan.blocks.valid[rows])
     labels, valid = blocks.labels.reshape(-1, H), blocks.valid.reshape(-1, H)  # [B·M, H]
-    history = hmask = None
-    if selector is not None and selector.capabilities.history_len:
-        history, hmask = history_windows(feats, anchors, selector.capabilities.history_len)
-    head, sel_out = model(torch.gather(input_ids[rows], 1, anchors), anchors, feats, labels, valid, history, hmask, cfg.chunk_tokens)
+    sel_inputs = None
+    if selector is not None:
+        history = hmask = None
+        if selector.capabilities.history_len:
+            history, hmask = history_windows(feats, anchors, selector.capabilities.history_len)
+        knobs = SelectorLossKnobs(
+            beta=cfg.beta, credit_floor=cfg.credit_floor, credit_cap=cfg.credit_cap, credit=cfg.switches.credit, progress=cfg.progress
+        )
+        sel_inputs = SelectorTrainInputs(labels=labels, valid=valid, history=history, history_mask=hmask, knobs=knobs)
+    head, sel_out = model(torch.gather(input_ids[rows], 1, anchors), anchors, feats, labels, valid, sel_inputs, cfg.chunk_tokens)
     w_slot = slot_weights(H, cfg.slot_decay).to(device=head.nll.device, dtype=head.nll.dtype)
     support = losses.SupportLoss(nll=head.nll * w_slot, counted=head.counted, out_of_vocab=head.out_of_vocab)
     metrics = _support_metrics(head.block.cand_ids[..., 0].view_as(blocks.labels), blocks, support)
@@ -149,17 +161,18 @@ def _micro_step(model, core: DraftTrainModule, input_ids, features, plan: _Plan,
         loss = support.nll.sum() / denom if cfg.switches.support else head.block.hidden.sum() * 0.0
         metrics["loss/support"] = float(support.nll.detach().sum() / denom)
         return StepOutput(loss=loss, metrics=metrics)
-    block = head.block
-    sel = losses.selector_loss(sel_out.gate, sel_out.rank, block.cand_ids, labels, valid)
-    joint = losses.joint_loss(
-        support, sel, valid, alpha=cfg.alpha, beta=cfg.beta, floor=cfg.credit_floor, cap=cfg.credit_cap, switches=cfg.switches, denom=plan.denom
-    )
+    zero = head.nll.new_zeros(())
+    sup = support.nll.sum() / denom if cfg.switches.support else zero
+    slt = cfg.alpha * sel_out.weighted_sum / denom if cfg.switches.selector else zero
+    loss = sup + slt
+    local = valid.sum().clamp(min=1)  # this micro-batch's Σ m: its rates merge weighted by valid tokens
+    coverage = ((head.block.cand_ids == labels[..., None]).any(-1) & valid).sum() / local
     metrics.update({
-        "loss/support": joint.support.item(), "loss/selector": joint.selector.item(), "loss/total": joint.loss.item(),
-        "pool/coverage": joint.coverage.item(), "selector/alpha": cfg.alpha, "selector/credit_beta": cfg.beta,
-        **decision_metrics(sel_out.gate, sel_out.rank, block.cand_ids, labels, valid),
+        "loss/support": sup.item(), "loss/selector": slt.item(), "loss/total": loss.item(),
+        "pool/coverage": coverage.item(), "selector/alpha": cfg.alpha, "selector/credit_beta": cfg.beta,
+        **sel_out.metrics,
     })  # fmt: skip
-    return StepOutput(loss=joint.loss, metrics=metrics)
+    return StepOutput(loss=loss, metrics=metrics)
 
 
 def training_step(
@@ -230,7 +243,7 @@ def _merge_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
         values = [p[key] for p in parts]
         if key.startswith("loss/") or key in _SUMMED:
             out[key] = sum(values)
-        elif key in ("selector/alpha", "selector/credit_beta"):
+        elif key in ("selector/alpha", "selector/credit_beta", "anchors/native_fraction"):
             out[key] = values[0]
         else:
             out[key] = sum(v * w for v, w in zip(values, weights)) / total_w
@@ -238,10 +251,10 @@ def _merge_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
 
 
 def _selector_policy(selector: nn.Module, features: torch.Tensor) -> PathPolicy:
-    """The scout's path when it follows the selector: Eq. 2's decisions under the teacher prefix.
-
-    Up to the first slot whose choice differs from the teacher token, the teacher prefix is exactly
-    the prefix incremental selection writes, so the accepted count A equals what decoding accepts.
+    """The scout's path when it follows the selector: its own decisions under the teacher prefix
+    (`Selector.teacher_forced_path`). Up to the first slot whose choice differs from the teacher token,
+    the teacher prefix is exactly the prefix incremental selection writes, so the accepted count A
+    equals what decoding accepts.
     """
     n = selector.capabilities.history_len
 
@@ -249,41 +262,9 @@ def _selector_policy(selector: nn.Module, features: torch.Tensor) -> PathPolicy:
         history = hmask = None
         if n:
             history, hmask = history_windows(features, anchor_pos[:, None], n)
-        out = selector.forward_train(block, anchor_ids=anchor_ids, prefix_tokens=labels, history=history, history_mask=hmask)
-        pick = decide(out.gate.float(), out.rank.float())  # [B, H] pool index
-        return block.cand_ids.gather(-1, pick[..., None])[..., 0]
+        return selector.teacher_forced_path(block, anchor_ids=anchor_ids, labels=labels, history=history, history_mask=hmask)
 
     return choose
-
-
-@torch.no_grad()
-def decision_outcomes(gate, rank, cand_ids, labels, valid) -> dict[str, torch.Tensor]:
-    """Teacher-forced decisions by Eq. 2's rule, as bool masks [R, H] over the valid slots —
-    gate [R, H], rank [R, H, K], cand_ids [R, H, K], labels/valid [R, H]:
-      valid    the slot is supervised
-      native   pool index 0 (the native argmax) is the label
-      chosen   the selector's choice is the label
-      repairs  the rule picks k > 0
-      fixed / broke / swapped  repairs that turn a wrong native token right / a right one wrong /
-               one wrong token into another
-    """
-    pick = decide(gate.float(), rank.float())  # [R, H]
-    chosen = cand_ids.gather(-1, pick[..., None])[..., 0]
-    native_ok, chosen_ok, repair = (cand_ids[..., 0] == labels) & valid, (chosen == labels) & valid, (pick > 0) & valid
-    return {
-        "valid": valid, "native": native_ok, "chosen": chosen_ok, "repairs": repair,
-        "fixed": repair & chosen_ok & ~native_ok, "broke": repair & native_ok & ~chosen_ok,
-        "swapped": repair & ~native_ok & ~chosen_ok,
-    }  # fmt: skip
-
-
-def decision_metrics(gate, rank, cand_ids, labels, valid) -> dict[str, float]:
-    """Is the selector better than the native argmax yet? `decision_outcomes` as shares of the valid
-    slots: selector/acc (chosen), selector/native_acc, selector/repair_rate, selector/fixed, selector/broke."""
-    out = decision_outcomes(gate, rank, cand_ids, labels, valid)
-    n = valid.sum().clamp(min=1)
-    names = {"chosen": "acc", "native": "native_acc", "repairs": "repair_rate", "fixed": "fixed", "broke": "broke"}
-    return {f"selector/{name}": float(out[key].sum() / n) for key, name in names.items()}
 
 
 def _support_metrics(top1_ids, blocks, support) -> dict[str, float]:

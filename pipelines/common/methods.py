@@ -19,7 +19,7 @@ import torch
 from drelay_model.drafter import BlockDrafter, DrafterConfig, load_drafter
 from drelay_model.drafter.checkpoint import read_checkpoint
 from drelay_model.errors import DRelayError
-from drelay_model.selectors import Selector, default_registry
+from drelay_model.selectors import Selector, default_registry, trainable_selectors
 from drelay_model.target import TargetModel, load_target
 from pipelines.common.paths import bundled_checkpoint
 from pipelines.common.registry import is_model_ref, resolve_checkpoint
@@ -50,12 +50,6 @@ def check_method(name: str) -> str:
     if name not in method_names():
         raise DRelayError(f"unknown method '{name}' (choose from: {', '.join(method_names())})")
     return name
-
-
-def trainable_selectors() -> tuple[str, ...]:
-    """Selector names a training run may train (the registry's `trainable` ones)."""
-    reg = default_registry()
-    return tuple(n for n in reg.names() if reg.factory(n).capabilities.trainable)
 
 
 def training_selector(name: str) -> str:

@@ -36,6 +36,7 @@ class DrafterSection(_Strict):
     top_k: int = Field(16, ge=1, le=256)
     draft_vocab_size: int | None = Field(None, ge=16)
     init_checkpoint: str | None = None  # start from a trained drafter
+    freeze: bool = False  # keep the drafter (backbone) fixed: train only the selector (needs init_checkpoint)
 
 
 class SelectorSection(_Strict):
@@ -43,6 +44,7 @@ class SelectorSection(_Strict):
 
     name: str = NATIVE
     config: dict[str, Any] = Field(default_factory=dict)
+    fresh: bool = False  # start from the selector's initialisation even if drafter.init_checkpoint holds one
 
     @field_validator("name")
     @classmethod
@@ -159,6 +161,8 @@ class RunConfig(_Strict):
     def _consistent(self) -> "RunConfig":
         if self.drafter.draft_vocab_size is not None and self.drafter.draft_vocab_size < self.drafter.top_k:
             raise ValueError("drafter.draft_vocab_size must be ≥ drafter.top_k")
+        if self.drafter.freeze and (self.drafter.init_checkpoint is None or not self.selector.trains_selector or not self.train.selector_loss):
+            raise ValueError("drafter.freeze needs drafter.init_checkpoint, a trainable selector.name and train.selector_loss")
         return self
 
 

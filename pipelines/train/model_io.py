@@ -36,9 +36,11 @@ def build_module(cfg: RunConfig, target, train_seqs) -> DraftTrainModule:
             counts = label_counts(train_seqs, target.vocab_size)
             mapping = build_draft_vocab(counts, d.draft_vocab_size, always=target.eos_token_ids)
         drafter = BlockDrafter(DrafterConfig.for_target(target, **overrides), target, draft_to_target=mapping)
+    if d.freeze:  # a fixed backbone: only the selector trains (the selector-head study)
+        drafter.requires_grad_(False)
     selector = None
     if cfg.selector.trains_selector:
-        if continues_selector(cfg, meta):
+        if not cfg.selector.fresh and continues_selector(cfg, meta):
             # Continue training the checkpoint's own selector (e.g. a longer joint run).
             selector = default_registry().from_checkpoint(cfg.selector.name, drafter=drafter, tensors=extra, meta=meta).train()
         else:

@@ -88,6 +88,7 @@ def step_config(cfg: RunConfig, progress: float) -> StepConfig:
         beta=t.credit_blend.at(progress),
         credit_floor=t.credit_floor,
         credit_cap=t.credit_cap,
+        progress=progress,
         switches=LossSwitches(support=t.support_loss, selector=t.selector_loss, credit=not t.uniform_repair_weights),
         micro_batches=t.micro_batches,
         chunk_tokens=t.chunk_tokens,

@@ -84,3 +84,27 @@ def _hf_greedy(target, prompt: list[int], max_new: int) -> list[int]:
 @pytest.fixture(scope="session")
 def hf_greedy():
     return _hf_greedy
+
+
+# Small hyper-parameters per trainable selector, for fast tests on tiny drafters.
+TINY_SELECTOR_CONFIGS = {
+    "drelay": {"d_sel": 32, "read_dim": 32, "compact_dim": 16, "history_len": 8},
+    "dcoco": {"d": 16, "mlp": 16},
+    "dflash2": {"rank": 8},
+    "domino": {"d": 16},
+    "dspark": {"rank": 8},
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_selector_config():
+    return lambda name: dict(TINY_SELECTOR_CONFIGS.get(name, {}))
+
+
+@pytest.fixture()
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy machine they lose a lot."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

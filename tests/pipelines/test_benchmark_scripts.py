@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
         ("analysis/selector_decisions.py", ["--checkpoint", "/nonexistent"], "checkpoint '/nonexistent' not found"),
         ("analysis/trace_repairs.py", ["--checkpoint", "/nonexistent", "--cells", "/nonexistent"], "checkpoint '/nonexistent' not found"),
         ("analysis/trace_repairs.py", ["--checkpoint", str(ROOT / "checkpoints/smollm2-135m"), "--cells", "/nonexistent"], "--cells: no '/nonexistent/gsm8k__ar.json'"),
+        ("benchmarks/bench_selectors.py", ["--trained", "dcoco"], "--trained dcoco: expected NAME=DIR"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(script, args, message):

@@ -22,11 +22,12 @@ from torch import nn
 from drelay_model.drafter.model import DraftBlock
 from drelay_model.errors import DRelayError
 from drelay_model.training.losses import log_p_act
-from drelay_model.selectors.base import Selection, SelectionContext, Selector, SelectorCapabilities
+from drelay_model.selectors.base import Selection, SelectionContext, Selector, SelectorCapabilities, SelectorTrainInputs, SelectorTrainLoss
 from drelay_model.selectors.drelay.causal import CausalSelector, Evidence, decide
 from drelay_model.selectors.drelay.config import DRelayConfig
 from drelay_model.selectors.drelay.global_read import GlobalRead
 from drelay_model.selectors.drelay.walk import WalkResult, walk, walk_inputs
+from drelay_model.selectors.drelay.objective import drelay_training_loss
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,17 @@ class DRelaySelector(Selector):
         ev, _ = self.evidence(block, history, history_mask)
         gate, rank = self.causal.teacher_forced(ev, self.embed(anchor_ids), self.embed(prefix_tokens))
         return SelectorOutput(gate=gate, rank=rank)
+
+    def training_loss(self, inputs: SelectorTrainInputs) -> SelectorTrainLoss:
+        """Eq. 3 weighted by Eq. 5's prefix credit (see `objective.py`)."""
+        return drelay_training_loss(self, inputs)
+
+    @torch.no_grad()
+    def teacher_forced_path(self, block: DraftBlock, *, anchor_ids, labels, history=None, history_mask=None) -> torch.Tensor:
+        """Eq. 2's decisions with the teacher tokens as prefix → the chosen path [B, H] (target ids)."""
+        out = self.forward_train(block, anchor_ids=anchor_ids, prefix_tokens=labels, history=history, history_mask=history_mask)
+        pick = decide(out.gate.float(), out.rank.float())  # [B, H] pool index
+        return block.cand_ids.gather(-1, pick[..., None])[..., 0]
 
     def forward(self, block: DraftBlock, **kwargs) -> SelectorOutput:
         """Alias of `forward_train`, so wrappers that call the module (DDP) work."""

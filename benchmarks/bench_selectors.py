@@ -1,0 +1,105 @@
+"""Select-phase cost per round and parameters of every trainable selector head, on one backbone.
+
+Dims of the CPU default (smollm2-135m): D = 576, H = 15 slots, K = 16 candidates. The drafter is the
+bundled checkpoint (checkpoints/<target>/, or --checkpoint); each head is built fresh at its default
+config (DRelay at the shipped d_sel = 256) and its weights randomised (std 0.02 on every parameter,
+so that no head short-cuts to the native path), or loaded from --trained LABEL=DIR (a checkpoint that
+holds that head, e.g. a study run's drafter/). Batch 1, fp32, one block drafted after a ~200-token
+verified context; per repetition all heads select on the same block, medians reported:
+  select ms   selector.select(block, ctx): one round's select phase
+  ÷ draft     select / drafter.draft(...) on the same block
+  params      the head's trainable parameters (the frozen embedding is shared, not counted)
+
+Run:  .venv/bin/python benchmarks/bench_selectors.py                 # 1 thread, ~1 min
+      .venv/bin/python benchmarks/bench_selectors.py --trained dcoco=outputs/train/smollm2-135m-selectors-dcoco/drafter
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--checkpoint", help="drafter checkpoint (default: the bundled one)")
+    p.add_argument("--trained", action="append", default=[], metavar="NAME=DIR", help="a trained head instead of a random one")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--context", type=int, default=200)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from drelay_model.decoding.history import VerifiedHistory
+    from drelay_model.drafter import load_drafter
+    from drelay_model.errors import DRelayError
+    from drelay_model.selectors import SelectionContext, default_registry, trainable_selectors
+    from drelay_model.target import load_target
+
+    trained = {}
+    for item in args.trained:
+        name, eq, path = item.partition("=")
+        if not eq or name not in trainable_selectors() or not Path(path).is_dir():
+            raise DRelayError(f"--trained {item}: expected NAME=DIR with NAME one of {', '.join(trainable_selectors())} and DIR a checkpoint directory")
+        trained[name] = path
+    if args.reps < 1 or args.threads < 1:
+        raise DRelayError("--reps and --threads must be ≥ 1")
+    target = load_target(args.target)
+    drafter, _, _ = load_drafter(args.checkpoint or ROOT / "checkpoints" / args.target, target)
+    drafter.eval()
+    registry = default_registry()
+    heads = {}
+    for name in trainable_selectors():
+        if name in trained:
+            d, extra, meta = load_drafter(trained[name], target)
+            heads[name] = registry.from_checkpoint(name, drafter=d, tensors=extra, meta=meta)
+            continue
+        torch.manual_seed(0)
+        heads[name] = registry.create(name, drafter=drafter, config={"d_sel": 256, "heads": 4, "history_len": 64} if name == "drelay" else None)
+        for param in heads[name].parameters():
+            torch.nn.init.normal_(param, std=0.02)
+        heads[name].eval()
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (1, args.context), generator=g)
+    cache = target.new_cache(1, args.context + 32)
+    res = target(ids, cache, feature_layers=drafter.config.target_layer_ids)
+    ctx_cache = drafter.new_context_cache(1, args.context + 32)
+    drafter.extend_context(res.features, ctx_cache)
+    hist = VerifiedHistory(1, 64, res.features.shape[-1])
+    hist.push(res.features, torch.tensor([args.context]))
+    anchor = ids[:, -1]
+    ctx = SelectionContext(anchor_ids=anchor, anchor_pos=torch.tensor([args.context]), row_ids=torch.tensor([0]),
+                           history=hist.feats, history_mask=hist.mask())  # fmt: skip
+    draft_t, select_t = [], {n: [] for n in heads}
+    with torch.inference_mode():
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            block = drafter.draft(anchor, ctx_cache)
+            draft_t.append(time.perf_counter() - t0)
+            for name, head in heads.items():
+                t0 = time.perf_counter()
+                head.select(block, ctx)
+                select_t[name].append(time.perf_counter() - t0)
+    draft = statistics.median(draft_t)
+    print(f"{args.target}: drafter.draft {draft * 1e3:.2f} ms/round (median of {args.reps}, {args.threads} thread(s))")
+    print("| selector | params | select ms/round | ÷ draft |\n|---|---|---|---|")
+    for name, head in heads.items():
+        s = statistics.median(select_t[name])
+        n_params = sum(p.numel() for p in head.parameters())
+        print(f"| {name}{' (trained)' if name in trained else ''} | {n_params:,} | {s * 1e3:.2f} | {s / draft:.2f} |")
+
+
+if __name__ == "__main__":
+    from pipelines.cli import guarded
+
+    raise SystemExit(guarded(main, Path(__file__).name))
