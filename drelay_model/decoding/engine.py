@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -112,8 +113,9 @@ class SpeculativeEngine:
         stats.time_prefill = time.perf_counter() - t_start
         out: list[list[int]] = [[t] for t in state.anchor.tolist()]
         state.keep([b for b in state.rows if not self._finished(out[b], config, eos)])
+        verify = partial(accept, temperature=config.temperature, generator=gen)
         while state.rows:
-            accepted, next_tok, path = self._round(state, config, gen, stats)
+            accepted, next_tok, path = self._round(state, verify, stats)
             committed = []
             n_list, x_list, p_list = accepted.tolist(), next_tok.tolist(), path.tolist()  # one host copy
             for i, b in enumerate(state.rows):
@@ -128,14 +130,21 @@ class SpeculativeEngine:
 
     # ---- phases --------------------------------------------------------------------------------
     def _prefill(self, prompts, config: GenerationConfig, gen) -> "_BatchState":
+        capacity = max(len(p) for p in prompts) + config.max_new_tokens + self.num_slots + 2
+        state, last_logits = self._prefill_rows(prompts, list(range(len(prompts))), capacity)
+        state.anchor = pick_tokens(last_logits, config.temperature, gen)  # [B]
+        return state
+
+    def _prefill_rows(self, prompts, rows: list[int], capacity: int) -> tuple["_BatchState", torch.Tensor]:
+        """Prefill prompts into fresh caches of `capacity` positions; returns the state (no anchor
+        yet) and the target's logits at each prompt's last position [B, V] float32."""
         B = len(prompts)
         lengths = torch.tensor([len(p) for p in prompts])
         P = int(lengths.max())
         ids = torch.zeros(B, P, dtype=torch.long)
         for b, p in enumerate(prompts):
             ids[b, : len(p)] = torch.tensor(p)
-        capacity = P + config.max_new_tokens + self.num_slots + 2
-        state = _BatchState(rows=list(range(B)), cache=self.target.new_cache(B, capacity))
+        state = _BatchState(rows=list(rows), cache=self.target.new_cache(B, capacity))
         res = self.target(ids, state.cache, feature_layers=self.feature_layers, logits_at=(lengths - 1)[:, None])
         state.cache.crop(lengths)
         if self.drafter is not None:
@@ -145,11 +154,13 @@ class SpeculativeEngine:
         if self.history_len:
             state.history = VerifiedHistory(B, self.history_len, res.features.shape[-1], dtype=res.features.dtype)
             state.history.push(res.features, lengths)
-        state.anchor = pick_tokens(res.logits[:, 0], config.temperature, gen)  # [B]
-        return state
+        return state, res.logits[:, 0]
 
-    def _round(self, state: "_BatchState", config: GenerationConfig, gen, stats: DecodeStats):
+    def _round(self, state: "_BatchState", verify, stats: DecodeStats):
         """One batched round; returns accepted [R], next token [R], path [R, G].
+
+        `verify(path, target_logits, length) -> (accepted, next_token)` is the acceptance rule
+        (`accept` with the call's temperature; the continuous batcher passes per-row settings).
 
         Timing: `draft` = drafter forwards (block + context extension), `select` = the selector,
         `verify` = the target forward; everything else (acceptance, cache crops, host bookkeeping)
@@ -173,7 +184,7 @@ class SpeculativeEngine:
         t0 = clock()
         res = self.target(torch.cat([anchor[:, None], path], dim=1), cache, feature_layers=self.feature_layers)
         stats.time_verify += clock() - t0
-        accepted, next_tok = accept(path, res.logits, length, temperature=config.temperature, generator=gen)
+        accepted, next_tok = verify(path, res.logits, length)
         # Keep the anchor and the accepted drafts; the next token becomes the new (uncached) anchor.
         cache.crop(start + 1 + accepted)
         if state.ctx is not None:
