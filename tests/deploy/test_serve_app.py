@@ -205,3 +205,19 @@ def test_saturation_answers_503_with_retry_after(server, client):
         else:
             assert r.json()["usage"]["completion_tokens"] == 200
     assert client.completions.create(model=MODEL, prompt="after", max_tokens=3, temperature=0).usage.completion_tokens == 3
+
+
+def test_prometheus_metrics_are_exported(server, client):
+    """The per-request series reach the node's Prometheus endpoint, tagged by method and route."""
+    client.completions.create(model=MODEL, prompt="metrics", max_tokens=5, temperature=0)
+    port = ray.nodes()[0]["MetricsExportPort"]
+    wanted = ("drelay_request_latency_s", "drelay_time_to_first_token_s", "drelay_tokens_per_s", "drelay_tau", "drelay_requests")
+    deadline, text = time.time() + 60, ""
+    while time.time() < deadline:
+        text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        if all(name in text for name in wanted):
+            break
+        time.sleep(2)
+    missing = [name for name in wanted if name not in text]
+    assert not missing, f"not exported: {missing}"
+    assert 'method="native"' in text and 'route="completions"' in text
