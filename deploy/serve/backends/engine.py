@@ -113,12 +113,18 @@ class EngineBackend(Backend):
             max_new_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
             top_k=request.top_k, seed=request.seed, stop=request.stop,
         )
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        loop, queue, rid_box = asyncio.get_running_loop(), asyncio.Queue(), []
 
         def on_update(update: RequestUpdate) -> None:
+            if loop.is_closed():  # the caller's loop is gone: nothing to deliver to
+                self.batcher.cancel(rid_box[0])
+                return
             loop.call_soon_threadsafe(queue.put_nowait, update)
+            if update.finished:  # free the slot even if no one ever reads the stream (client gone early)
+                loop.call_soon_threadsafe(self._queues.pop, rid_box[0], None)
 
         rid = self.batcher.submit(request.prompt_ids, params, on_update)
+        rid_box.append(rid)  # set before the loop runs any callback scheduled above
         self._queues[rid] = (loop, queue)
         self._wake.set()
         return self._stream(rid, queue)
