@@ -134,8 +134,10 @@ class SpeculativeEngine:
         stats.time_prefill = time.perf_counter() - t_start
         out: list[list[int]] = [[t] for t in state.anchor.tolist()]
         state.keep([b for b in state.rows if not self._finished(out[b], config, eos)])
+        # The acceptance rule; per-row generators are read at call time (rows leave the batch).
+        verify = lambda path, logits, length: accept(path, logits, length, temperature=config.temperature, generator=state.generators)  # noqa: E731
         while state.rows:
-            accepted, next_tok, path = self._round(state, config, state.generators, stats, policy)
+            accepted, next_tok, path = self._round(state, verify, stats, policy)
             committed = []
             n_list, x_list, p_list = accepted.tolist(), next_tok.tolist(), path.tolist()  # one host copy
             for i, b in enumerate(state.rows):
@@ -150,6 +152,14 @@ class SpeculativeEngine:
 
     # ---- phases --------------------------------------------------------------------------------
     def _prefill(self, prompts, config: GenerationConfig, gen) -> "_BatchState":
+        capacity = config.kv_positions(max(len(p) for p in prompts), self.num_slots)
+        state, last_logits = self._prefill_rows(prompts, list(range(len(prompts))), capacity)
+        state.anchor = pick_tokens(last_logits, config.temperature, gen)  # [B]
+        return state
+
+    def _prefill_rows(self, prompts, rows: list[int], capacity: int) -> tuple["_BatchState", torch.Tensor]:
+        """Prefill prompts into fresh caches of `capacity` positions; returns the state (no anchor
+        yet) and the target's logits at each prompt's last position [B, V] float32."""
         B, dev = len(prompts), self.device
         lengths = torch.tensor([len(p) for p in prompts])
         P = int(lengths.max())
@@ -157,8 +167,7 @@ class SpeculativeEngine:
         for b, p in enumerate(prompts):
             ids[b, : len(p)] = torch.tensor(p)
         ids, lengths = ids.to(dev), lengths.to(dev)  # one host→device copy each
-        capacity = config.kv_positions(P, self.num_slots)
-        state = _BatchState(rows=list(range(B)), cache=self.target.new_cache(B, capacity))
+        state = _BatchState(rows=list(rows), cache=self.target.new_cache(B, capacity))
         res = self.target(ids, state.cache, feature_layers=self.feature_layers, logits_at=(lengths - 1)[:, None])
         state.cache.crop(lengths)
         if self.drafter is not None:
@@ -168,11 +177,13 @@ class SpeculativeEngine:
         if self.history_len:
             state.history = VerifiedHistory(B, self.history_len, res.features.shape[-1], dtype=res.features.dtype, device=dev)
             state.history.push(res.features, lengths)
-        state.anchor = pick_tokens(res.logits[:, 0], config.temperature, gen)  # [B]
-        return state
+        return state, res.logits[:, 0]
 
-    def _round(self, state: "_BatchState", config: GenerationConfig, gen, stats: DecodeStats, policy: CostAwareLength | None = None):
+    def _round(self, state: "_BatchState", verify, stats: DecodeStats, policy: CostAwareLength | None = None):
         """One batched round; returns accepted [R], next token [R], path [R, G].
+
+        `verify(path, target_logits, length) -> (accepted, next_token)` is the acceptance rule
+        (`accept` with the call's temperature; the continuous batcher passes per-row settings).
 
         Timing: `draft` = drafter forwards (block + context extension), `select` = the selector,
         `verify` = the target forward; everything else (acceptance, cache crops, host bookkeeping)
@@ -205,7 +216,7 @@ class SpeculativeEngine:
         t0 = clock()
         res = self.target(torch.cat([anchor[:, None], path], dim=1), cache, feature_layers=self.feature_layers)
         stats.time_verify += clock() - t0
-        accepted, next_tok = accept(path, res.logits, length, temperature=config.temperature, generator=gen)
+        accepted, next_tok = verify(path, res.logits, length)
         if q is not None:
             policy.observe(q, length, accepted)
         # Keep the anchor and the accepted drafts; the next token becomes the new (uncached) anchor.

@@ -1,0 +1,1 @@
+"""Serve backends: `engine` (this project's engine) and `sglang` (an SGLang server with DRelay)."""

@@ -1,0 +1,75 @@
+"""The backend interface the Serve app talks to: token ids in, streamed token ids + spec statistics out.
+
+A backend owns the model and its decoding; the app owns HTTP, prompt rendering, limits and metrics.
+Chunks carry token ids; the app detokenises them (one tokenizer, whichever backend runs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from drelay_model.errors import DRelayError
+
+
+class Overloaded(DRelayError):
+    """The backend's queue is full; the app answers 503 with Retry-After."""
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: Callable[[list[int]], bool] | None = None  # predicate on generated ids (stop strings)
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """SGLang's per-request speculative statistics (the `sglext` fields).
+
+    verify_ct         verification rounds (target forwards after prefill).
+    accept_histogram  [H+1] rounds that accepted exactly n drafts.
+    completion_tokens generated tokens; accept_length = completion_tokens / verify_ct (SGLang's rule).
+    """
+
+    verify_ct: int
+    accept_histogram: list[int] = field(default_factory=list)
+    completion_tokens: int = 0
+
+    @property
+    def accept_length(self) -> float:
+        return self.completion_tokens / self.verify_ct if self.verify_ct else 0.0
+
+
+@dataclass(frozen=True)
+class GenChunk:
+    """Newly committed ids; the last chunk has finish_reason ('stop' | 'length') and the stats."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None
+    spec: SpecStats | None = None
+
+
+class Backend:
+    """What a backend implements; see EngineBackend and SGLangBackend."""
+
+    method: str
+    context_window: int
+    tokenizer: object
+
+    def generate(self, request: GenRequest) -> AsyncIterator[GenChunk]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def load(self) -> dict[str, int]:
+        """{'running': n, 'waiting': m} right now (admission control, metrics)."""
+        return {"running": 0, "waiting": 0}
+
+    def ready(self) -> bool:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def shutdown(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError

@@ -1,0 +1,148 @@
+"""`engine` backend: this project's engine with continuous batching, any registered selector, CPU or GPU.
+
+One daemon thread drives `ContinuousBatcher.step()` while requests are queued or running; request
+coroutines submit to the batcher and read their committed ids from an asyncio queue that the
+batcher's per-round callback feeds (`loop.call_soon_threadsafe`). A client that goes away cancels
+its request, so its row leaves the batch at the next round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+
+from deploy.serve.backends.base import Backend, GenChunk, GenRequest, Overloaded, SpecStats
+from deploy.serve.config import EngineSection, LimitsSection
+from drelay_model.decoding import SpeculativeEngine
+from drelay_model.decoding.batcher import ContinuousBatcher, RequestUpdate
+from drelay_model.decoding.sampling import SamplingParams
+from drelay_model.errors import DRelayError
+from drelay_model.target import SMOLLM2, load_target
+from pipelines.common.methods import load_method, resolve_method
+
+log = logging.getLogger(__name__)
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def _repo_path(path: str | None) -> str | None:
+    """Config paths are relative to the repository root (replicas may run in another directory)."""
+    if path is None or Path(path).is_absolute() or Path(path).exists():
+        return path
+    return str(REPO_ROOT / path)
+
+
+def load_tokenizer(spec: str):
+    """A tokenizer by spec: 'smollm2-135m' (the bundled CPU default) or a Hugging Face directory."""
+    from transformers import AutoTokenizer
+
+    if spec == SMOLLM2:
+        from drelay_model.target.loading import _smollm2_dir  # converts the bundled GGUF once
+
+        spec = str(_smollm2_dir())
+    try:
+        return AutoTokenizer.from_pretrained(spec)
+    except (OSError, ValueError) as exc:
+        raise DRelayError(f"engine.tokenizer: cannot load '{spec}': {str(exc).splitlines()[0]}") from None
+
+
+class EngineBackend(Backend):
+    def __init__(self, cfg: EngineSection, limits: LimitsSection) -> None:
+        target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype)  # a one-line error without CUDA
+        spec = resolve_method(cfg.method, target_spec=cfg.target, checkpoint=_repo_path(cfg.checkpoint), random_drafter=cfg.random_drafter)
+        drafter, selector = load_method(spec, target)
+        self.method = cfg.method
+        self.engine = SpeculativeEngine(target, drafter, selector)
+        self.batcher = ContinuousBatcher(self.engine, max_batch=cfg.max_batch)
+        self.tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else target.tokenizer
+        if self.tokenizer is None:
+            raise DRelayError(f"engine.tokenizer: target '{cfg.target}' has no tokenizer; name one")
+        self.context_window = target.max_positions
+        self.max_waiting = limits.max_waiting
+        self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._drive, name="drelay-batcher", daemon=True)
+        self._thread.start()
+
+    # ---- the driving thread --------------------------------------------------------------------
+    def _drive(self) -> None:
+        while not self._stopping:
+            if self.batcher.idle:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                self.batcher.step()
+            except Exception as exc:  # an engine failure fails the requests in flight, not the replica
+                log.exception("engine step failed")
+                self._fail_all(exc)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for loop, queue in list(self._queues.values()):
+            loop.call_soon_threadsafe(queue.put_nowait, exc)
+        self._queues.clear()
+        self.batcher = ContinuousBatcher(self.engine, max_batch=self.batcher.max_batch)
+
+    # ---- the interface -------------------------------------------------------------------------
+    def load(self) -> dict[str, int]:
+        return {"running": self.batcher.num_running, "waiting": self.batcher.num_pending}
+
+    def ready(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def check_prompt(self, prompt_ids: list[int], max_tokens: int) -> None:
+        self.batcher.check_prompt(prompt_ids, max_tokens)
+
+    def submit(self, request: GenRequest) -> AsyncIterator[GenChunk]:
+        """Validate and queue now (raising DRelayError / Overloaded before any response is sent);
+        the returned iterator streams the request's chunks."""
+        in_flight = len(self._queues)  # submitted and not finished (the driver may not have admitted them yet)
+        if in_flight >= self.batcher.max_batch + self.max_waiting:
+            raise Overloaded(f"replica saturated: {in_flight} requests in flight "
+                             f"(max_batch {self.batcher.max_batch} + max_waiting {self.max_waiting})")
+        params = SamplingParams(
+            max_new_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
+            top_k=request.top_k, seed=request.seed, stop=request.stop,
+        )
+        loop, queue, rid_box = asyncio.get_running_loop(), asyncio.Queue(), []
+
+        def on_update(update: RequestUpdate) -> None:
+            if loop.is_closed():  # the caller's loop is gone: nothing to deliver to
+                self.batcher.cancel(rid_box[0])
+                return
+            loop.call_soon_threadsafe(queue.put_nowait, update)
+            if update.finished:  # free the slot even if no one ever reads the stream (client gone early)
+                loop.call_soon_threadsafe(self._queues.pop, rid_box[0], None)
+
+        rid = self.batcher.submit(request.prompt_ids, params, on_update)
+        rid_box.append(rid)  # set before the loop runs any callback scheduled above
+        self._queues[rid] = (loop, queue)
+        self._wake.set()
+        return self._stream(rid, queue)
+
+    async def _stream(self, rid: int, queue: asyncio.Queue) -> AsyncIterator[GenChunk]:
+        finished = False
+        try:
+            while not finished:
+                update = await queue.get()
+                if isinstance(update, Exception):
+                    raise update
+                finished = update.finished
+                spec = None
+                if finished:
+                    s = update.stats
+                    spec = SpecStats(verify_ct=s.rounds, accept_histogram=list(s.accept_hist), completion_tokens=s.generated)
+                yield GenChunk(token_ids=update.new_tokens, finish_reason=update.finish_reason if finished else None, spec=spec)
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self.batcher.cancel(rid)  # the client went away: free the row
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=5)

@@ -1,0 +1,51 @@
+"""`drelay serve --config platform/serve/<name>.yaml`: start Ray Serve locally with the application and
+block until Ctrl-C / SIGTERM, then shut down gracefully (in-flight requests get
+`graceful_shutdown_timeout_s` to finish). The CLI module only wires these two functions."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+
+from drelay_model.errors import DRelayError
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="serve config (platform/serve/*.yaml)")
+    parser.add_argument("--host", help="override the config's host")
+    parser.add_argument("--port", type=int, help="override the config's port")
+
+
+def start(cfg, *, name: str = "drelay"):
+    """Start (or join) a local Ray cluster and deploy `cfg`; returns the base URL once ready."""
+    import ray
+    from ray import serve
+
+    from deploy.serve.app import application
+
+    if not ray.is_initialized():
+        ray.init(log_to_driver=False)
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    serve.run(application(cfg), name=name, route_prefix=cfg.route_prefix, blocking=False)
+    return f"http://{cfg.host}:{cfg.port}"
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from deploy.serve.config import load_serve_config
+
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    cfg = load_serve_config(args.config, overrides)
+    if cfg.port in (None, 0):
+        raise DRelayError("port: must be set")
+    url = start(cfg)
+    print(f"serving '{cfg.model_id}' ({cfg.backend}, method {cfg.method}) at {url}/v1  — Ctrl-C to stop", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    from ray import serve
+
+    print("shutting down (finishing in-flight requests)…", flush=True)
+    serve.shutdown()
+    return 0

@@ -1,0 +1,136 @@
+"""Serve configs: one strict YAML file per endpoint under platform/serve/.
+
+    drelay serve --config platform/serve/smollm2-135m.yaml
+
+Unknown keys are rejected and values range-checked, so a typo is a one-line error naming the field.
+Secrets never live in the file: `auth.api_key_env` names an environment variable holding the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from drelay_model.errors import DRelayError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineSection(_Strict):
+    """The project's own engine (CPU or GPU) with any registered selector, or `ar`."""
+
+    target: str = "smollm2-135m"
+    method: str = "drelay"
+    checkpoint: str | None = None  # default: the drafter bundled for the target (checkpoints/<target>)
+    random_drafter: bool = False  # an untrained drafter (tests and timing only)
+    tokenizer: str | None = None  # default: the target's own; else a HF directory or 'smollm2-135m'
+    device: Literal["cpu", "cuda", "auto"] = "cpu"  # auto: CUDA when present
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    max_batch: int = Field(16, ge=1, le=1024)  # rows decoded together (continuous batching)
+
+
+class SGLangSection(_Strict):
+    """An SGLang server subprocess with the DRelay algorithm (GPU hosts; the sglang extra)."""
+
+    model_path: str
+    draft_model_path: str
+    algorithm: str = "DRELAY"
+    num_draft_tokens: int = Field(16, ge=2, le=64)
+    port: int = Field(30000, ge=1024, le=65535)
+    mem_fraction_static: float = Field(0.8, gt=0.0, le=1.0)
+    extra_args: tuple[str, ...] = ()
+    startup_timeout_s: float = Field(900.0, gt=0)
+
+
+class LimitsSection(_Strict):
+    """Per-request limits: a request over them gets a 400 naming the field."""
+
+    max_tokens: int = Field(1024, ge=1)  # largest max_tokens a request may ask for
+    default_max_tokens: int = Field(256, ge=1)
+    max_prompt_tokens: int = Field(4096, ge=1)
+    max_temperature: float = Field(2.0, ge=0.0, le=100.0)
+    max_waiting: int = Field(32, ge=0)  # requests queued in a replica beyond its batch; more → 503
+    retry_after_s: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _defaults_fit(self) -> "LimitsSection":
+        if self.default_max_tokens > self.max_tokens:
+            raise ValueError(f"default_max_tokens ({self.default_max_tokens}) exceeds max_tokens ({self.max_tokens})")
+        return self
+
+
+class AutoscalingSection(_Strict):
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(4.0, gt=0)
+    upscale_delay_s: float = Field(10.0, ge=0)
+    downscale_delay_s: float = Field(60.0, ge=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "AutoscalingSection":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        return self
+
+
+class AuthSection(_Strict):
+    api_key_env: str | None = None  # when set (and the variable is non-empty), requests need `Bearer <key>`
+
+
+class ServeConfig(_Strict):
+    model_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/+-]{0,127}$")  # the name clients send as `model`
+    backend: Literal["engine", "sglang"] = "engine"
+    engine: EngineSection = EngineSection()
+    sglang: SGLangSection | None = None
+    limits: LimitsSection = LimitsSection()
+    autoscaling: AutoscalingSection = AutoscalingSection()
+    max_ongoing_requests: int = Field(48, ge=1)  # per replica (Ray Serve)
+    max_queued_requests: int = Field(256, ge=-1)  # at the proxy, across replicas (-1: unbounded)
+    num_cpus: float = Field(1.0, gt=0)  # per replica
+    num_gpus: float = Field(0.0, ge=0)
+    graceful_shutdown_timeout_s: float = Field(60.0, ge=0)  # in-flight requests get this long to finish
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    route_prefix: str = "/"
+    auth: AuthSection = AuthSection()
+
+    @model_validator(mode="after")
+    def _backend_section(self) -> "ServeConfig":
+        if self.backend == "sglang" and self.sglang is None:
+            raise ValueError("backend 'sglang' needs an `sglang:` section")
+        if self.backend == "engine" and self.max_ongoing_requests < self.engine.max_batch:
+            raise ValueError(f"max_ongoing_requests ({self.max_ongoing_requests}) is below engine.max_batch ({self.engine.max_batch})")
+        return self
+
+    @property
+    def method(self) -> str:
+        """What the response reports as the decoding method."""
+        return self.engine.method if self.backend == "engine" else self.sglang.algorithm.lower()
+
+
+def parse_config(doc: dict, *, source: str = "serve config") -> ServeConfig:
+    try:
+        return ServeConfig.model_validate(doc)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        raise DRelayError(f"{source}: {where}: {err['msg']}") from None
+
+
+def load_serve_config(path: str | Path, overrides: dict | None = None) -> ServeConfig:
+    """Read a YAML serve config (plus top-level overrides) into a validated `ServeConfig`."""
+    path = Path(path)
+    if not path.is_file():
+        raise DRelayError(f"serve config '{path}' not found")
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise DRelayError(f"serve config '{path}' is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(doc, dict):
+        raise DRelayError(f"serve config '{path}' must be a mapping")
+    return parse_config({**doc, **(overrides or {})}, source=str(path))

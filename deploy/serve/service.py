@@ -1,0 +1,200 @@
+"""The OpenAI routes' logic, independent of Ray: validate → render the prompt → submit to the backend →
+answer in one JSON body or as server-sent events. Every answer carries `usage`; requests that set
+`return_spec_tokens_details: true` also get SGLang's `sglext` object (+ the method name)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from deploy.serve.backends.base import Backend, GenChunk, GenRequest, Overloaded, SpecStats
+from deploy.serve.config import ServeConfig
+from deploy.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse_body
+from drelay_model.errors import DRelayError
+
+
+class _Text:
+    """Incremental detokenisation with stop strings: `push` returns the text safe to send now
+    (never past a stop string, never half a UTF-8 character)."""
+
+    def __init__(self, tokenizer, stops: list[str]) -> None:
+        self.tokenizer, self.stops, self.ids, self.sent = tokenizer, stops, [], 0
+        self.hold = max((len(s) for s in stops), default=1) - 1  # a stop string may still be forming
+
+    def full(self) -> str:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        for s in self.stops:
+            i = text.find(s)
+            text = text if i < 0 else text[:i]
+        return text
+
+    def push(self, ids: list[int], final: bool) -> str:
+        self.ids += ids
+        text = self.full()
+        if not final:
+            text = text.rstrip("\ufffd")
+            text = text[: max(len(text) - self.hold, 0)]
+        delta = text[self.sent :]
+        self.sent = max(self.sent, len(text))
+        return delta
+
+
+def _stop_predicate(tokenizer, stops: list[str]):
+    """True once the generated ids' tail contains a stop string (runs on the engine thread)."""
+    if not stops:
+        return None
+    tail = 2 * max(len(s) for s in stops) + 4  # tokens: enough to hold any stop string
+
+    def stop(ids: list[int]) -> bool:
+        text = tokenizer.decode(ids[-tail:], skip_special_tokens=True)
+        return any(s in text for s in stops)
+
+    return stop
+
+
+class Service:
+    def __init__(self, cfg: ServeConfig, backend: Backend, api_key: str | None = None, metrics=None) -> None:
+        self.cfg, self.backend, self.api_key, self.metrics = cfg, backend, api_key, metrics
+
+    # ---- small routes --------------------------------------------------------------------------
+    def check_auth(self, authorization: str | None) -> None:
+        if self.api_key and authorization != f"Bearer {self.api_key}":
+            raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.cfg.model_id, "object": "model", "created": 0, "owned_by": "drelay",
+                                            "method": self.cfg.method}]}
+
+    # ---- generation ----------------------------------------------------------------------------
+    async def generate(self, route: str, raw: bytes) -> dict | AsyncIterator[str]:
+        """route 'chat' or 'completions'; a dict (one body) or an SSE line iterator (stream)."""
+        body = parse_body(raw, ChatRequest if route == "chat" else CompletionRequest)
+        if body.model != self.cfg.model_id:
+            raise ApiError(404, f"model '{body.model}' does not exist (served: {self.cfg.model_id})", param="model", code="model_not_found")
+        prompt_ids, field = self._prompt(route, body)
+        max_tokens = self._max_tokens(body)
+        lim = self.cfg.limits
+        temperature = 1.0 if body.temperature is None else body.temperature
+        if not 0.0 <= temperature <= lim.max_temperature:
+            raise ApiError(400, f"temperature: must be in [0, {lim.max_temperature}], got {temperature}", param="temperature")
+        if len(prompt_ids) > lim.max_prompt_tokens:
+            raise ApiError(400, f"{field}: {len(prompt_ids)} prompt tokens, over the limit of {lim.max_prompt_tokens}",
+                           param=field, code="context_length_exceeded")
+        stops = body.stop_list()
+        request = GenRequest(
+            prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=body.top_p or 1.0,
+            top_k=body.top_k or 0, seed=body.seed or 0, stop=_stop_predicate(self.backend.tokenizer, stops),
+        )
+        try:
+            chunks = self.backend.submit(request)
+        except Overloaded as exc:
+            raise ApiError(503, str(exc), type="server_error", code="overloaded",
+                           headers={"Retry-After": str(lim.retry_after_s)}) from None
+        except DRelayError as exc:
+            raise ApiError(400, f"{field}: {exc}", param=field, code="context_length_exceeded") from None
+        call = _Call(route, body, len(prompt_ids), _Text(self.backend.tokenizer, stops), self)
+        return call.stream(chunks) if body.stream else await call.collect(chunks)
+
+    def _prompt(self, route: str, body) -> tuple[list[int], str]:
+        tok = self.backend.tokenizer
+        if route == "chat":
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            enc = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = enc["input_ids"] if hasattr(enc, "keys") else enc
+            return list(ids), "messages"
+        if isinstance(body.prompt, str):
+            if not body.prompt:
+                raise ApiError(400, "prompt: must not be empty", param="prompt")
+            return list(tok(body.prompt)["input_ids"]), "prompt"
+        if not body.prompt:
+            raise ApiError(400, "prompt: must not be empty", param="prompt")
+        return list(body.prompt), "prompt"
+
+    def _max_tokens(self, body) -> int:
+        n = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        n = self.cfg.limits.default_max_tokens if n is None else n
+        if not 1 <= n <= self.cfg.limits.max_tokens:
+            raise ApiError(400, f"max_tokens: must be in [1, {self.cfg.limits.max_tokens}], got {n}", param="max_tokens")
+        return n
+
+
+class _Call:
+    """One generation request being answered."""
+
+    def __init__(self, route: str, body, prompt_tokens: int, text: _Text, service: Service) -> None:
+        self.route, self.body, self.prompt_tokens, self.text, self.service = route, body, prompt_tokens, text, service
+        self.id = ("chatcmpl-" if route == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.t0, self.t_first, self.n_tokens = time.perf_counter(), None, 0
+
+    def _track(self, chunk: GenChunk) -> None:
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        self.n_tokens += len(chunk.token_ids)
+
+    def _done(self, spec: SpecStats | None) -> tuple[dict, dict | None]:
+        """usage and (when asked) sglext; records the request's metrics."""
+        completion = spec.completion_tokens if spec else self.n_tokens
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion, "total_tokens": self.prompt_tokens + completion}
+        metrics = self.service.metrics
+        if metrics is not None:
+            tau = (spec.completion_tokens - 1) / spec.verify_ct if spec and spec.verify_ct else None
+            metrics.finished(self.route, latency=time.perf_counter() - self.t0, ttft=(self.t_first or self.t0) - self.t0,
+                             tokens=completion, tau=tau)
+        sglext = None
+        if self.body.return_spec_tokens_details and spec is not None:
+            sglext = {"spec_verify_ct": spec.verify_ct, "spec_accept_length": spec.accept_length,
+                      "spec_accept_histogram": spec.accept_histogram, "method": self.service.cfg.method}
+        return usage, sglext
+
+    def _choice(self, text: str, finish: str | None, *, delta: bool) -> dict:
+        if self.route == "completions":
+            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        if delta:
+            return {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish}
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+
+    def _object(self, stream: bool) -> str:
+        if self.route == "chat":
+            return "chat.completion.chunk" if stream else "chat.completion"
+        return "text_completion"
+
+    def _envelope(self, stream: bool, **fields) -> dict:
+        return {"id": self.id, "object": self._object(stream), "created": self.created, "model": self.body.model, **fields}
+
+    async def collect(self, chunks: AsyncIterator[GenChunk]) -> dict:
+        last = None
+        async for chunk in chunks:
+            self._track(chunk)
+            self.text.push(chunk.token_ids, final=chunk.finish_reason is not None)
+            last = chunk
+        usage, sglext = self._done(last.spec)
+        out = self._envelope(False, choices=[self._choice(self.text.full(), last.finish_reason, delta=False)], usage=usage)
+        if sglext is not None:
+            out["sglext"] = sglext
+        return out
+
+    async def stream(self, chunks: AsyncIterator[GenChunk]) -> AsyncIterator[str]:
+        def sse(obj: dict) -> str:
+            return f"data: {json.dumps(obj)}\n\n"
+
+        try:
+            if self.route == "chat":
+                role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                yield sse(self._envelope(True, choices=[role]))
+            async for chunk in chunks:
+                self._track(chunk)
+                delta = self.text.push(chunk.token_ids, final=chunk.finish_reason is not None)
+                if delta or chunk.finish_reason:
+                    yield sse(self._envelope(True, choices=[self._choice(delta, chunk.finish_reason, delta=True)]))
+                if chunk.finish_reason:
+                    usage, sglext = self._done(chunk.spec)
+                    tail = self._envelope(True, choices=[], usage=usage)
+                    if sglext is not None:
+                        tail["sglext"] = sglext
+                    yield sse(tail)
+        except Exception as exc:  # the engine failed mid-stream: tell the client in-band
+            yield sse(ApiError(500, f"generation failed: {exc}", type="server_error").body())
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,311 @@
+"""Continuous batching: requests join and leave the engine's batch between rounds.
+
+    submit(prompt, params)      queue a request (thread-safe); it joins at the next `step`
+    step():  admit   prefill the queued requests into caches of their own, pick each first token,
+                     and concatenate their rows onto the running batch (KV capacity grows to the
+                     largest need; it shrinks again when long requests leave)
+             round   one engine round (draft → select → verify) over every running row, with each
+                     row's own acceptance rule (`sampling.accept_rows`)
+             commit  per row: append tokens up to EOS / the stop predicate / the budget, update the
+                     request's statistics, call its `on_update` with the newly committed ids
+             leave   drop finished and cancelled rows from every per-row state
+
+Every row's computation is independent of the other rows (per-row cache lengths and masks), so a
+request's greedy output is the one it gets decoded alone, whoever shares the batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from drelay_model.decoding.engine import SpeculativeEngine, _BatchState
+from drelay_model.decoding.sampling import SamplingParams, accept_rows, pick_row
+from drelay_model.decoding.stats import DecodeStats, tau_of
+from drelay_model.errors import DRelayError
+from drelay_model.kv_cache import KVCache
+
+
+@dataclass
+class RequestStats:
+    """One request's decoding counters (SGLang's names in brackets).
+
+    rounds        verification rounds the request took part in [spec_verify_ct].
+    committed     tokens committed by those rounds = accepted + bonus (the prefill token excluded).
+    accepted      drafted tokens accepted and committed; bonus = one target token per round.
+    accept_hist   [H+1]: accept_hist[n] = rounds that committed exactly n drafts.
+    generated     all generated tokens = committed + 1 (the prefill token).
+    """
+
+    num_slots: int
+    prompt_tokens: int
+    accept_hist: list[int] = field(default_factory=list)
+    rounds: int = 0
+    committed: int = 0
+    accepted: int = 0
+    generated: int = 0
+    time_to_first_token: float = 0.0
+    time_total: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.accept_hist = self.accept_hist or [0] * (self.num_slots + 1)
+
+    def record_round(self, accepted: int, committed: int) -> None:
+        n = min(accepted, committed - 1)  # as DecodeStats: only drafts actually committed count
+        self.accept_hist[n] += 1
+        self.accepted += n
+        self.committed += committed
+        self.rounds += 1
+
+    @property
+    def bonus(self) -> int:
+        return self.committed - self.accepted
+
+    @property
+    def tau(self) -> float:
+        return tau_of(self.committed, self.rounds)
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """What one step produced for one request: `new_tokens` just committed (may be empty when it
+    finished without a new token, e.g. cancelled); finish_reason 'stop' | 'length' | 'cancelled'."""
+
+    request_id: int
+    new_tokens: list[int]
+    finished: bool
+    finish_reason: str | None
+    stats: RequestStats
+
+
+UpdateCallback = Callable[[RequestUpdate], None]
+
+
+@dataclass
+class _Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    on_update: UpdateCallback | None
+    stats: RequestStats
+    need: int  # KV positions this request may use: prompt + budget + one block + 2
+    generator: torch.Generator | None = None
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    t_submit: float = field(default_factory=time.perf_counter)
+
+
+class ContinuousBatcher:
+    """Runs an engine over a changing set of requests; `step` is called by one driving thread."""
+
+    def __init__(self, engine: SpeculativeEngine, *, max_batch: int = 16) -> None:
+        if max_batch < 1:
+            raise DRelayError(f"max_batch must be ≥ 1, got {max_batch}")
+        self.engine = engine
+        self.max_batch = max_batch
+        self.stats = DecodeStats(num_slots=engine.num_slots)  # batch-level phase times and totals
+        self._lock = threading.Lock()
+        self._pending: list[_Request] = []
+        self._cancelled: set[int] = set()
+        self._running: dict[int, _Request] = {}
+        self._state: _BatchState | None = None
+        self._next_id = 0
+
+    # ---- public --------------------------------------------------------------------------------
+    def submit(self, prompt: list[int], params: SamplingParams = SamplingParams(), on_update: UpdateCallback | None = None) -> int:
+        """Queue a request; returns its id. Raises DRelayError for a prompt the target cannot take."""
+        need = self.check_prompt(prompt, params.max_new_tokens)
+        stats = RequestStats(num_slots=self.engine.num_slots, prompt_tokens=len(prompt))
+        gen = None if params.greedy else torch.Generator(device=self.engine.device).manual_seed(params.seed)
+        with self._lock:
+            rid = self._next_id
+            self._next_id += 1
+            self._pending.append(_Request(rid, list(prompt), params, on_update, stats, need, gen))
+        return rid
+
+    def check_prompt(self, prompt: list[int], max_new_tokens: int) -> int:
+        """Validate a prompt for this target; returns the KV positions the request needs."""
+        target = self.engine.target
+        if not prompt:
+            raise DRelayError("prompt is empty")
+        if min(prompt) < 0 or max(prompt) >= target.vocab_size:
+            raise DRelayError(f"prompt has token ids outside [0, {target.vocab_size})")
+        need = len(prompt) + max_new_tokens + self.engine.num_slots + 2
+        if need > target.max_positions:
+            raise DRelayError(
+                f"prompt has {len(prompt)} tokens; with max_tokens={max_new_tokens} it needs {need} positions, "
+                f"over the target's context window ({target.max_positions})"
+            )
+        return need
+
+    def cancel(self, request_id: int) -> None:
+        """Finish a request at the next step (thread-safe; unknown or finished ids are ignored)."""
+        with self._lock:
+            self._cancelled.add(request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    @property
+    def idle(self) -> bool:
+        return not self._running and self.num_pending == 0
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestUpdate]:
+        """Admit queued requests (up to max_batch running), then run one round over all rows."""
+        with self._lock:
+            cancelled, self._cancelled = self._cancelled, set()
+            kept = [r for r in self._pending if r.id not in cancelled]
+            dropped = [r for r in self._pending if r.id in cancelled]
+            room = self.max_batch - len(self._running)
+            admit, self._pending = kept[:room], kept[room:]
+        updates = [self._finish(r, [], "cancelled") for r in dropped]
+        updates += [self._finish(self._running[i], [], "cancelled") for i in cancelled if i in self._running]
+        if admit:
+            updates += self._admit(admit)
+        self._leave()  # cancelled rows, and requests that finished on their prefill token
+        if self._running:
+            updates += self._round()
+            self._leave()
+        return updates
+
+    def run(self) -> dict[int, list[int]]:
+        """Step until nothing is queued or running; returns every finished request's tokens."""
+        out: dict[int, list[int]] = {}
+        while not self.idle:
+            for u in self.step():
+                out.setdefault(u.request_id, []).extend(u.new_tokens)
+        return out
+
+    # ---- phases --------------------------------------------------------------------------------
+    def _admit(self, requests: list[_Request]) -> list[RequestUpdate]:
+        """Prefill new requests in one forward and join their rows to the running batch."""
+        t0 = time.perf_counter()
+        capacity = max(r.need for r in requests)
+        state, last_logits = self.engine._prefill_rows([r.prompt for r in requests], [r.id for r in requests], capacity)
+        first = [pick_row(last_logits[i : i + 1], r.params, r.generator) for i, r in enumerate(requests)]
+        state.anchor = torch.cat(first)  # [B]
+        self.stats.time_prefill += time.perf_counter() - t0
+        self.stats.time_total += time.perf_counter() - t0
+        self.stats.generated += len(requests)
+        self._state = state if self._state is None else _concat_states(self._state, state)
+        updates = []
+        for r, tok in zip(requests, state.anchor.tolist()):
+            self._running[r.id] = r
+            r.stats.time_to_first_token = time.perf_counter() - r.t_submit
+            updates.append(self._commit(r, [tok]))
+        return updates
+
+    def _round(self) -> list[RequestUpdate]:
+        state = self._state
+        reqs = [self._running[i] for i in state.rows]
+        verify = partial(accept_rows, params=[r.params for r in reqs], generators=[r.generator for r in reqs])
+        t0 = time.perf_counter()
+        accepted, next_tok, path = self.engine._round(state, verify, self.stats)
+        n_list, x_list, p_list = accepted.tolist(), next_tok.tolist(), path.tolist()  # one host copy
+        state.anchor = next_tok
+        updates, committed = [], []
+        for i, r in enumerate(reqs):
+            before = len(r.tokens)
+            update = self._commit(r, p_list[i][: n_list[i]] + [x_list[i]])
+            committed.append(len(r.tokens) - before)
+            r.stats.record_round(n_list[i], committed[-1])
+            updates.append(update)
+        self.stats.record_round(n_list, committed)
+        self.stats.steps += 1
+        self.stats.generated += sum(committed)
+        self.stats.time_total += time.perf_counter() - t0
+        return updates
+
+    def _leave(self) -> None:
+        """Drop finished rows; shrink the caches when the longest remaining need is under half."""
+        for rid in [i for i, r in self._running.items() if r.finish_reason is not None]:
+            del self._running[rid]
+        state = self._state
+        if state is None:
+            return
+        if not self._running:
+            self._state = None
+            return
+        state.keep([i for i in state.rows if i in self._running])
+        need = max(self._running[i].need for i in state.rows)
+        if 2 * need < state.cache.capacity:
+            for cache in (state.cache, state.ctx):
+                if cache is not None:
+                    _set_capacity(cache, need)
+
+    # ---- host-side bookkeeping -----------------------------------------------------------------
+    def _commit(self, r: _Request, new_tokens: list[int]) -> RequestUpdate:
+        """Append tokens until EOS, the stop predicate or the budget ends the request."""
+        p, eos = r.params, self.engine.target.eos_token_ids
+        added, reason = [], None
+        for t in new_tokens:
+            r.tokens.append(t)
+            added.append(t)
+            if len(r.tokens) >= p.max_new_tokens:
+                reason = "length"
+            if (p.stop_on_eos and t in eos) or (p.stop is not None and p.stop(r.tokens)):
+                reason = "stop"
+            if reason:
+                break
+        r.stats.generated = len(r.tokens)
+        if reason:
+            return self._finish(r, added, reason)
+        return self._notify(r, RequestUpdate(r.id, added, False, None, r.stats))
+
+    def _finish(self, r: _Request, added: list[int], reason: str) -> RequestUpdate:
+        r.finish_reason = reason
+        r.stats.time_total = time.perf_counter() - r.t_submit
+        return self._notify(r, RequestUpdate(r.id, added, True, reason, r.stats))
+
+    @staticmethod
+    def _notify(r: _Request, update: RequestUpdate) -> RequestUpdate:
+        if r.on_update is not None:
+            r.on_update(update)
+        return update
+
+
+def _concat_caches(a: KVCache, b: KVCache) -> KVCache:
+    """Rows of `a` then rows of `b` in one cache whose capacity is the larger of the two."""
+    L, A, n_kv, _, hd = a.k.shape
+    B = b.k.shape[1]
+    out = KVCache(
+        n_layers=L, batch_size=A + B, n_kv_heads=n_kv, head_dim=hd,
+        capacity=max(a.capacity, b.capacity), dtype=a.k.dtype, device=a.k.device,
+    )
+    for dst, src_a, src_b in ((out.k, a.k, b.k), (out.v, a.v, b.v)):
+        dst[:, :A, :, : a.capacity] = src_a
+        dst[:, A:, :, : b.capacity] = src_b
+    out.lengths = torch.cat([a.lengths, b.lengths])
+    return out
+
+
+def _set_capacity(cache: KVCache, capacity: int) -> None:
+    """Shrink a cache to `capacity` positions (every row's length must fit)."""
+    assert int(cache.lengths.max()) <= capacity <= cache.capacity
+    cache.k = cache.k[:, :, :, :capacity].contiguous()
+    cache.v = cache.v[:, :, :, :capacity].contiguous()
+    cache.capacity = capacity
+
+
+def _concat_states(a: _BatchState, b: _BatchState) -> _BatchState:
+    out = _BatchState(rows=a.rows + b.rows, cache=_concat_caches(a.cache, b.cache))
+    out.anchor = torch.cat([a.anchor, b.anchor])
+    if a.ctx is not None:
+        out.ctx = _concat_caches(a.ctx, b.ctx)
+    if a.history is not None:
+        out.history = a.history
+        out.history.feats = torch.cat([a.history.feats, b.history.feats])
+        out.history.count = torch.cat([a.history.count, b.history.count])
+    return out

@@ -1,0 +1,48 @@
+"""The `engine` backend without Ray: streamed chunks carry the request's spec statistics, and a
+request whose stream is never read (client gone before the first byte) still frees its slot."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deploy.serve.backends.base import GenRequest, Overloaded
+from deploy.serve.backends.engine import EngineBackend
+from deploy.serve.config import parse_config
+
+
+@pytest.fixture(scope="module")
+def backend():
+    cfg = parse_config({"model_id": "t", "engine": {"target": "tiny-llama", "tokenizer": "smollm2-135m", "method": "native",
+                                                    "random_drafter": True, "max_batch": 1}, "limits": {"max_waiting": 1}})
+    b = EngineBackend(cfg.engine, cfg.limits)
+    yield b
+    b.shutdown()
+
+
+def test_stream_and_slots(backend):
+    async def run():
+        unread = backend.submit(GenRequest(prompt_ids=[1, 2, 3], max_tokens=8))
+        chunks = [c async for c in backend.submit(GenRequest(prompt_ids=[4, 5], max_tokens=6))]
+        for _ in range(200):
+            if not backend._queues:
+                break
+            await asyncio.sleep(0.05)
+        del unread
+        return chunks
+
+    chunks = asyncio.run(run())
+    assert sum(len(c.token_ids) for c in chunks) == 6 == chunks[-1].spec.completion_tokens
+    assert chunks[-1].finish_reason == "length" and chunks[-1].spec.verify_ct == sum(chunks[-1].spec.accept_histogram)
+    assert not backend._queues  # both slots freed, the unread one included
+
+
+def test_overloaded_beyond_batch_plus_waiting(backend):
+    async def run():
+        backend.submit(GenRequest(prompt_ids=[1], max_tokens=200))
+        backend.submit(GenRequest(prompt_ids=[2], max_tokens=200))
+        with pytest.raises(Overloaded, match="max_batch 1 \\+ max_waiting 1"):
+            backend.submit(GenRequest(prompt_ids=[3], max_tokens=5))
+
+    asyncio.run(run())

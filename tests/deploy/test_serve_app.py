@@ -1,0 +1,223 @@
+"""The OpenAI-compatible app on a real Ray Serve instance (127.0.0.1), driven by the official `openai`
+client: chat and completions, streamed and not, greedy output equal to the offline engine, `sglext`
+consistent with `usage`, bad input → 4xx with an OpenAI error body, saturation → 503 + Retry-After.
+
+One Serve instance for the module (Ray starts slowly on small machines): a tiny random Llama with
+SmolLM2's vocabulary and tokenizer, an untrained drafter and the native selector.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import socket
+import time
+
+import pytest
+import requests
+
+openai = pytest.importorskip("openai")
+ray = pytest.importorskip("ray")
+
+from deploy.serve.config import parse_config  # noqa: E402
+
+KEY_ENV, KEY = "DRELAY_TEST_SERVE_KEY", "test-secret"
+MODEL = "tiny-drelay"
+CONFIG = {
+    "model_id": MODEL,
+    "engine": {"target": "tiny-llama:vocab=49152", "tokenizer": "smollm2-135m", "method": "native",
+               "random_drafter": True, "max_batch": 2},
+    "limits": {"max_tokens": 200, "default_max_tokens": 16, "max_prompt_tokens": 900, "max_waiting": 1},
+    "max_ongoing_requests": 16,
+    "num_cpus": 0.5,
+    "graceful_shutdown_timeout_s": 5,
+    "auth": {"api_key_env": KEY_ENV},
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    from ray import serve
+
+    from deploy.serve.commands import start
+
+    os.environ[KEY_ENV] = KEY  # replicas inherit the driver's environment
+    cfg = parse_config({**CONFIG, "port": _free_port()})
+    url = start(cfg, name="drelay-test")
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            if requests.get(f"{url}/ready", timeout=5).status_code == 200:
+                break
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    else:
+        pytest.fail("the Serve app never became ready")
+    yield url
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """The same engine in this process: its greedy text is what the server must return."""
+    from deploy.serve.backends.engine import load_tokenizer
+    from drelay_model.decoding import GenerationConfig, SpeculativeEngine
+    from drelay_model.target import load_target
+    from pipelines.common.methods import load_method, resolve_method
+
+    target = load_target(CONFIG["engine"]["target"])
+    drafter, selector = load_method(resolve_method("native", target_spec="tiny-llama", random_drafter=True), target)
+    engine, tok = SpeculativeEngine(target, drafter, selector), load_tokenizer("smollm2-135m")
+
+    def generate(prompt_ids: list[int], max_tokens: int) -> tuple[str, int]:
+        ids = engine.generate([prompt_ids], GenerationConfig(max_new_tokens=max_tokens)).tokens[0]
+        return tok.decode(ids, skip_special_tokens=True), len(ids)
+
+    def chat_ids(text: str) -> list[int]:
+        enc = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+    return generate, chat_ids, tok
+
+
+def _check_sglext(usage, sglext) -> None:
+    assert sglext["method"] == "native"
+    assert sglext["spec_verify_ct"] == sum(sglext["spec_accept_histogram"]) >= 1
+    assert sglext["spec_accept_length"] == pytest.approx(usage.completion_tokens / sglext["spec_verify_ct"])
+
+
+def test_models_health_ready(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert requests.get(f"{server}/health", timeout=10).json()["status"] == "ok"
+    assert requests.get(f"{server}/ready", timeout=10).json()["ready"] is True
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_chat_greedy_equals_offline_engine(client, offline, stream):
+    generate, chat_ids, _ = offline
+    prompt = "What is two plus two?"
+    expected, n = generate(chat_ids(prompt), 24)
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0,
+                  extra_body={"return_spec_tokens_details": True})
+    if not stream:
+        out = client.chat.completions.create(**kwargs)
+        text, usage, sglext, finish = out.choices[0].message.content, out.usage, out.model_extra["sglext"], out.choices[0].finish_reason
+    else:
+        parts, usage, sglext, finish = [], None, None, None
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            for c in chunk.choices:
+                parts.append(c.delta.content or "")
+                finish = c.finish_reason or finish
+            if chunk.usage is not None:
+                usage, sglext = chunk.usage, chunk.model_extra["sglext"]
+        text = "".join(parts)
+    assert text == expected
+    assert finish == "length" and usage.completion_tokens == n == 24
+    assert usage.prompt_tokens == len(chat_ids(prompt))
+    _check_sglext(usage, sglext)
+
+
+def test_completions_streamed_and_not_agree(client, offline):
+    generate, _, tok = offline
+    prompt = "The capital of France is"
+    expected, _ = generate(tok(prompt)["input_ids"], 20)
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+    assert whole.choices[0].text == expected and whole.usage.completion_tokens == 20
+    assert "sglext" not in (whole.model_extra or {})  # only on request
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                                            extra_body={"return_spec_tokens_details": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    last = chunks[-1]
+    _check_sglext(last.usage, last.model_extra["sglext"])
+
+
+def test_stop_string_and_sampling(client, offline):
+    generate, chat_ids, _ = offline
+    full, _ = generate(chat_ids("Say something."), 30)
+    stop = full[10:14]
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say something."}],
+                                         max_tokens=30, temperature=0, stop=[stop])
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].message.content == full[: full.find(stop)]
+    seeded = [client.completions.create(model=MODEL, prompt="Once", max_tokens=12, temperature=0.9, top_p=0.9, seed=3)
+              .choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+BAD = [
+    ("malformed JSON", b"{not json", None, 400),
+    ("missing messages", {"model": MODEL}, "messages", 400),
+    ("messages of the wrong type", {"model": MODEL, "messages": "hello"}, "messages", 400),
+    ("max_tokens of the wrong type", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}, "max_tokens", 400),
+    ("negative max_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, "max_tokens", 400),
+    ("huge max_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}, "max_tokens", 400),
+    ("temperature out of range", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": 7.5}, "temperature", 400),
+    ("prompt over the context window", {"model": MODEL, "prompt": list(range(100, 950)), "max_tokens": 200}, "prompt", 400),
+    ("unknown model", {"model": "gpt-17", "messages": [{"role": "user", "content": "x"}]}, "model", 404),
+    ("unknown field", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logit_bias": {}}, "logit_bias", 400),
+]
+
+
+def test_bad_input_is_a_4xx_with_an_openai_error_then_a_good_request_works(server, client):
+    for label, body, param, status in BAD:
+        route = "completions" if isinstance(body, dict) and "prompt" in body else "chat/completions"
+        kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
+        r = requests.post(f"{server}/v1/{route}", headers={"Authorization": f"Bearer {KEY}"}, timeout=60, **kwargs)
+        assert r.status_code == status, f"{label}: {r.status_code} {r.text}"
+        err = r.json()["error"]
+        assert err["message"] and err["type"] == "invalid_request_error" and err["param"] == param, label
+    r = requests.post(f"{server}/v1/chat/completions", headers={"Authorization": "Bearer wrong"}, timeout=60,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
+    ok = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)
+    assert ok.usage.completion_tokens == 4
+
+
+def test_saturation_answers_503_with_retry_after(server, client):
+    """max_batch 2 + max_waiting 1: of 8 simultaneous long requests some are refused, none lost."""
+
+    def one(i: int):
+        return requests.post(f"{server}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=300,
+                             json={"model": MODEL, "prompt": f"request {i}", "max_tokens": 200, "temperature": 0})
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(one, range(8)))
+    codes = sorted(r.status_code for r in replies)
+    assert set(codes) <= {200, 503} and codes.count(200) >= 3 and 503 in codes, codes
+    for r in replies:
+        if r.status_code == 503:
+            assert r.headers["Retry-After"] == "1" and r.json()["error"]["code"] == "overloaded"
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 200
+    assert client.completions.create(model=MODEL, prompt="after", max_tokens=3, temperature=0).usage.completion_tokens == 3
+
+
+def test_prometheus_metrics_are_exported(server, client):
+    """The per-request series reach the node's Prometheus endpoint, tagged by method and route."""
+    client.completions.create(model=MODEL, prompt="metrics", max_tokens=5, temperature=0)
+    port = ray.nodes()[0]["MetricsExportPort"]
+    wanted = ("drelay_request_latency_s", "drelay_time_to_first_token_s", "drelay_tokens_per_s", "drelay_tau", "drelay_requests")
+    deadline, text = time.time() + 60, ""
+    while time.time() < deadline:
+        text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        if all(name in text for name in wanted):
+            break
+        time.sleep(2)
+    missing = [name for name in wanted if name not in text]
+    assert not missing, f"not exported: {missing}"
+    assert 'method="native"' in text and 'route="completions"' in text

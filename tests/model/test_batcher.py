@@ -1,0 +1,162 @@
+"""Continuous batching: requests joining and leaving between rounds decode exactly as they would alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drelay_model.decoding import GenerationConfig, SpeculativeEngine
+from drelay_model.decoding.batcher import ContinuousBatcher
+from drelay_model.decoding.sampling import SamplingParams, filtered_logits
+from drelay_model.errors import DRelayError
+from drelay_model.selectors import default_registry
+
+LENGTHS = (5, 9, 3, 12, 7)
+BUDGETS = (30, 40, 40, 25, 3)  # scripted (high-acceptance) drafts: several rounds each
+JOIN_BUDGETS = (10, 14, 12, 8, 3)  # untrained drafters commit ~1 token per round: keep it short
+
+
+def _engine(target, make_drafter, method, selector=None):
+    if method == "ar":
+        return SpeculativeEngine(target)
+    drafter = make_drafter(target)
+    return SpeculativeEngine(target, drafter, selector or default_registry().create(method, drafter=drafter))
+
+
+def _staggered(batcher: ContinuousBatcher, prompts, budgets, *, cancel_after: int | None = None):
+    """Submit requests at different rounds (0, 0, 1, 3, 4), optionally cancel request 1 midway;
+    returns (tokens streamed per request, final updates)."""
+    joins = {0: [0, 1], 1: [2], 3: [3], 4: [4]}
+    streamed: dict[int, list[int]] = {}
+    finals = {}
+
+    def on_update(u):
+        streamed.setdefault(u.request_id, []).extend(u.new_tokens)
+        if u.finished:
+            finals[u.request_id] = u
+
+    step = 0
+    while step <= max(joins) or not batcher.idle:
+        for b in joins.get(step, []):
+            rid = batcher.submit(prompts[b], SamplingParams(max_new_tokens=budgets[b]), on_update)
+            assert rid == b
+        if cancel_after is not None and step == cancel_after:
+            batcher.cancel(1)
+        batcher.step()
+        step += 1
+    return streamed, finals
+
+
+def _check_stats(update, tokens):
+    s = update.stats
+    assert s.accepted + s.bonus == s.committed
+    assert s.bonus == s.rounds  # one target token per round
+    assert s.generated == len(tokens) == s.committed + 1  # + the prefill token
+    assert sum(s.accept_hist) == s.rounds
+    assert sum(n * c for n, c in enumerate(s.accept_hist)) == s.accepted
+    assert s.tau == pytest.approx(s.committed / s.rounds if s.rounds else 0.0)
+
+
+@pytest.mark.parametrize("method", ["ar", *default_registry().names()])
+def test_joining_requests_decode_as_alone(target, make_drafter, prompts_of, method):
+    prompts = prompts_of(target.vocab_size, LENGTHS)
+    engine = _engine(target, make_drafter, method)
+    streamed, finals = _staggered(ContinuousBatcher(engine, max_batch=4), prompts, JOIN_BUDGETS)
+    for b, p in enumerate(prompts):
+        alone = engine.generate([p], GenerationConfig(max_new_tokens=JOIN_BUDGETS[b])).tokens[0]
+        assert streamed[b] == alone, f"request {b} differs from decoding it alone"
+        assert finals[b].finish_reason == "length"
+        _check_stats(finals[b], streamed[b])
+
+
+@pytest.mark.parametrize("error_rate", [0.0, 0.3])
+def test_mostly_right_drafts_with_early_leave(hf_greedy, target, make_drafter, prompts_of, scripted_selector, error_rate):
+    """High acceptance (every accepted length) while rows join, one is cancelled and others finish."""
+    prompts = prompts_of(target.vocab_size, LENGTHS)
+    reference = [p + hf_greedy(target, p, 40) for p in prompts]
+    selector = scripted_selector(reference, error_rate=error_rate, vocab=target.vocab_size)
+    engine = _engine(target, make_drafter, "native", selector)
+    streamed, finals = _staggered(ContinuousBatcher(engine), prompts, BUDGETS, cancel_after=1)
+    for b, p in enumerate(prompts):
+        expected = reference[b][len(p) : len(p) + BUDGETS[b]]
+        if b == 1:
+            assert finals[1].finish_reason == "cancelled"
+            assert streamed[1] == expected[: len(streamed[1])] and len(streamed[1]) < len(expected)
+            continue
+        assert streamed[b] == expected
+        _check_stats(finals[b], streamed[b])
+    if error_rate == 0.0:
+        assert finals[0].stats.tau > 10
+
+
+def test_stop_predicate_and_eos(target, make_drafter, prompts_of):
+    prompts = prompts_of(target.vocab_size, (6,))
+    engine = _engine(target, make_drafter, "native")
+    alone = engine.generate(prompts, GenerationConfig(max_new_tokens=12)).tokens[0]
+    stop_tok = alone[7]
+    first = alone.index(stop_tok)
+    batcher = ContinuousBatcher(engine)
+    batcher.submit(prompts[0], SamplingParams(max_new_tokens=12, stop=lambda toks: toks[-1] == stop_tok))
+    batcher.submit(prompts[0], SamplingParams(max_new_tokens=12))
+    out = batcher.run()
+    assert out[0] == alone[: first + 1]
+    assert out[1] == alone
+
+
+def test_sampling_is_seeded_and_top_k1_is_greedy(target, make_drafter, prompts_of):
+    prompts = prompts_of(target.vocab_size, (5, 8))
+    engine = _engine(target, make_drafter, "native")
+    greedy = engine.generate(prompts[:1], GenerationConfig(max_new_tokens=10)).tokens[0]
+    runs = []
+    for _ in range(2):
+        batcher = ContinuousBatcher(engine)
+        batcher.submit(prompts[0], SamplingParams(max_new_tokens=10, temperature=0.9, seed=4))
+        batcher.submit(prompts[1], SamplingParams(max_new_tokens=10, temperature=1.5, top_p=0.8, seed=5))
+        batcher.submit(prompts[0], SamplingParams(max_new_tokens=10, temperature=1.0, top_k=1, seed=6))
+        runs.append(batcher.run())
+    assert runs[0] == runs[1]
+    assert runs[0][2] == greedy
+
+
+def test_filtered_logits_keeps_top_k_and_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    keep = lambda **kw: torch.isfinite(filtered_logits(logits, SamplingParams(temperature=1.0, **kw)))[0].tolist()  # noqa: E731
+    assert keep(top_k=2) == [True, True, False, False]
+    assert keep(top_p=0.5) == [True, False, False, False]
+    assert keep(top_p=0.81) == [True, True, True, False]
+    assert keep() == [True] * 4
+
+
+def test_capacity_grows_and_shrinks(target, prompts_of):
+    engine = SpeculativeEngine(target)
+    batcher = ContinuousBatcher(engine)
+    short, long = prompts_of(target.vocab_size, (4, 30))
+    got: list[int] = []
+    batcher.submit(short, SamplingParams(max_new_tokens=100), lambda u: got.extend(u.new_tokens))
+    batcher.step()
+    cap0 = batcher._state.cache.capacity
+    batcher.submit(long, SamplingParams(max_new_tokens=600))
+    batcher.step()
+    assert batcher._state.cache.capacity > cap0  # grew for the longer request
+    batcher.cancel(1)
+    batcher.step()
+    assert batcher._state.cache.capacity == cap0  # shrank when it left
+    batcher.run()
+    assert got == engine.generate([short], GenerationConfig(max_new_tokens=100)).tokens[0]
+
+
+@pytest.mark.parametrize(
+    "prompt, kwargs, message",
+    [
+        ([], {}, "prompt is empty"),
+        ([1] * 2000, {}, "over the target's context window"),
+        ([999999], {}, "token ids outside"),
+        ([1], {"max_new_tokens": 0}, "max_new_tokens must be"),
+        ([1], {"temperature": -1.0}, "temperature must be"),
+        ([1], {"top_p": 0.0}, "top_p must be"),
+        ([1], {"top_k": -1}, "top_k must be"),
+    ],
+)
+def test_bad_requests_are_clear_errors(target, prompt, kwargs, message):
+    with pytest.raises(DRelayError, match=message):
+        ContinuousBatcher(SpeculativeEngine(target)).submit(prompt, SamplingParams(**kwargs))
