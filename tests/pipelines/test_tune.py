@@ -281,3 +281,14 @@ def test_search_spaces_map_to_tune_domains(tmp_path, tiny_data):
     assert isinstance(tc.search_alg, OptunaSearch) and tc.max_concurrent_trials == 3 and tc.metric == "val/tau"
     grid, _ = load_sweep(write_sweep(tmp_path, tiny_data))
     assert search_space(grid)["params"]["train.lr"] == {"grid_search": [1e-2, 1e-7]}
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "smollm2-135m-quick", "smollm2-135m-smoke"])
+def test_every_shipped_sweep_loads_and_fits_two_cores(name):
+    from pipelines.config import RunConfig
+    from pipelines.tune.config import load_sweep
+
+    sweep, base = load_sweep(Path(__file__).resolve().parents[2] / f"platform/sweeps/{name}.yaml")
+    cfg = RunConfig.model_validate(base)
+    workers = sweep.resources.num_workers or cfg.ray.num_workers
+    assert sweep.resources.driver_cpu + workers * (sweep.resources.cpus_per_worker or cfg.ray.cpus_per_worker) <= 2
