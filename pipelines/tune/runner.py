@@ -124,6 +124,20 @@ def _tune_config(sweep: SweepConfig, max_steps: int):
     )  # fmt: skip
 
 
+def check_cluster_fits(sweep: SweepConfig, base) -> None:
+    """One trial's CPUs (its driver's share + its workers') must fit the cluster, or it waits forever."""
+    import ray
+
+    workers = sweep.resources.num_workers or base.ray.num_workers
+    per_worker = sweep.resources.cpus_per_worker or base.ray.cpus_per_worker
+    need, have = sweep.resources.driver_cpu + workers * per_worker, ray.cluster_resources().get("CPU", 0.0)
+    if need > have:
+        raise DRelayError(
+            f"resources: a trial needs {need:g} CPUs (driver_cpu {sweep.resources.driver_cpu:g} + {workers} workers × "
+            f"{per_worker}) but the Ray cluster has {have:g}"
+        )
+
+
 def release_orphaned_placement_groups() -> int:
     """Remove placement groups whose creating actor is dead; returns how many.
 
@@ -175,6 +189,9 @@ def run_sweep(sweep: SweepConfig, base_doc: dict, *, resume: bool = False) -> Sw
 
     folder = preflight(sweep, base_doc, resume=resume)
     base = load_base_cfg(base_doc)
+    if not ray.is_initialized():
+        ray.init(address=base.ray.address, include_dashboard=True, log_to_driver=True, configure_logging=True)
+    check_cluster_fits(sweep, base)
     client = get_client(base.mlflow.tracking_uri)
     with parent_run(sweep, folder, client, resume=resume) as parent:
         ctx = context_for(sweep, base_doc, folder, parent_run_id=parent.run_id, tracking_uri=client.tracking_uri)
@@ -182,8 +199,6 @@ def run_sweep(sweep: SweepConfig, base_doc: dict, *, resume: bool = False) -> Sw
             parent.log_params({"sweep.search": sweep.search, "sweep.scheduler": sweep.scheduler.name,
                                "sweep.metric": sweep.metric, "sweep.num_samples": sweep.num_samples,
                                "sweep.max_steps": ctx.max_steps, **{f"space.{k}": v.model_dump() for k, v in sweep.space.items()}})  # fmt: skip
-        if not ray.is_initialized():
-            ray.init(address=base.ray.address, include_dashboard=True, log_to_driver=True, configure_logging=True)
         trainable = _trainable(sweep, ctx)
         path = str(folder / "tune")
         if resume:

@@ -228,3 +228,73 @@ def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path, tiny_d
 def test_shipped_sweeps_validate(path, capsys):
     assert main(["tune", "--config", str(path), "--dry-run"]) == 0
     assert "config OK" in capsys.readouterr().out
+
+
+def test_a_trial_larger_than_the_cluster_is_refused(tmp_path, tiny_data, monkeypatch, capsys):
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # a 2-CPU cluster, without starting one
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    path = write_sweep(tmp_path, tiny_data, resources={"num_workers": 1, "cpus_per_worker": 2})
+    assert main(["tune", "--config", str(path)]) == 2
+    assert "resources: a trial needs 2.1 CPUs (driver_cpu 0.1 + 1 workers × 2) but the Ray cluster has 2" in capsys.readouterr().err
+    assert not (tmp_path / "sweeps" / "tiny-sweep" / "sweep.json").exists()
+
+
+def test_shipped_sweep_is_valid_and_holds_the_shipped_setting():
+    from pipelines.tune.config import load_sweep
+
+    root = Path(__file__).resolve().parents[2]
+    sweep, base = load_sweep(root / "platform/sweeps/smollm2-135m.yaml")
+    assert set(sweep.space) == {"train.selector_alpha.end", "train.credit_cap", "train.credit_floor"}
+    assert base["drafter"]["init_checkpoint"] == "checkpoints/smollm2-135m" and base["selector"]["name"] == "drelay"
+    assert 1.0 in sweep.space["train.selector_alpha.end"].values and 4.0 in sweep.space["train.credit_cap"].values
+    assert 0.1 in sweep.space["train.credit_floor"].values  # the bundled run's values: the control trial
+    assert sweep.scheduler.max_steps <= 100 and sweep.metric == "val/tau"
+
+
+def test_trials_get_their_own_names_folders_and_values(tmp_path, tiny_data):
+    from pipelines.tune.config import load_sweep
+    from pipelines.tune.report import COMPLETED, STOPPED, best_row
+    from pipelines.tune.trial import context_for, trial_config
+
+    sweep, base = load_sweep(write_sweep(tmp_path, tiny_data))
+    ctx = context_for(sweep, base, tmp_path / "s", parent_run_id="p", tracking_uri="sqlite:///x.db")
+    a = trial_config(ctx, {"train.lr": 1e-2, "train.credit_cap": 8.0}, "abc_00000")
+    b = trial_config(ctx, {"train.lr": 1e-7, "train.credit_cap": 2.0}, "abc_00001")
+    assert (a.ray.run_name, b.ray.run_name) == ("tiny-sweep-abc-00000", "tiny-sweep-abc-00001")
+    assert a.train.lr == 1e-2 and a.train.credit_cap == 8.0 and b.train.credit_cap == 2.0
+    assert a.ray.storage_path == b.ray.storage_path == str(tmp_path / "s" / "train")  # Ray keys runs by name
+    assert a.mlflow.tracking_uri == "sqlite:///x.db" and a.train.max_steps == 12
+    rows = [{"status": STOPPED, "m": 3.0}, {"status": COMPLETED, "m": 2.0}, {"status": COMPLETED, "m": float("nan")}]
+    assert best_row(rows, "m", "max") is rows[1]  # a completed trial beats one stopped at a rung
+    assert best_row([{"status": STOPPED, "m": 1.0}, {"status": STOPPED, "m": 2.0}], "m", "min")["m"] == 1.0
+
+
+def test_search_spaces_map_to_tune_domains(tmp_path, tiny_data):
+    from ray.tune.search.optuna import OptunaSearch
+    from ray.tune.search.sample import Categorical, Float
+
+    from pipelines.tune.config import load_sweep
+    from pipelines.tune.runner import _tune_config, search_space
+
+    space = {"train.lr": {"low": 1e-4, "high": 1e-2, "log": True}, "train.credit_cap": {"values": [2.0, 4.0]}}
+    sweep, _ = load_sweep(write_sweep(tmp_path, tiny_data, search="optuna", space=space, max_concurrent_trials=3))
+    params = search_space(sweep)["params"]
+    assert isinstance(params["train.lr"], Float) and params["train.lr"].lower == 1e-4
+    assert isinstance(params["train.credit_cap"], Categorical) and params["train.credit_cap"].categories == [2.0, 4.0]
+    tc = _tune_config(sweep, 12)
+    assert isinstance(tc.search_alg, OptunaSearch) and tc.max_concurrent_trials == 3 and tc.metric == "val/tau"
+    grid, _ = load_sweep(write_sweep(tmp_path, tiny_data))
+    assert search_space(grid)["params"]["train.lr"] == {"grid_search": [1e-2, 1e-7]}
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "smollm2-135m-quick", "smollm2-135m-smoke"])
+def test_every_shipped_sweep_loads_and_fits_two_cores(name):
+    from pipelines.train.config import RunConfig
+    from pipelines.tune.config import load_sweep
+
+    sweep, base = load_sweep(Path(__file__).resolve().parents[2] / f"platform/sweeps/{name}.yaml")
+    cfg = RunConfig.model_validate(base)
+    workers = sweep.resources.num_workers or cfg.ray.num_workers
+    assert sweep.resources.driver_cpu + workers * (sweep.resources.cpus_per_worker or cfg.ray.cpus_per_worker) <= 2
