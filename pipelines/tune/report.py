@@ -91,8 +91,12 @@ def link_trial_runs(rows: list[dict], parent: TrackedRun, client, folder: Path) 
         client.set_tag(run.info.run_id, "drelay.trial_status", row["status"])
         if ckpt:
             client.set_tag(run.info.run_id, "drelay.checkpoint", ckpt.as_uri())
-        if run.info.status == "RUNNING":
-            client.set_terminated(run.info.run_id, "KILLED" if row["status"] == STOPPED else "FAILED")
+        # A stopped trial's run ends RUNNING (process killed) or FAILED (interrupted in time to
+        # unwind): either way it was stopped, not broken.
+        if row["status"] == STOPPED and run.info.status != "FINISHED":
+            client.set_terminated(run.info.run_id, "KILLED")
+        elif run.info.status == "RUNNING":
+            client.set_terminated(run.info.run_id, "FAILED")
 
 
 def write_table(rows: list[dict], path: Path) -> None:
