@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEMO_MESSAGE ?= Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test test-heavy lint bench clean
 
 install: $(STAMP)
 
@@ -34,6 +34,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The tests marked `heavy` (excluded from `make test` by pyproject's addopts): tens of minutes here.
+test-heavy: $(STAMP)
+	$(PY) -m pytest -q -m heavy
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

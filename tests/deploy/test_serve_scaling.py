@@ -96,6 +96,7 @@ def _load(url: str, stop: threading.Event, codes: list[int], clients: int = 6) -
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_autoscales_to_two_replicas_and_back(server):
     stop, codes = threading.Event(), []
     pool = _load(server, stop, codes)
@@ -109,6 +110,7 @@ def test_autoscales_to_two_replicas_and_back(server):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_replica_killed_mid_load_recovers(server):
     stop, codes = threading.Event(), []
     pool = _load(server, stop, codes, clients=4)

@@ -31,6 +31,7 @@ def _bytes(tensors) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_qwen3_4b_shaped_joint_step_stays_under_the_peak():
     target = load_target(SPEC, dtype="bfloat16")
     torch.manual_seed(0)

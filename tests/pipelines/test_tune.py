@@ -165,6 +165,7 @@ def test_sweep_six_trials_asha_mlflow_best_config(tmp_path, tiny_data, ray_sessi
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path, tiny_data, ray_session, uri):
     """SIGKILL the `drelay tune` process group once a trial has finished and the next is past its first
     checkpoint, then `--resume`: the sweep completes under the same parent run, no finished trial trains
