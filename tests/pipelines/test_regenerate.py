@@ -59,3 +59,26 @@ def test_targets_without_a_tokenizer_and_unwritable_paths_are_clear_errors(tmp_p
     blocker.write_text("x")
     with pytest.raises(DRelayError, match="cannot write regenerated data"):
         regenerate(smol, [_conv("a", "1", "hi")], blocker / "r.jsonl", progress=False)
+
+
+def test_regenerate_takes_target_output_and_budget_from_a_training_config(tmp_path, capsys):
+    """The same command for a GPU target: --config supplies target, dtype, output file and the answer
+    budget (data.max_seq_len − the prompt budget); --device cuda without CUDA is one line, exit 2."""
+    import torch
+    import yaml
+
+    from pipelines.cli import main
+
+    out = tmp_path / "regen.jsonl"
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump({"target": {"spec": "smollm2-135m"}, "data": {"regenerated": str(out), "max_seq_len": 1056}}))
+    argv = ["data", "regenerate", "--config", str(config), "--sources", "gsm8k_train", "--limit", "1", "--batch-size", "1"]
+    assert main([*argv, "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert "with smollm2-135m on cpu (float32), ≤ 32 new tokens per answer" in printed and out.is_file()
+    assert len(out.read_text().splitlines()) == 1
+    if not torch.cuda.is_available():
+        bad = tmp_path / "bad.jsonl"
+        assert main(["data", "regenerate", "--device", "cuda", "--out", str(bad), "--limit", "1"]) == 2
+        err = capsys.readouterr().err
+        assert "cuda" in err and err.count("\n") == 1 and not bad.exists()
