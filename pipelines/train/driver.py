@@ -36,6 +36,7 @@ class TrainResult:
 def check_inputs(cfg: RunConfig) -> None:
     """Fail fast, before any cluster starts, on what the user can get wrong."""
     check_device(cfg)
+    check_memory(cfg)
     if not cfg.data.fallback_reference_answers:
         try:
             data_files(repo_path(cfg.data.regenerated))
@@ -74,6 +75,20 @@ def check_device(cfg: RunConfig) -> None:
         from drelay_model.device import resolve_device
 
         resolve_device("cuda")  # a one-line DRelayError without CUDA
+
+
+def check_memory(cfg: RunConfig) -> None:
+    """A GPU run whose memory plan (`drelay plan`) exceeds the local GPU is refused in one line.
+    Checked where CUDA is visible to the driver (a single node or a GPU head); workers elsewhere
+    are planned with `drelay plan --gpu-memory`."""
+    import torch
+
+    if not (cfg.ray.use_gpu and torch.cuda.is_available()):
+        return
+    from pipelines.train.plan import check_fits, plan_from_config
+
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    check_fits(plan_from_config(cfg, gib))
 
 
 def run_training(

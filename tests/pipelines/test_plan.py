@@ -34,3 +34,22 @@ def test_micro_batches_shrink_activations():
     cfg = "platform/experiments/qwen3-4b/train.yaml"
     one, eight = (plan_from_config(load_config(cfg, [f"train.micro_batches={m}"])) for m in (1, 8))
     assert eight.plan.components["activations"] < one.plan.components["activations"] / 3
+
+
+def test_train_refuses_a_gpu_run_whose_plan_exceeds_the_gpu(monkeypatch):
+    """`drelay train` checks the plan against the driver's GPU before Ray starts (CUDA faked here:
+    a unit test of the check around the planner)."""
+    import types
+
+    import torch
+
+    from drelay_model.errors import DRelayError
+    from pipelines.train.driver import check_memory
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=40 * 2**30))
+    cfg = load_config("platform/experiments/qwen3-8b/train.yaml", ["ray.use_gpu=true"])
+    with pytest.raises(DRelayError, match="the plan needs .* GiB per GPU, more than 40 GiB"):
+        check_memory(cfg)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 * 2**30))
+    check_memory(cfg)  # the shipped config fits an 80 GB GPU
