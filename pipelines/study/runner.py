@@ -9,7 +9,8 @@ import shutil
 from drelay_model.atomic import atomic_directory
 from drelay_model.errors import DRelayError
 from pipelines.common.outputs import rooted, shipped_checkpoints_dir
-from pipelines.common.paths import BUNDLED_CHECKPOINTS, repo_path
+from pipelines.common import paths
+from pipelines.common.paths import repo_path
 from pipelines.eval.compare_run import CompareJob, run_compare
 from pipelines.study.spec import StudySpec, final_checkpoint, finished, run_configs
 from pipelines.train.config import RunConfig
@@ -69,7 +70,7 @@ def _compare(spec: StudySpec, configs: dict[str, RunConfig], progress: bool) -> 
 
 
 def _ship(cfg: RunConfig, checkpoint) -> None:
-    dest = (shipped_checkpoints_dir() or BUNDLED_CHECKPOINTS) / cfg.target.spec
+    dest = (shipped_checkpoints_dir() or paths.BUNDLED_CHECKPOINTS) / cfg.target.spec  # read at call time
     with atomic_directory(dest) as tmp:
         shutil.copytree(checkpoint, tmp, dirs_exist_ok=True)
     print(f"[study] shipped {checkpoint} → {dest}")
