@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from drelay_model.errors import DRelayError
+from pipelines.common.yaml_file import read_mapping
 
 
 class _Strict(BaseModel):
@@ -124,13 +124,5 @@ def parse_config(doc: dict, *, source: str = "serve config") -> ServeConfig:
 
 def load_serve_config(path: str | Path, overrides: dict | None = None) -> ServeConfig:
     """Read a YAML serve config (plus top-level overrides) into a validated `ServeConfig`."""
-    path = Path(path)
-    if not path.is_file():
-        raise DRelayError(f"serve config '{path}' not found")
-    try:
-        doc = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise DRelayError(f"serve config '{path}' is not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(doc, dict):
-        raise DRelayError(f"serve config '{path}' must be a mapping")
+    doc = read_mapping(path, "serve config")
     return parse_config({**doc, **(overrides or {})}, source=str(path))

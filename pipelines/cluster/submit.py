@@ -22,10 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
 
 from drelay_model.errors import DRelayError
 from pipelines.common.outputs import OUTPUT_ROOT_ENV, REPO_ROOT, is_uri
+from pipelines.common.yaml_file import read_mapping
 
 ADDRESS_ENV = "RAY_ADDRESS"
 # Commands a job may run; any other registered `drelay` command works the same way once listed here.
@@ -179,13 +179,4 @@ def wait(client, job_id: str, *, timeout_s: float = 60.0) -> str:
 
 
 def load_yaml(path: str, field: str) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise DRelayError(f"{field}: file '{path}' not found")
-    try:
-        doc = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise DRelayError(f"{field}: '{path}' is not valid YAML: {str(exc).splitlines()[0]}") from exc
-    if not isinstance(doc, dict):
-        raise DRelayError(f"{field}: '{path}' must hold a mapping")
-    return doc
+    return read_mapping(path, f"{field}: file")

@@ -10,6 +10,7 @@
     costs.py     the measured round-cost curve (cost-aware verification length), cached per machine
     tracking.py  MLflow: where runs go, runs that always end, stale-run cleanup
     store.py     one JSON file per key, written atomically (evaluation cells, replay cells)
+    yaml_file.py the one reader of user YAML documents (run, sweep, serve configs; runtime envs)
     signals.py   SIGTERM as SystemExit while a tracked job runs
 
 May import: drelay_model and third-party libraries. Never another pipelines package or deploy.

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from drelay_model.errors import DRelayError
 from pipelines.common.methods import NATIVE, training_selector
+from pipelines.common.yaml_file import read_mapping
 
 
 class _Strict(BaseModel):
@@ -178,17 +179,7 @@ def _set_dotted(doc: dict, dotted: str, value: Any) -> None:
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     """Read a YAML run config (or the defaults) and apply `section.key=value` overrides."""
-    doc: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise DRelayError(f"config file '{path}' not found")
-        try:
-            doc = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise DRelayError(f"config file '{path}' is not valid YAML: {str(exc).splitlines()[0]}") from exc
-        if not isinstance(doc, dict):
-            raise DRelayError(f"config file '{path}' must hold a mapping at the top level")
+    doc: dict = read_mapping(path, "config file") if path is not None else {}
     for item in overrides:
         key, eq, raw = item.partition("=")
         if not eq or not key:

@@ -28,6 +28,7 @@ from pipelines.common.paths import NAME_PATTERN
 from pipelines.train.config import RunConfig, _set_dotted, _Strict
 from pipelines.common.paths import REPO_ROOT
 from pipelines.train.worker import HEADLINE_METRIC
+from pipelines.common.yaml_file import read_mapping
 
 
 class ParamSpace(_Strict):
@@ -173,14 +174,7 @@ def check_space(sweep: SweepConfig, base_doc: dict) -> None:
 def load_sweep(path: str | Path) -> tuple[SweepConfig, dict]:
     """Read and check a sweep file: (the sweep, the validated base training document)."""
     path = Path(path)
-    if not path.is_file():
-        raise DRelayError(f"sweep config '{path}' not found")
-    try:
-        doc = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise DRelayError(f"sweep config '{path}' is not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(doc, dict):
-        raise DRelayError(f"sweep config '{path}' must hold a mapping at the top level")
+    doc = read_mapping(path, "sweep config")
     try:
         sweep = SweepConfig.model_validate(doc)
     except ValidationError as exc:
