@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     decode = decode_config(args.max_new_tokens)
     check_limit(args.limit)
     return run_compare(CompareJob(
-        variants=tuple(args.variant), baseline=args.baseline, target=args.target, benchmarks=args.benchmarks, limit=args.limit,
+        variants=tuple(args.variant), baseline=args.baseline, target=args.target, device=args.device, dtype=args.dtype, benchmarks=args.benchmarks, limit=args.limit,
         subset_seed=args.subset_seed, data_dir=args.data_dir, decode=decode, run_name=args.run_name, out=args.out,
         experiment=args.experiment, mlflow=not args.no_mlflow, progress=not args.no_progress,
     ))  # fmt: skip

@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     spec = resolve_method(args.method, target_spec=args.target, checkpoint=args.checkpoint, random_drafter=args.random_drafter)
     if spec.is_ar:
         raise DRelayError("--method ar has no drafting costs; choose a selector")
-    target = load_target_spec(args.target)
+    target = load_target_spec(args.target, device=args.device, dtype=args.dtype)
     if args.show and not costs_path(args.target, spec, target.embed_weight.device.type).exists():
         raise DRelayError(f"no cached costs for {args.target}/{args.method}; run without --show to measure them")
     drafter, selector = load_method(spec, target)

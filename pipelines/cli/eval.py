@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir = local_dir(resolve_path(args.out or f"outputs/eval/{run_name}"), "--out")
     ensure_writable_dir(out_dir, "--out", create=False)
     prompts = load_benchmarks(config.benchmarks, limit=config.limit, seed=config.subset_seed, data_dir=config.data_dir)
-    target = load_target_spec(config.target)
+    target = load_target_spec(config.target, device=args.device, dtype=args.dtype)
     methods = {s.name: MethodUnderTest.load(s, target) for s in config.specs}
     evaluation = Evaluation(config, target, methods, prompts, encoder_for(target), cell_store(out_dir), progress=not args.no_progress)
     evaluation.check_prompt_lengths()

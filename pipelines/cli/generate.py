@@ -56,7 +56,7 @@ def _read_prompts(args, tokenizer) -> tuple[list[str], list[list[int]]]:
 
 def run(args: argparse.Namespace) -> int:
     config = decode_config(args.max_new_tokens, args.temperature, args.seed)
-    target = load_target_spec(args.target)
+    target = load_target_spec(args.target, device=args.device, dtype=args.dtype)
     spec = resolve_method(args.method, target_spec=args.target, checkpoint=args.checkpoint, random_drafter=args.random_drafter)
     messages, prompt_ids = _read_prompts(args, target.tokenizer)
     drafter, selector = load_method(spec, target)

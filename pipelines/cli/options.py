@@ -18,7 +18,11 @@ _FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature"}
 
 
 def add_target(p: argparse.ArgumentParser) -> None:
+    """--target, --device, --dtype: which target, where it runs and in which precision."""
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"target spec (default: {DEFAULT_TARGET})")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA when present (default)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the target's weights (default float32; bfloat16 is a different target numerically)")  # fmt: skip
 
 
 def add_max_new_tokens(p: argparse.ArgumentParser) -> None:

@@ -33,6 +33,8 @@ class CompareJob:
     variants: tuple[str, ...]  # "LABEL=DIR[:SELECTOR]"
     baseline: str | None = None
     target: str = "smollm2-135m"
+    device: str = "cpu"  # auto | cpu | cuda
+    dtype: str = "float32"
     benchmarks: str = "all"
     limit: int | None = None
     subset_seed: int = 0
@@ -62,7 +64,7 @@ def run_compare(job: CompareJob) -> int:
         raise DRelayError(f"--run-name must not contain quotes or slashes, got {run_name!r}")
     out_dir = ensure_writable_dir(local_dir(resolve_path(job.out or f"outputs/compare/{run_name}"), "--out"), "--out", create=False)
     prompts = load_benchmarks(benchmarks, limit=job.limit, seed=job.subset_seed, data_dir=job.data_dir)
-    target = load_target_spec(job.target)
+    target = load_target_spec(job.target, device=job.device, dtype=job.dtype)
     encoder = encoder_for(target)
 
     # 1. References: the target's greedy continuations (the AR cell of `drelay eval`, cached).

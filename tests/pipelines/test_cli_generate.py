@@ -105,3 +105,12 @@ def test_costs_command_measures_caches_and_shows(capsys, tmp_path, monkeypatch):
     assert main(["costs", "--random-drafter", "--show", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == measured
     assert main(["costs", "--method", "ar"]) == 2 and "no drafting costs" in capsys.readouterr().err
+
+
+def test_device_flag_cuda_without_cuda_is_one_line(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    rc, _, err = _run(capsys, "--chat", "hi", "--method", "ar", "--device", "cuda")
+    assert rc == 2 and "cuda" in err.lower() and err.count("\n") == 1
