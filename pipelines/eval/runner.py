@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine
 from drelay_model.decoding.replay import replay
-from drelay_model.decoding.stats import DecodeStats
+from drelay_model.decoding.stats import DecodeStats, tau_of
 from drelay_model.diagnostics import PoolDiagnostics, diagnose_rounds, pad_rounds
 from drelay_model.drafter import BlockDrafter
 from drelay_model.errors import DRelayError
@@ -184,26 +184,56 @@ def replay_cell(
     bar=None,
 ) -> tuple[ReplayResult, dict[tuple[str, int], tuple[float, float]]]:
     """Greedy replay of `method` (its selector, then the pool oracle) over AR's continuations, with
-    pool diagnostics from the selector's trace. Returns the totals and (τ, oracle τ) per (prompt, turn)."""
+    pool diagnostics from the selector's trace. Returns the totals and (τ, oracle τ) per (prompt, turn).
+
+    Prompts are replayed `REPLAY_BATCH` at a time (`replay(batch_size=…)`: each row's rounds are
+    exactly those of replaying it alone); per-row counters come from the round hook."""
     diag, per_prompt = PoolDiagnostics(), {}
     counts = [0, 0, 0, 0]  # rounds, committed, oracle rounds, oracle committed
-    for p in prompts:
-        answers = ar_outputs.get(p.prompt_id)
-        if answers is None:
-            raise DRelayError(f"no cached AR output for {p.benchmark} prompt {p.prompt_id!r}; rerun the AR cell")
-        for turn, cont in enumerate(answers):
-            ids = encoder.encode(p.turns[: turn + 1], answers[:turn])
-            trace: list = []
-            hook = lambda r: trace.append((r.block.cand_ids[0], r.path, r.ref))  # noqa: E731
-            st = replay(target, method.drafter, [ids], [cont], selector=method.selector, on_round=hook)
-            ost = replay(target, method.drafter, [ids], [cont], oracle=True)
-            if trace:
-                diag = diag + diagnose_rounds(*pad_rounds(trace))
-            counts = [a + b for a, b in zip(counts, (st.rounds, st.committed, ost.rounds, ost.committed))]
-            per_prompt[(p.prompt_id, turn)] = (st.tau, ost.tau)
+    for lo in range(0, len(prompts), REPLAY_BATCH):
+        chunk = prompts[lo : lo + REPLAY_BATCH]
+        keys, ids, conts = [], [], []
+        for p in chunk:
+            answers = ar_outputs.get(p.prompt_id)
+            if answers is None:
+                raise DRelayError(f"no cached AR output for {p.benchmark} prompt {p.prompt_id!r}; rerun the AR cell")
+            for turn, cont in enumerate(answers):
+                keys.append((p.prompt_id, turn))
+                ids.append(encoder.encode(p.turns[: turn + 1], answers[:turn]))
+                conts.append(cont)
+        trace, sel_rows, ora_rows = [], _RowCounts(len(keys)), _RowCounts(len(keys))
+
+        def hook(r):
+            trace.append((r.block.cand_ids[0], r.path, r.ref))
+            sel_rows.add(r)
+
+        st = replay(target, method.drafter, ids, conts, selector=method.selector, on_round=hook, batch_size=REPLAY_BATCH)
+        ost = replay(target, method.drafter, ids, conts, oracle=True, on_round=ora_rows.add, batch_size=REPLAY_BATCH)
+        if trace:
+            diag = diag + diagnose_rounds(*pad_rounds(trace))
+        counts = [a + b for a, b in zip(counts, (st.rounds, st.committed, ost.rounds, ost.committed))]
+        for row, key in enumerate(keys):
+            per_prompt[key] = (sel_rows.tau(row), ora_rows.tau(row))
         if bar is not None:
-            bar.update(1)
+            bar.update(len(chunk))
     return ReplayResult(*counts, diagnostics=diag), per_prompt
+
+
+REPLAY_BATCH = 8  # prompts (turns) per replay call
+
+
+class _RowCounts:
+    """Rounds and committed tokens per replayed row, from `replay`'s round hook."""
+
+    def __init__(self, n: int) -> None:
+        self.rounds, self.committed = [0] * n, [0] * n
+
+    def add(self, r) -> None:
+        self.rounds[r.row] += 1
+        self.committed[r.row] += r.committed
+
+    def tau(self, row: int) -> float:
+        return tau_of(self.committed[row], self.rounds[row])
 
 
 def checkpoint_identity(path: str | None) -> str | None:
