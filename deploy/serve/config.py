@@ -32,6 +32,9 @@ class EngineSection(_Strict):
     device: Literal["cpu", "cuda", "auto"] = "cpu"  # auto: CUDA when present
     dtype: Literal["float32", "bfloat16"] = "float32"
     max_batch: int = Field(16, ge=1, le=1024)  # rows decoded together (continuous batching)
+    # cost: each round verifies as many drafts as pay off on this machine (costs measured once and
+    # cached, `drelay costs`); fixed: the selector's whole path (the paper's setting)
+    verify_length: Literal["fixed", "cost"] = "fixed"
 
 
 class SGLangSection(_Strict):

@@ -27,6 +27,7 @@ import torch
 from drelay_model.decoding.engine import SpeculativeEngine, _BatchState
 from drelay_model.decoding.sampling import SamplingParams, accept_rows, pick_row
 from drelay_model.decoding.stats import DecodeStats, tau_of
+from drelay_model.decoding.verify_length import CostAwareLength
 from drelay_model.errors import DRelayError
 from drelay_model.kv_cache import KVCache
 
@@ -109,6 +110,8 @@ class ContinuousBatcher:
         self.engine = engine
         self.max_batch = max_batch
         self.stats = DecodeStats(num_slots=engine.num_slots)  # batch-level phase times and totals
+        # Cost-aware verification length when the engine has measured costs (verify_length.py).
+        self.policy = CostAwareLength(engine.costs, engine.num_slots) if engine.costs is not None else None
         self._lock = threading.Lock()
         self._pending: list[_Request] = []
         self._cancelled: set[int] = set()
@@ -212,7 +215,7 @@ class ContinuousBatcher:
         reqs = [self._running[i] for i in state.rows]
         verify = partial(accept_rows, params=[r.params for r in reqs], generators=[r.generator for r in reqs])
         t0 = time.perf_counter()
-        accepted, next_tok, path = self.engine._round(state, verify, self.stats)
+        accepted, next_tok, path = self.engine._round(state, verify, self.stats, self.policy)
         n_list, x_list, p_list = accepted.tolist(), next_tok.tolist(), path.tolist()  # one host copy
         state.anchor = next_tok
         updates, committed = [], []

@@ -160,3 +160,22 @@ def test_capacity_grows_and_shrinks(target, prompts_of):
 def test_bad_requests_are_clear_errors(target, prompt, kwargs, message):
     with pytest.raises(DRelayError, match=message):
         ContinuousBatcher(SpeculativeEngine(target)).submit(prompt, SamplingParams(**kwargs))
+
+
+@pytest.mark.parametrize("block_ms", [0.1, 1000.0])
+def test_cost_aware_length_in_the_batcher_is_lossless(target, make_drafter, prompts_of, block_ms):
+    """With measured costs the batcher cuts each round's verification (down to AR rounds when
+    drafting never pays); joining requests still decode exactly as alone."""
+    from drelay_model.decoding import SpeculativeEngine
+    from drelay_model.decoding.verify_length import VerifyCosts
+
+    prompts = prompts_of(target.vocab_size, LENGTHS)
+    drafter = make_drafter(target, top_k=16)
+    H = drafter.config.num_slots
+    costs = VerifyCosts(verify_ms=tuple(10.0 + i for i in range(H + 1)), block_ms=block_ms, head_ms=0.1, select_ms=0.1)
+    engine = SpeculativeEngine(target, drafter, costs=costs)
+    streamed, finals = _staggered(ContinuousBatcher(engine, max_batch=4), prompts, JOIN_BUDGETS)
+    reference = SpeculativeEngine(target)
+    for b, p in enumerate(prompts):
+        assert streamed[b] == reference.generate([p], GenerationConfig(max_new_tokens=JOIN_BUDGETS[b])).tokens[0]
+        _check_stats(finals[b], streamed[b])

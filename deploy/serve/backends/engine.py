@@ -22,6 +22,7 @@ from drelay_model.decoding.batcher import ContinuousBatcher, RequestUpdate
 from drelay_model.decoding.sampling import SamplingParams
 from drelay_model.errors import DRelayError
 from drelay_model.target import SMOLLM2, load_target
+from pipelines.common.costs import verify_costs
 from pipelines.common.methods import load_method, resolve_method
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,10 @@ class EngineBackend(Backend):
         spec = resolve_method(cfg.method, target_spec=cfg.target, checkpoint=_repo_path(cfg.checkpoint), random_drafter=cfg.random_drafter)
         drafter, selector = load_method(spec, target)
         self.method = cfg.method
-        self.engine = SpeculativeEngine(target, drafter, selector)
+        costs = None
+        if cfg.verify_length == "cost" and drafter is not None:
+            costs = verify_costs(target, drafter, selector, target_spec=cfg.target, spec=spec)
+        self.engine = SpeculativeEngine(target, drafter, selector, costs=costs)
         self.batcher = ContinuousBatcher(self.engine, max_batch=cfg.max_batch)
         self.tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else target.tokenizer
         if self.tokenizer is None:
