@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipelines.study.runner import compare_and_ship, dry_run, plan, train_runs
+    from pipelines.study.runner import compare_and_ship, dry_run, end_study_run, plan, study_parent_run, train_runs
     from pipelines.study.spec import load_study
 
     spec = load_study(args.spec)
@@ -34,8 +34,9 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         dry_run(configs, todo)
         return 0
-    train_runs(configs, todo)
-    if args.no_compare or args.only:
-        return 0
-    compare_and_ship(spec, configs, progress=not args.no_progress)
+    parent = study_parent_run(spec, configs)  # the training runs and the comparison nest under it
+    train_runs(configs, todo, parent_run_id=parent)
+    if not (args.no_compare or args.only):
+        compare_and_ship(spec, configs, progress=not args.no_progress, parent_run_id=parent)
+    end_study_run(configs, parent)
     return 0

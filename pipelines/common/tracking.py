@@ -132,6 +132,12 @@ class TrackedRun:
         return tracked_run(self.experiment_id, run_name=run_name, parent=self, client=self.client, **kwargs)
 
 
+def attach(client, run_id: str) -> TrackedRun:
+    """A handle on an existing run (e.g. a sweep's or a study's parent, to nest new runs under it)."""
+    run = client.get_run(run_id)
+    return TrackedRun(client, run_id, run.info.experiment_id, run.info.run_name)
+
+
 @contextmanager
 def tracked_run(
     experiment: str,

@@ -45,6 +45,7 @@ class CompareJob:
     experiment: str = DEFAULT_EXPERIMENT
     mlflow: bool = True
     progress: bool = True
+    parent_run_id: str | None = None  # nest the MLflow run under this run (a study's parent)
 
     def __post_init__(self) -> None:
         if not self.decode.greedy:
@@ -96,14 +97,15 @@ def run_compare(job: CompareJob) -> int:
 def _track(stack, job: CompareJob, run_name, variants, baseline, benchmarks, summary, files) -> None:
     """One MLflow run: params, `<variant>/<metric>` metrics, the table, JSON and plot as artifacts."""
     from pipelines.common.run_tags import run_tags
-    from pipelines.common.tracking import tracked_run
+    from pipelines.common.tracking import attach, tracked_run
     from pipelines.eval.session import connect
 
     client = connect(job.experiment, run_name)
     params = {"target": job.target, "benchmarks": ",".join(benchmarks), "limit": job.limit, "max_new_tokens": job.decode.max_new_tokens,
               "baseline": baseline, **{f"variant.{v.label}": f"{v.checkpoint}:{v.selector}" for v in variants}}  # fmt: skip
     tags = run_tags("compare", target=job.target, method=",".join(v.label for v in variants))
-    run = stack.enter_context(tracked_run(job.experiment, run_name=run_name, tags=tags, params=params, client=client))
+    parent = attach(client, job.parent_run_id) if job.parent_run_id else None
+    run = stack.enter_context(tracked_run(job.experiment, run_name=run_name, tags=tags, params=params, client=client, parent=parent))
     run.log_metrics({f"{v}/{k}": x for v, m in summary.metrics.items() for k, x in m.items()})
     for f in files:
         run.log_artifact(f)

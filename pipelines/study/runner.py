@@ -35,27 +35,58 @@ def dry_run(configs: dict[str, RunConfig], todo: list[str]) -> None:
     check_inputs(configs[todo[0]])
 
 
-def train_runs(configs: dict[str, RunConfig], todo: list[str]) -> None:
+def study_parent_run(spec: StudySpec, configs: dict[str, RunConfig]) -> str:
+    """The study's MLflow parent run (kind `study`), in the training runs' experiment so that they, and
+    the comparison, nest under it in the UI. Created once; its id is kept in
+    `outputs/studies/<name>/mlflow.json`, so a resumed study nests its new runs under the same parent."""
+    from pipelines.common.run_tags import run_tags
+    from pipelines.common.tracking import ensure_experiment, get_client
+
+    first = configs[spec.run_labels()[0]]
+    client = get_client(first.mlflow.tracking_uri)
+    record = repo_path(f"outputs/studies/{spec.name}/mlflow.json")
+    if record.is_file():
+        known = json.loads(record.read_text())
+        if known.get("tracking_uri") == client.tracking_uri:
+            return known["run_id"]
+    exp = ensure_experiment(client, first.mlflow.experiment)
+    tags = run_tags("study", target=first.target.spec, method=",".join(c.selector.name for c in configs.values()))
+    run = client.create_run(exp, run_name=spec.name, tags=tags)
+    client.log_param(run.info.run_id, "runs", ",".join(configs))
+    record.parent.mkdir(parents=True, exist_ok=True)
+    tmp = record.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"run_id": run.info.run_id, "tracking_uri": client.tracking_uri}) + "\n")
+    tmp.replace(record)
+    return run.info.run_id
+
+
+def end_study_run(configs: dict[str, RunConfig], run_id: str) -> None:
+    from pipelines.common.tracking import get_client
+
+    get_client(next(iter(configs.values())).mlflow.tracking_uri).set_terminated(run_id, "FINISHED")
+
+
+def train_runs(configs: dict[str, RunConfig], todo: list[str], *, parent_run_id: str | None = None) -> None:
     for label in todo:
         cfg = configs[label]
         if finished(cfg, repo_path):
             continue
         print(f"[study] training {label} …", flush=True)
-        result = run_training(cfg)
+        result = run_training(cfg, parent_run_id=parent_run_id)
         print(f"[study] {label}: {result.checkpoint} · " + json.dumps({k: round(v, 4) for k, v in result.metrics.items() if k.startswith("val/")}))
 
 
-def compare_and_ship(spec: StudySpec, configs: dict[str, RunConfig], *, progress: bool) -> None:
+def compare_and_ship(spec: StudySpec, configs: dict[str, RunConfig], *, progress: bool, parent_run_id: str | None = None) -> None:
     missing = [label for label in configs if not finished(configs[label], repo_path)]
     if missing:
         raise DRelayError(f"runs not finished: {', '.join(missing)}")
     if spec.compare is not None:
-        _compare(spec, configs, progress)
+        _compare(spec, configs, progress, parent_run_id)
     if spec.ship is not None:
         _ship(configs[spec.ship], final_checkpoint(configs[spec.ship], repo_path))
 
 
-def _compare(spec: StudySpec, configs: dict[str, RunConfig], progress: bool) -> None:
+def _compare(spec: StudySpec, configs: dict[str, RunConfig], progress: bool, parent_run_id: str | None) -> None:
     c = spec.compare
     variants = []
     for label, ref in spec.compared().items():
@@ -65,7 +96,8 @@ def _compare(spec: StudySpec, configs: dict[str, RunConfig], progress: bool) -> 
     run_compare(CompareJob(
         variants=tuple(variants), baseline=c.baseline, target=configs[spec.run_labels()[0]].target.spec,
         benchmarks=c.benchmarks, limit=c.limit, data_dir=str(repo_path(c.data_dir)) if c.data_dir else None,
-        decode=c.decode, run_name=spec.name, out=str(repo_path(c.out or f"outputs/compare/{spec.name}")), progress=progress,
+        decode=c.decode, run_name=f"{spec.name}-compare", out=str(repo_path(c.out or f"outputs/compare/{spec.name}")), progress=progress,
+        parent_run_id=parent_run_id,
     ))  # fmt: skip
 
 

@@ -23,7 +23,7 @@ from pipelines.common.outputs import ensure_writable_dir, local_dir, rooted
 from pipelines.common.provenance import write_provenance
 from pipelines.common.registry import register_checkpoint
 from pipelines.common.run_tags import run_tags
-from pipelines.common.tracking import TrackedRun, fail_stale_runs, get_client, tracked_run
+from pipelines.common.tracking import attach, fail_stale_runs, get_client, tracked_run
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def run_training(
     tags = run_tags("train", target=cfg.target.spec, method=cfg.selector.name)
     parent = None
     if parent_run_id:
-        parent = TrackedRun(client, parent_run_id, client.get_run(parent_run_id).info.experiment_id, name="")
+        parent = attach(client, parent_run_id)
     with tracked_run(cfg.mlflow.experiment, run_name=cfg.ray.run_name, tags=tags, client=client, parent=parent) as run:
         run.log_params(_flat(cfg.model_dump(mode="json")))
         worker_cfg.update(extra_worker_config or {}, _mlflow_run_id=run.run_id, _mlflow_uri=client.tracking_uri)

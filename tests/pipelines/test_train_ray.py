@@ -142,6 +142,14 @@ def test_study_trains_stages_compares_and_ships(tmp_path, tiny_data, ray_session
     default_registry().from_checkpoint("drelay", drafter=drafter, tensors=extra, meta=meta)
     runs = {r.info.run_name: r for r in get_client().search_runs([get_client().get_experiment_by_name("drelay-train").experiment_id])}
     assert {"tiny-study-base", "tiny-study-native", "tiny-study-drelay"} <= set(runs)
+    # The study is a parent run (kind `study`); its training runs and the comparison nest under it.
+    from pipelines.common.tracking import PARENT_TAG
+
+    study = runs["tiny-study"]
+    assert study.data.tags["drelay.kind"] == "study" and study.info.status == "FINISHED"
+    children = {r.info.run_name: r for r in runs.values() if r.data.tags.get(PARENT_TAG) == study.info.run_id}
+    assert {"tiny-study-base", "tiny-study-native", "tiny-study-drelay"} <= set(children)
+    assert any(r.data.tags.get("drelay.kind") == "compare" for r in children.values())
 
     capsys.readouterr()
     assert main(["study", "--spec", str(path), "--no-progress", "--no-compare"]) == 0
