@@ -4,6 +4,7 @@ request whose stream is never read (client gone before the first byte) still fre
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +47,10 @@ def test_overloaded_beyond_batch_plus_waiting(backend):
             backend.submit(GenRequest(prompt_ids=[3], max_tokens=5))
 
     asyncio.run(run())
+
+
+def test_registry_references_pass_through_config_path_resolution():
+    from deploy.serve.backends.engine import _repo_path
+
+    assert _repo_path("models:/drelay-smollm2@champion") == "models:/drelay-smollm2@champion"
+    assert Path(_repo_path("checkpoints/smollm2-135m")).is_dir()  # relative to the repository root

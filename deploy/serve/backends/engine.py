@@ -30,8 +30,9 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def _repo_path(path: str | None) -> str | None:
-    """Config paths are relative to the repository root (replicas may run in another directory)."""
-    if path is None or Path(path).is_absolute() or Path(path).exists():
+    """Config paths are relative to the repository root (replicas may run in another directory);
+    registry references (`models:/<name>@<alias>`) pass through to `resolve_method`."""
+    if path is None or path.startswith("models:/") or Path(path).is_absolute() or Path(path).exists():
         return path
     return str(REPO_ROOT / path)
 
