@@ -140,7 +140,7 @@ class DRelayDraftModel(nn.Module):
 
         if self.selector is None:
             return None
-        n = self.selector.config.history_len
+        n = self.selector.capabilities.history_len  # the history read's N, or 1 for the anchor feature alone
         dim = len(self.drafter_config.target_layer_ids) * self.drafter_config.hidden_size
         ring = RequestFeatureRing(max_requests, n, dim, dtype=self.drafter.fc.weight.dtype, device=device) if n else None
         return DRelayCandidateSelector(self.selector, history=ring, max_bs=max_bs, device=device)

@@ -34,10 +34,11 @@ from drelay_model.selectors.drelay import DRelaySelector
 class DRelayCandidateSelector(nn.Module):
     def __init__(self, selector: DRelaySelector, *, history: RequestFeatureRing | None, max_bs: int, device="cpu") -> None:
         super().__init__()
-        if selector.config.history_len and (history is None or history.size != selector.config.history_len):
-            raise ValueError(f"the selector reads {selector.config.history_len} verified features; give a RequestFeatureRing of that size")
+        n = selector.capabilities.history_len  # the history read's N, or 1 for the anchor feature alone
+        if n and (history is None or history.size != n):
+            raise ValueError(f"the selector reads {n} verified features; give a RequestFeatureRing of that size")
         self.selector = selector.eval()
-        self.history = history if selector.config.history_len else None
+        self.history = history if n else None
         self.top_k = selector.top_k
         self.register_buffer("slots", torch.zeros(max_bs, dtype=torch.long, device=device), persistent=False)  # [max_bs]
 

@@ -27,6 +27,7 @@ def _walk_kernel(
     outw_ptr, headw_ptr, headb_ptr, pick_ptr, gate_ptr, rank_ptr,
     H, K, C, scale, tie_tol,
     NH: tl.constexpr, DG: tl.constexpr, K1P: tl.constexpr, HP: tl.constexpr, RP: tl.constexpr, CP: tl.constexpr,
+    CONTRAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     R = NH * DG
@@ -65,12 +66,16 @@ def _walk_kernel(
         act = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))  # exact GELU
         corr_rank = tl.sum(act * hw_rank[None, :], axis=1) + hb_rank  # [K1P]
         corr_gate = tl.sum(act * hw_gate[None, :], axis=1) + hb_gate
-        gate = tl.load(gate0_ptr + b * H + i).to(tl.float32) + tl.sum(tl.where(offs_k == K, corr_gate, 0.0), axis=0)
         rank = tl.load(rank0_ptr + (b * H + i) * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32) + corr_rank
         alt = tl.where((offs_k >= 1) & (offs_k < K), rank, float("-inf"))
         best = tl.max(alt, axis=0)
         arg = tl.argmax(alt, axis=0)
         lse = best + tl.log(tl.sum(tl.exp(alt - best), axis=0))
+        delta = tl.sum(tl.where(offs_k == K, corr_gate, 0.0), axis=0)  # δ_iK, the slot query
+        if CONTRAST:  # + Σ_{k>0} r_ik δ_ik − δ_i0 (causal.combine)
+            r = tl.where((offs_k >= 1) & (offs_k < K), tl.exp(alt - lse), 0.0)
+            delta += tl.sum(r * corr_gate, axis=0) - tl.sum(tl.where(offs_k == 0, corr_gate, 0.0), axis=0)
+        gate = tl.load(gate0_ptr + b * H + i).to(tl.float32) + delta
         pick = tl.where(gate + (best - lse) > tie_tol, arg, 0)
         tl.store(pick_ptr + b * H + i, pick.to(tl.int64))
         tl.store(gate_ptr + b * H + i, gate.to(gate_ptr.dtype.element_ty))
@@ -97,6 +102,6 @@ def walk_triton(w: WalkInputs) -> WalkResult:
                                   w.cand_k, w.cand_v, w.cand_q, w.out_w, w.head_w, w.head_b)]
     _walk_kernel[(B,)](
         *c, pick, gate, rank, H, K, C, dg ** -0.5, TIE_TOL,
-        NH=nh, DG=dg, K1P=_block(K1), HP=_block(H), RP=_block(nh * dg), CP=_block(C),
+        NH=nh, DG=dg, K1P=_block(K1), HP=_block(H), RP=_block(nh * dg), CP=_block(C), CONTRAST=w.contrast,
     )
     return WalkResult(pool_index=pick, gate=gate, rank=rank)

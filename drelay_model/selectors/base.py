@@ -141,6 +141,12 @@ class Selector(nn.Module):
             raise DRelayError(f"selector {cls.__name__} takes no config, got keys {sorted(config)}")
         return cls()
 
+    @classmethod
+    def saved_config(cls, config: dict | None) -> dict | None:
+        """A config as stored in a checkpoint, brought up to date before `build`: a selector whose
+        config gained keys fills in what older checkpoints were trained with. Default: unchanged."""
+        return config
+
     def select(self, block: DraftBlock, ctx: SelectionContext) -> Selection:  # pragma: no cover - abstract
         raise NotImplementedError
 

@@ -49,7 +49,7 @@ class SelectorRegistry:
         saved = meta.get("selector") or {}
         if saved.get("name") != name:
             raise DRelayError(f"the checkpoint holds no trained '{name}' selector (it has: {saved.get('name') or 'none'})")
-        selector = cls.build(drafter=drafter, config=saved.get("config"))
+        selector = cls.build(drafter=drafter, config=cls.saved_config(saved.get("config")))
         state = {k.removeprefix("selector."): v for k, v in tensors.items() if k.startswith("selector.")}
         try:
             selector.load_state_dict(state)

@@ -60,7 +60,7 @@ def continues_selector(cfg: RunConfig, meta: dict) -> bool:
     saved = meta.get("selector") or {}
     if not cfg.selector.trains_selector or saved.get("name") != cfg.selector.name:
         return False
-    kept = saved.get("config") or {}
+    kept = default_registry().factory(cfg.selector.name).saved_config(saved.get("config")) or {}
     diff = sorted(k for k, v in cfg.selector.config.items() if k not in kept or kept[k] != v)
     if diff:
         raise DRelayError(

@@ -39,7 +39,7 @@ def trained_checkpoint(target, path, *, draft_vocab: int | None = None):
             p.copy_(torch.randn_like(p))
         selector.causal.head.bias[1] += 4.0  # biased towards REPAIR
     extra = {f"selector.{k}": v for k, v in selector.state_dict().items()}
-    save_drafter(drafter, path, extra_tensors=extra, meta={"selector": {"name": "drelay", "config": SEL_CFG}})
+    save_drafter(drafter, path, extra_tensors=extra, meta={"selector": {"name": "drelay", "config": selector.config.to_dict()}})
     return drafter, selector
 
 

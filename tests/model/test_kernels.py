@@ -49,16 +49,18 @@ def test_candidate_attention_matches_the_reference(dtype, seed):
 
 
 def _cast(w: WalkInputs, dtype) -> WalkInputs:
-    return WalkInputs(**{f: getattr(w, f).detach().to(DEVICE, dtype) for f in w.__dataclass_fields__})
+    return WalkInputs(**{f: (v.detach().to(DEVICE, dtype) if torch.is_tensor(v) else v) for f, v in vars(w).items()})
 
 
+@pytest.mark.parametrize("gate_evidence", ["contrast", "slot"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(6, 5), (1, 2), (9, 3)])
-def test_walk_kernel_matches_the_reference(dtype, shape):
+def test_walk_kernel_matches_the_reference(dtype, shape, gate_evidence):
     H, K = shape
     repairs = 0
     for seed, (gate_bias, ties) in enumerate([(0.0, False), (3.0, False), (8.0, True), (3.0, True)]):
-        sel = perturb(make(seed, H=H, K=K, heads=[1, 2, 4][seed % 3], read_dim=8 if seed % 2 else 12), seed, gate_bias=gate_bias)
+        sizes = dict(heads=[1, 2, 4][seed % 3], read_dim=8 if seed % 2 else 12, gate_evidence=gate_evidence)
+        sel = perturb(make(seed, H=H, K=K, **sizes), seed, gate_bias=gate_bias)
         block, ctx = block_and_ctx(1 + seed % 3, seed, H=H, K=K, ties=ties)
         with torch.no_grad():
             ev, cand_emb = sel.evidence(block, ctx.history, ctx.history_mask)

@@ -9,12 +9,18 @@ Prefix-independent evidence (computed once per block, before any decision):
   gate base g⁰_i  = log Σ_{k>0} q_ik − log q_i0                              native log-odds (Eq. 6)
 
 Prefix memory: entry 0 is the anchor, entry j ≥ 1 the token x_j chosen at slot j (position j):
-  m_0 = LN(g_a + p_0 + W_x E(x_0)),   m_j = LN(W_m [s_j ; z_j] + p_j + W_x E(x_j))
+  m_0 = LN(g_a + p_0 + A + W_x E(x_0)),   m_j = LN(W_m [s_j ; z_j] + p_j + W_x E(x_j))
+  A = LN(W_F f_a): f_a is the newest verified target feature (the one that produced the anchor; A = 0
+  when there is none), projected exactly as the history read projects its entries (W_F and LN are
+  shared, so the anchor projection adds no parameters); A = 0 with `anchor_feature: false`
 Decision at position i (slot i−1 in 0-based tensors) reads entries j < i only, and the latest chosen
 token conditions its query directly:
   o_ik = Attn(W_p a_ik + W_e E(x_{i−1}); keys/values W_kv m_j for j < i)
   [ρ'_ik, δ_ik] = W_h GELU(pre_ik + W_c o_ik)         W_h zero-initialised (terminal)
-  S_ik = S⁰_ik + ρ'_ik   (k < K),   g_i = g⁰_i + Δg_i with Δg_i = δ_iK (the slot query)
+  S_ik = S⁰_ik + ρ'_ik   (k < K),   g_i = g⁰_i + Δg_i                                   (`combine`)
+  Δg_i = δ_iK + Σ_{k>0} r_ik δ_ik − δ_i0   (gate_evidence "contrast", r = softmax_{k>0} S_i, detached:
+         the gate reads which alternative the evidence supports against the native's own evidence)
+  Δg_i = δ_iK                              (gate_evidence "slot": the slot query alone)
   decision (Eq. 2): REPAIR with k* = argmax_{k>0} S_ik iff g_i + log r_ik* > 0 (ties → KEEP)
 
 With W_ρ = 0 and W_h = 0 (the initialisation) S = log q and g = g⁰: p_act is the native
@@ -56,6 +62,21 @@ def repair_margin(gate: torch.Tensor, rank: torch.Tensor) -> tuple[torch.Tensor,
     return gate + (best - alt.logsumexp(dim=-1)), arg + 1
 
 
+def combine(out: torch.Tensor, gate0: torch.Tensor, rank0: torch.Tensor, *, contrast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores from the compact heads' output (see the module docstring).
+
+    out [..., K+1, 2] (column 0: rank correction ρ', column 1: gate evidence δ; row K = the slot
+    query); gate0 [...]; rank0 [..., K] → (gate g [...], rank S [..., K]).
+    """
+    K = rank0.shape[-1]
+    rank = rank0 + out[..., :K, 0]
+    delta = out[..., K, 1]
+    if contrast:
+        r = rank[..., 1:].detach().softmax(dim=-1)  # [..., K−1] which alternative the rank favours
+        delta = delta + (r * out[..., 1:K, 1]).sum(dim=-1) - out[..., 0, 1]
+    return gate0 + delta, rank
+
+
 def decide(gate: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
     """The KEEP/REPAIR rule of Eq. 2: REPAIR with k* iff g_i + log r_ik* > TIE_TOL, else KEEP
     (pool index 0). gate [...], rank [..., K] → [...] int64 pool index."""
@@ -68,6 +89,7 @@ class Evidence:
     """Everything a decision needs that does not depend on the chosen prefix.
 
     rank0     [B, H, K]         S⁰ = log q + shared hidden residual
+    anchor    [B, d]            the anchor's memory base g_a + p_0 (+ LN(W_F f_a))
     gate0     [B, H]            native pool-mass log-odds (Eq. 6 without Δg)
     pre       [B, H, K+1, C]    compact pre-activations (global + history evidence); row K = slot query
     query     [B, H, nh, K+1, dg] prefix-read query base (r = nh·dg = read_dim)
@@ -75,6 +97,7 @@ class Evidence:
     """
 
     rank0: torch.Tensor
+    anchor: torch.Tensor
     gate0: torch.Tensor
     pre: torch.Tensor
     query: torch.Tensor
@@ -88,14 +111,17 @@ class CausalSelector(nn.Module):
         super().__init__()
         d, r, C, H = cfg.d_sel, cfg.read_dim, cfg.compact_dim, num_slots
         self.heads, self.history_len = cfg.heads, cfg.history_len
+        self.contrast = cfg.gate_evidence == "contrast"
         self.rank_pos = nn.Parameter(torch.randn(top_k, d) * 0.02)  # R_k
         self.logq_feat = nn.Parameter(torch.randn(d) * 0.02)  # w_q
         self.slot_token = nn.Parameter(torch.randn(d) * 0.02)  # t_slot
         self.state_norm = nn.LayerNorm(d, eps=cfg.ln_eps)
-        if cfg.history_len:
+        self.anchor_feature = cfg.anchor_feature
+        if cfg.features_needed:  # verified target features: the history read's entries and/or f_a
             self.hist_in = nn.Linear(feature_dim, d)  # W_F: verified target features F → d_sel
-            self.hist_pos = nn.Parameter(torch.randn(cfg.history_len, d) * 0.02)  # P_t, right-aligned
             self.hist_norm = nn.LayerNorm(d, eps=cfg.ln_eps)
+        if cfg.history_len:
+            self.hist_pos = nn.Parameter(torch.randn(cfg.history_len, d) * 0.02)  # P_t, right-aligned
             self.hist_q = nn.Linear(d, r, bias=False)
             self.hist_kv = nn.Linear(d, 2 * r, bias=False)
             self.static_y = nn.Linear(r, C, bias=False)  # W_y (the read's output projection folded in)
@@ -120,7 +146,8 @@ class CausalSelector(nn.Module):
     # ---- prefix-independent evidence -----------------------------------------------------------
     def evidence(self, s, z, c, cand_emb, cand_logq, history, history_mask) -> Evidence:
         """s, z [B, H, d]; c, cand_emb [B, H, K, d]; cand_logq [B, H, K]; history [B, N, F] or None,
-        history_mask [B, N] bool or None. Returns the block's Evidence."""
+        history_mask [B, N] bool or None (the newest N verified features, right-aligned: entry N−1 is
+        the anchor's f_a). Returns the block's Evidence."""
         B, H, K, d = c.shape
         nh, r = self.heads, self.prefix_q.out_features
         feat = self.rank_pos + self.logq_feat * cand_logq.clamp(min=_LOGQ_FLOOR).unsqueeze(-1).to(c.dtype)
@@ -128,16 +155,26 @@ class CausalSelector(nn.Module):
         a = self.state_norm(z.unsqueeze(2) + rows)  # [B, H, K+1, d]
         pre = self.static_a(a)  # [B, H, K+1, C]
         if self.history_len and history is not None:
-            pre = pre + self.static_y(self._history_read(a, history, history_mask))
+            window, window_mask = history[:, -self.history_len :], history_mask[:, -self.history_len :]
+            pre = pre + self.static_y(self._history_read(a, window, window_mask))
         rho = (cand_emb @ self.shared(s).unsqueeze(-1)).squeeze(-1) / math.sqrt(d)  # [B, H, K]
         logq = cand_logq.to(c.dtype)
         return Evidence(
             rank0=logq + rho,
+            anchor=self._anchor_base(history, history_mask, batch=B, dtype=c.dtype),
             gate0=logq[..., 1:].logsumexp(dim=-1) - logq[..., 0],
             pre=pre,
             query=self.prefix_q(a).view(B, H, K + 1, nh, r // nh).transpose(2, 3),
             slot_mem=self.mem_slot(torch.cat([s, z], dim=-1)) + self.mem_pos[1 : H + 1],
         )
+
+    def _anchor_base(self, history, history_mask, *, batch: int, dtype) -> torch.Tensor:
+        """g_a + p_0 (+ LN(W_F f_a), zero where the row has no verified feature yet) → [B, d]."""
+        base = (self.anchor_flag + self.mem_pos[0]).to(dtype).expand(batch, -1)
+        if not self.anchor_feature or history is None:
+            return base
+        f_a = self.hist_norm(self.hist_in(history[:, -1].to(dtype)))  # [B, d]
+        return base + f_a * history_mask[:, -1:].to(dtype)
 
     def _history_read(self, a: torch.Tensor, history: torch.Tensor, history_mask: torch.Tensor | None) -> torch.Tensor:
         """Candidate-specific reads of the verified history (heads concatenated, before W_y).
@@ -180,7 +217,7 @@ class CausalSelector(nn.Module):
         """
         B, H, nh, K1, dh = ev.query.shape
         tokens = torch.cat([anchor_emb[:, None], prefix_emb[:, : H - 1]], dim=1)  # [B, H, d] positions 0..H−1
-        base = torch.cat([(self.anchor_flag + self.mem_pos[0]).expand(B, 1, -1), ev.slot_mem[:, : H - 1]], dim=1)
+        base = torch.cat([ev.anchor[:, None], ev.slot_mem[:, : H - 1]], dim=1)
         k, v, q_term = self.token_terms(base, tokens)  # entry e = position e; q_term[:, e] is x_{i−1} of slot e
         keys, values = (t.view(B, H, nh, dh).transpose(1, 2) for t in (k, v))  # [B, nh, H, dh]
         q = (ev.query + q_term.view(B, H, nh, 1, dh)).transpose(1, 2).reshape(B, nh, H * K1, dh)
@@ -190,7 +227,7 @@ class CausalSelector(nn.Module):
         read = null_attention(q, keys, values, bias=strict, null_key=False)  # [B, nh, H(K+1), dh]
         read = read.view(B, nh, H, K1, dh).permute(0, 2, 3, 1, 4).reshape(B, H, K1, nh * dh)
         out = self._corrections(ev.pre, read)  # [B, H, K+1, 2]
-        return ev.gate0 + out[..., K1 - 1, 1], ev.rank0 + out[..., : K1 - 1, 0]
+        return combine(out, ev.gate0, ev.rank0, contrast=self.contrast)
 
     def sequential(self, ev: Evidence, anchor_emb: torch.Tensor, cand_emb: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The H dependent decisions, one after another: after decision i only the chosen token's
@@ -205,7 +242,7 @@ class CausalSelector(nn.Module):
         K, r = K1 - 1, nh * dh
         keys = cand_emb.new_empty(B, nh, H, dh)  # entries 0..H−1 (the last slot's is never read)
         values = cand_emb.new_empty(B, nh, H, dh)
-        k, v, q_term = self.token_terms(self.anchor_flag + self.mem_pos[0], anchor_emb)  # [B, r] each: the anchor
+        k, v, q_term = self.token_terms(ev.anchor, anchor_emb)  # [B, r] each: the anchor
         query, pre = ev.query.transpose(0, 1).contiguous(), ev.pre.transpose(0, 1).contiguous()  # slot-major
         rows = torch.arange(B, device=keys.device)
         picks, gates, ranks = [], [], []
@@ -214,7 +251,7 @@ class CausalSelector(nn.Module):
             q = query[i] + q_term.view(B, nh, 1, dh)  # [B, nh, K+1, dh]
             read = F.scaled_dot_product_attention(q, keys[:, :, : i + 1], values[:, :, : i + 1])
             out = self._corrections(pre[i], read.transpose(1, 2).reshape(B, K1, r))  # [B, K+1, 2]
-            gate, rank = ev.gate0[:, i] + out[:, K, 1], ev.rank0[:, i] + out[:, :K, 0]
+            gate, rank = combine(out, ev.gate0[:, i], ev.rank0[:, i], contrast=self.contrast)
             pick = decide(gate, rank)  # [B]
             if i + 1 < H:  # only the chosen token becomes visible to later decisions
                 k, v, q_term = self.token_terms(ev.slot_mem[:, i], cand_emb[rows, i, pick])

@@ -29,6 +29,17 @@ class DRelayConfig:
     compact_dim    width of the compact candidate-specific correction MLP (rank and gate heads).
     global_read    False = the "No Global Read" ablation: no slot mixing and no candidate reads;
                    the causal selector then sees local slot and candidate features only.
+    gate_evidence  what the gate residual Δg_i of Eq. 6 reads (causal.py, `combine`):
+                   "contrast" (the paper's reading of §4.3: the gate asks "whether the best available
+                   repair justifies leaving the native choice", so it must see which alternative the
+                   evidence supports) = the slot query's δ_iK plus the alternatives' own gate
+                   evidence weighted by the rank distribution, minus the native candidate's:
+                   Δg_i = δ_iK + Σ_{k>0} r_ik δ_ik − δ_i0;
+                   "slot" (checkpoints before session 6) = Δg_i = δ_iK, the slot query alone.
+    anchor_feature True (Fig. 3's "anchor-feature projection"): the anchor's prefix-memory entry adds
+                   LN(W_F f_a), f_a = the target feature that produced the anchor (the newest
+                   verified feature), projected by the history read's own W_F and LN; False
+                   (checkpoints before session 6): g_a + p_0 + W_x E(x_0) only.
     ln_eps         LayerNorm epsilon.
     decisions      how inference finds the H causal decisions (same decisions either way):
                    "walk" = the graph-safe walk (walk.py: fixed work, no host syncs),
@@ -46,6 +57,8 @@ class DRelayConfig:
     ffn_mult: int = 4
     compact_dim: int = 64
     global_read: bool = True
+    gate_evidence: str = "contrast"
+    anchor_feature: bool = True
     ln_eps: float = 1e-5
     decisions: str = "walk"
     kernels: str = "torch"
@@ -60,6 +73,8 @@ class DRelayConfig:
             "ffn_mult": isinstance(self.ffn_mult, int) and self.ffn_mult >= 1,
             "compact_dim": isinstance(self.compact_dim, int) and self.compact_dim >= 1,
             "global_read": isinstance(self.global_read, bool),
+            "gate_evidence": self.gate_evidence in ("contrast", "slot"),
+            "anchor_feature": isinstance(self.anchor_feature, bool),
             "ln_eps": isinstance(self.ln_eps, float) and 0.0 < self.ln_eps < 1e-2,
             "decisions": self.decisions in ("walk", "passes"),
             "kernels": self.kernels in ("torch", "triton"),
@@ -68,10 +83,19 @@ class DRelayConfig:
         if bad:
             raise DRelayError(f"invalid drelay selector config: bad value for {', '.join(bad)}")
 
+    # What a saved config that predates a key was trained with (`from_saved` fills these in).
+    BEFORE_KEY = {"gate_evidence": "slot", "anchor_feature": False}
+
     @property
     def read_head_dim(self) -> int:
         """d_g, the head width of the candidate, history and prefix reads."""
         return self.read_dim // self.heads
+
+    @property
+    def features_needed(self) -> int:
+        """How many of the newest verified target features the selector reads: the history read's
+        N, and at least the anchor's own feature when `anchor_feature` is on."""
+        return max(self.history_len, int(self.anchor_feature))
 
     def to_dict(self) -> dict:
         """JSON-able dict (round-trips through `from_dict`)."""
@@ -87,3 +111,9 @@ class DRelayConfig:
         if "ln_eps" in data and isinstance(data["ln_eps"], int):
             data["ln_eps"] = float(data["ln_eps"])
         return cls(**data)
+
+    @classmethod
+    def from_saved(cls, data: dict | None) -> "DRelayConfig":
+        """A config stored in a checkpoint: keys it predates take the value it was trained with
+        (`BEFORE_KEY`), not today's default, so older checkpoints load and decide as before."""
+        return cls.from_dict({**cls.BEFORE_KEY, **(data or {})})

@@ -72,7 +72,7 @@ class DRelaySelector(Selector):
         self.config = config
         self.num_slots, self.top_k = num_slots, top_k
         self.capabilities = SelectorCapabilities(
-            trainable=True, needs_hidden=True, history_len=config.history_len, supports_sampling=True
+            trainable=True, needs_hidden=True, history_len=config.features_needed, supports_sampling=True
         )
         # Frozen, shared with the drafter/target; never saved in a checkpoint.
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
@@ -96,6 +96,11 @@ class DRelaySelector(Selector):
             top_k=dc.top_k,
             feature_dim=len(dc.target_layer_ids) * dc.hidden_size,
         )
+
+    @classmethod
+    def saved_config(cls, config: dict | None) -> dict:
+        """A checkpoint's config with the keys it predates set to what it was trained with."""
+        return DRelayConfig.from_saved(config).to_dict()
 
     def residual_heads(self) -> list[nn.Parameter]:
         """The zero-initialised terminal residual layers (a fresh selector is exactly native)."""
@@ -179,7 +184,7 @@ class DRelaySelector(Selector):
         """Global Read once, then the H causal decisions (`config.decisions`: the graph-safe walk or
         `CausalSelector.decide_block`, both identical to deciding slot by slot); also returns the
         scores the final decisions saw."""
-        history = ctx.history if self.config.history_len else None
+        history = ctx.history if self.config.features_needed else None
         ev, cand_emb = self.evidence(block, history, ctx.history_mask if history is not None else None)
         anchor_emb = self.embed(ctx.anchor_ids)
         if self.config.decisions == "walk":

@@ -9,11 +9,11 @@ tensor has a static shape and nothing reads a value back to the host:
      candidate at once (`walk_inputs`):
         memory entry of candidate k at slot j:  k_jk, v_jk = W_kv LN(W_m[s_j; z_j] + p_j + W_x E(v_jk))
         its query term for decision j + 1:      q_jk = W_e E(v_jk)
-     (entry 0, the anchor, likewise from g_a + p_0 and E(x_0));
+     (entry 0, the anchor, likewise from its base g_a + p_0 (+ LN_A(W_A f_a)) and E(x_0));
   2. decision i (0-based slot, position i + 1) then only gathers the picked candidate's terms:
         o_ik  = softmax_j≤i((Q_ik + q_{i−1,x})·k_j / √d_g) v_j      per head, entries 0..i
         [ρ'_ik, δ_ik] = W_h GELU(pre_ik + W_c o_ik)
-        S_ik = S⁰_ik + ρ'_ik,  g_i = g⁰_i + δ_iK,  pick_i = decide(g_i, S_i)
+        S_ik = S⁰_ik + ρ'_ik,  g_i = g⁰_i + Δg_i (causal.combine),  pick_i = decide(g_i, S_i)
      a Python loop over the static H (unrolled by a compiler), with `gather` for the picked index.
 
 The same decisions as `sequential` and `decide_block` (the scores agree to float rounding; picks can
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from drelay_model.selectors.drelay.causal import CausalSelector, Evidence, decide
+from drelay_model.selectors.drelay.causal import CausalSelector, Evidence, combine, decide
 from drelay_model.selectors.drelay.global_read import null_attention
 
 
@@ -43,6 +43,7 @@ class WalkInputs:
     anchor_k, anchor_v, anchor_q    [B, r]        memory entry 0 and the query term of decision 0
     cand_k, cand_v, cand_q          [B, H, K, r]  the same for every candidate of every slot
     out_w     [C, r]  W_c;  head_w [2, C], head_b [2]  W_h (row 0: rank, row 1: gate)
+    contrast  the gate residual reads the alternatives against the native (causal.combine)
     """
 
     query: torch.Tensor
@@ -58,6 +59,7 @@ class WalkInputs:
     out_w: torch.Tensor
     head_w: torch.Tensor
     head_b: torch.Tensor
+    contrast: bool
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ class WalkResult:
 
 def walk_inputs(causal: CausalSelector, ev: Evidence, anchor_emb: torch.Tensor, cand_emb: torch.Tensor) -> WalkInputs:
     """Step 1 of the module docstring. anchor_emb [B, d]; cand_emb [B, H, K, d]."""
-    ak, av, aq = causal.token_terms(causal.anchor_flag + causal.mem_pos[0], anchor_emb)  # [B, r] each
+    ak, av, aq = causal.token_terms(ev.anchor, anchor_emb)  # [B, r] each
     ck, cv, cq = causal.token_terms(ev.slot_mem[:, :, None], cand_emb)  # [B, H, K, r] each
     return WalkInputs(
         query=ev.query,  # [B, H, nh, K+1, d_g]
@@ -83,6 +85,7 @@ def walk_inputs(causal: CausalSelector, ev: Evidence, anchor_emb: torch.Tensor, 
         out_w=causal.prefix_out.weight,
         head_w=causal.head.weight,
         head_b=causal.head.bias,
+        contrast=causal.contrast,
     )
 
 
@@ -103,7 +106,7 @@ def walk(w: WalkInputs) -> WalkResult:
         read = null_attention(q, torch.cat(keys, 2), torch.cat(values, 2), null_key=False)  # entries 0..i
         read = read.transpose(1, 2).reshape(B, K1, nh * dh)  # [B, K+1, r]
         out = F.linear(F.gelu(w.pre[:, i] + F.linear(read, w.out_w)), w.head_w, w.head_b)  # [B, K+1, 2]
-        gate, rank = w.gate0[:, i] + out[:, K, 1], w.rank0[:, i] + out[:, :K, 0]
+        gate, rank = combine(out, w.gate0[:, i], w.rank0[:, i], contrast=w.contrast)
         pick = decide(gate, rank)  # [B] int64
         keys.append(_pick_row(w.cand_k[:, i], pick).view(B, nh, 1, dh))
         values.append(_pick_row(w.cand_v[:, i], pick).view(B, nh, 1, dh))
