@@ -27,7 +27,8 @@ def plan(spec: StudySpec, only: list[str]) -> tuple[dict[str, RunConfig], list[s
     for label in todo:
         cfg = configs[label]
         state = "done" if finished(cfg, repo_path) else "to train"
-        print(f"[study] {label}: run {cfg.ray.run_name}, {cfg.train.max_steps} steps, selector {cfg.selector.name} — {state}")
+        budget = f"{cfg.train.max_steps} steps" + (f" or {cfg.train.max_minutes:g} min" if cfg.train.max_minutes else "")
+        print(f"[study] {label}: run {cfg.ray.run_name}, {budget}, selector {cfg.selector.name} — {state}")
     return configs, todo
 
 

@@ -120,6 +120,11 @@ class TrainSection(_Strict):
     uniform_repair_weights: bool = False
     bf16: bool = True
     seed: int = 0
+    # A wall-clock budget for the training steps (validation excluded), in minutes: the run ends at
+    # max_steps or when the budget is spent, whichever comes first, and every schedule (lr, α, β,
+    # native-anchor share) follows the larger of the two progress fractions. None: steps only.
+    # Counted per attempt: a resumed run gets the budget left at its checkpoint (saved with it).
+    max_minutes: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     checkpoint_every: int = Field(200, ge=1)
     validate_every: int = Field(200, ge=1)
     validation_prompts: int = Field(8, ge=0)

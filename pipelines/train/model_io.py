@@ -76,21 +76,23 @@ def selector_meta(module: DraftTrainModule, cfg: RunConfig) -> dict | None:
     return {"name": cfg.selector.name, "config": getattr(module.selector, "config").to_dict()}
 
 
-def save_training_checkpoint(path: Path, module: DraftTrainModule, optimizer, step: int, cfg: RunConfig) -> None:
-    """drafter/ (a drafter checkpoint that also holds the selector as selector.*), optimizer, step."""
+def save_training_checkpoint(path: Path, module: DraftTrainModule, optimizer, step: int, cfg: RunConfig, *, train_seconds: float = 0.0) -> None:
+    """drafter/ (a drafter checkpoint that also holds the selector as selector.*), optimizer, step and
+    the seconds of training spent so far (what `train.max_minutes` counts)."""
     extra = {f"selector.{k}": v for k, v in module.selector.state_dict().items()} if module.selector is not None else None
     meta = {"step": step, "run_name": cfg.ray.run_name, "selector": selector_meta(module, cfg)}
     save_drafter(module.drafter, path / "drafter", extra_tensors=extra, meta=meta)
-    torch.save({"optimizer": optimizer.state_dict(), "step": step}, path / TRAINER_STATE)
+    torch.save({"optimizer": optimizer.state_dict(), "step": step, "train_seconds": float(train_seconds)}, path / TRAINER_STATE)
     (path / "run_config.json").write_text(cfg.model_dump_json(indent=2))
 
 
-def restore_training_checkpoint(path: Path, module: DraftTrainModule, optimizer, target) -> int:
-    """Load weights and optimizer state in place; returns the step to continue from."""
+def restore_training_checkpoint(path: Path, module: DraftTrainModule, optimizer, target) -> tuple[int, float]:
+    """Load weights and optimizer state in place; returns (the step to continue from, the seconds of
+    training already spent: 0 for checkpoints that predate the count)."""
     drafter, extra, _ = load_drafter(path / "drafter", target)
     module.drafter.load_state_dict(drafter.state_dict())
     if module.selector is not None:
         module.selector.load_state_dict({k.removeprefix("selector."): v for k, v in extra.items() if k.startswith("selector.")})
     state = torch.load(path / TRAINER_STATE, weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
-    return int(state["step"])
+    return int(state["step"]), float(state.get("train_seconds", 0.0))

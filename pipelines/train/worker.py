@@ -142,18 +142,19 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
     )
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    start = 0
+    start, clock = 0, TrainClock(cfg.train.max_minutes, cfg.train.max_steps)
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
-            start = restore_training_checkpoint(Path(d), module, optimizer, target)
+            start, clock.spent = restore_training_checkpoint(Path(d), module, optimizer, target)
     val = validation_set(cfg, target, val_seqs) if rank == 0 else ([], [])
     logger = _metric_logger(cfg_dict) if rank == 0 else None
     lengths = [len(s.input_ids) for s in train_seqs]
     per_epoch = max(len(train_seqs) // (cfg.train.seqs_per_step * world), 1)
     gen = torch.Generator().manual_seed(cfg.train.seed * 7919 + rank)
     t_last, tokens, step_last = time.perf_counter(), 0, start
-    progress = ProgressLine(start, cfg.train.max_steps)
+    line = ProgressLine(start, cfg.train.max_steps)
+    clock.restart()
     for step in range(start, cfg.train.max_steps):
         _maybe_kill(cfg_dict, step, rank)
         epoch, i = divmod(step, per_epoch)
@@ -162,37 +163,83 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
         ids, mask = (t.to(device) for t in collate(batch))
         labels = _labels(target, ids) if cfg.data.fallback_reference_answers else None
         feats = features(batch).to(device)
-        lr = lr_at(step, base=cfg.train.lr, warmup=cfg.train.warmup_steps, total=cfg.train.max_steps)
+        progress = clock.progress(step)  # steps, or the time budget when that binds first
+        lr = lr_at(clock.schedule_step(step), base=cfg.train.lr, warmup=cfg.train.warmup_steps, total=cfg.train.max_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         out = training_step_backward(
-            model, module, ids, mask, feats, step_config(cfg, step / cfg.train.max_steps), gen, label_ids=labels,
+            model, module, ids, mask, feats, step_config(cfg, progress), gen, label_ids=labels,
             autocast_dtype=torch.bfloat16 if autocast else None,
         )
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip).item()
         optimizer.step()
         tokens += int(mask.sum())
         metrics = {**out.metrics, "lr": lr, "grad_norm": grad_norm, "step": step + 1}
-        last = step + 1 == cfg.train.max_steps
+        clock.tick(world)
+        last = step + 1 == cfg.train.max_steps or clock.spent_all(world)
         validating = (step + 1) % cfg.train.validate_every == 0 or last  # its own schedule, not only at checkpoints
         if rank == 0 and validating:
             started = time.perf_counter()
             metrics.update(validate(target, module, *val))
             t_last += time.perf_counter() - started  # replay time is not training throughput
+            clock.pause(time.perf_counter() - started)  # nor training budget
         checkpointing = (step + 1) % cfg.train.checkpoint_every == 0 or last
         if checkpointing:
             now = time.perf_counter()
             metrics["throughput/tokens_per_s"] = tokens * world / (now - t_last)  # response tokens, all workers
             metrics["throughput/samples_per_s"] = (step + 1 - step_last) * cfg.train.seqs_per_step * world / (now - t_last)
         if checkpointing or validating:  # every rank reports at the same steps (Ray's report is a barrier)
-            _report(metrics, rank, module, optimizer, step + 1, cfg, checkpoint=checkpointing)
+            _report(metrics, rank, module, optimizer, step + 1, cfg, checkpoint=checkpointing, train_seconds=clock.spent)
         if checkpointing:
             t_last, tokens, step_last = time.perf_counter(), 0, step + 1
         if logger is not None:
             logger(metrics, step + 1)
         if rank == 0:
-            progress.update(step + 1, metrics)
+            line.update(step + 1, metrics)
+        if last:
+            break
+
+
+class TrainClock:
+    """`train.max_minutes`: seconds spent in training steps (validation paused out), carried across a
+    resume through the checkpoint, and the progress fraction the schedules follow:
+    max(step / max_steps, spent / budget). Ranks agree on "spent" (the smallest clock: the others
+    also wait out rank 0's validation at the report barrier), so every rank stops at the same step."""
+
+    def __init__(self, max_minutes: float | None, max_steps: int) -> None:
+        self.budget = max_minutes * 60.0 if max_minutes else None
+        self.max_steps = max_steps
+        self.spent = 0.0
+        self._since = time.perf_counter()
+
+    def restart(self) -> None:
+        """Start counting now (loading the model and data is not training)."""
+        self._since = time.perf_counter()
+
+    def progress(self, step: int) -> float:
+        by_steps = step / self.max_steps
+        return by_steps if self.budget is None else min(max(by_steps, self.spent / self.budget), 1.0)
+
+    def schedule_step(self, step: int) -> int:
+        """The step whose schedule value applies now (the step itself without a budget)."""
+        return min(max(step, int(self.progress(step) * self.max_steps)), self.max_steps - 1)
+
+    def tick(self, world: int) -> None:
+        now = time.perf_counter()
+        self.spent += now - self._since
+        self._since = now
+        if world > 1 and self.budget is not None and torch.distributed.is_initialized():
+            t = torch.tensor([self.spent])
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)  # rank 0 pauses for validation
+            self.spent = float(t)
+
+    def pause(self, seconds: float) -> None:
+        """Time that was not training (validation): not counted."""
+        self._since += seconds
+
+    def spent_all(self, world: int) -> bool:
+        return self.budget is not None and self.spent >= self.budget
 
 
 class ProgressLine:
@@ -216,7 +263,7 @@ class ProgressLine:
         print(line, file=sys.__stdout__, flush=True)
 
 
-def _report(metrics, rank, module, optimizer, step, cfg, *, checkpoint: bool) -> None:
+def _report(metrics, rank, module, optimizer, step, cfg, *, checkpoint: bool, train_seconds: float = 0.0) -> None:
     """Report to Ray Train (and through a TuneReportCallback to Tune): at validation steps so a
     scheduler sees `val/tau` as it comes, with rank 0's checkpoint at checkpoint steps."""
     import ray.train
@@ -226,7 +273,7 @@ def _report(metrics, rank, module, optimizer, step, cfg, *, checkpoint: bool) ->
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        save_training_checkpoint(Path(tmp), module, optimizer, step, cfg)
+        save_training_checkpoint(Path(tmp), module, optimizer, step, cfg, train_seconds=train_seconds)
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp))
 
 

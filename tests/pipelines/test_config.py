@@ -74,6 +74,7 @@ BOUNDS = [
     ("train.lr", 0, "greater than 0"),
     ("train.grad_clip", 0, "greater than 0"),
     ("train.max_steps", 0, "greater than or equal to 1"),
+    ("train.max_minutes", 0, "greater than 0"),
     ("train.seqs_per_step", 0, "greater than or equal to 1"),
     ("train.anchors_per_seq", 0, "greater than or equal to 1"),
     ("train.checkpoint_every", 0, "greater than or equal to 1"),

@@ -187,3 +187,42 @@ def test_progress_line_prints_once_per_interval_and_at_the_end(capfd):
     lines = [line for line in capfd.readouterr().out.splitlines() if line]
     assert [line.split(" · ")[0] for line in lines] == ["[train] step 25/60", "[train] step 50/60", "[train] step 60/60"]
     assert "support 2.500" in lines[0] and "slot-1 acc 0.400" in lines[0] and lines[-1].endswith("tau_native 1.800")
+
+
+def test_train_clock_budget_drives_the_schedules_and_the_stop(monkeypatch):
+    """`train.max_minutes`: progress is max(steps, time) fractions, validation time is not counted,
+    the budget left survives a resume (the count is saved with the checkpoint)."""
+    from pipelines.train import worker
+
+    now = [0.0]
+    monkeypatch.setattr(worker.time, "perf_counter", lambda: now[0])
+    clock = worker.TrainClock(max_minutes=1.0, max_steps=1000)  # 60 s or 1000 steps
+    clock.restart()
+    now[0] = 30.0
+    clock.tick(world=1)
+    assert clock.progress(10) == pytest.approx(0.5) and clock.schedule_step(10) == 500 and not clock.spent_all(1)
+    clock.pause(20.0)  # a validation from t = 30 s to 50 s
+    now[0] = 50.0
+    clock.tick(world=1)
+    assert clock.spent == pytest.approx(30.0)
+    now[0] = 80.0
+    clock.tick(world=1)
+    assert clock.spent_all(1) and clock.progress(11) == 1.0 and clock.schedule_step(11) == 999
+    steps_only = worker.TrainClock(max_minutes=None, max_steps=100)
+    now[0] = 1e6
+    steps_only.tick(world=1)
+    assert steps_only.progress(25) == 0.25 and steps_only.schedule_step(25) == 25 and not steps_only.spent_all(1)
+
+
+def test_training_checkpoint_keeps_the_seconds_spent(tmp_path):
+    from drelay_model.target import tiny_target
+    from pipelines.train.config import load_config
+    from pipelines.train.model_io import build_module, restore_training_checkpoint, save_training_checkpoint
+
+    target = tiny_target("tiny-llama")
+    cfg = load_config(None, ["target.spec=tiny-llama", "drafter.num_layers=1", "drafter.top_k=8", "drafter.draft_vocab_size=null", "train.max_minutes=2.5"])
+    assert cfg.train.max_minutes == 2.5
+    module = build_module(cfg, target, [])
+    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad])
+    save_training_checkpoint(tmp_path / "ck", module, optimizer, 7, cfg, train_seconds=42.5)
+    assert restore_training_checkpoint(tmp_path / "ck", module, optimizer, target) == (7, 42.5)
