@@ -24,6 +24,7 @@ from pipelines.eval.prompts import encoder_for
 from pipelines.eval.results import cell_store
 from pipelines.eval.runner import EvalConfig, Evaluation, MethodUnderTest
 from pipelines.eval.session import DEFAULT_EXPERIMENT, run_session
+from pipelines.eval.timing import TIMINGS
 
 
 def add_parser(sub) -> None:
@@ -39,6 +40,9 @@ def add_parser(sub) -> None:
     add_max_new_tokens(p)
     p.add_argument("--concurrency", default="1", help="comma list of simultaneous requests; the first gives τ and S")
     p.add_argument("--no-diagnostics", action="store_true", help="skip greedy replay (replay τ, oracle τ, coverage)")
+    p.add_argument("--timing", choices=TIMINGS, default="paired",
+                   help="paired (default): AR re-decodes each prompt back to back with the method, S = median of paired "
+                        "ratios; phased: S from AR's own cell (half the AR time, but other load can skew it)")  # fmt: skip
     add_run_outputs(p, kind="eval", experiment=DEFAULT_EXPERIMENT)
     p.set_defaults(run=run)
 
@@ -78,7 +82,7 @@ def build_config(args: argparse.Namespace) -> EvalConfig:
         target=args.target, specs=resolve_specs(args.checkpoint, methods, target=args.target, random_drafter=args.random_drafter),
         benchmarks=parse_benchmarks(args.benchmarks), decode=decode, seeds=parse_ints(args.seeds, "--seeds", minimum=0),
         concurrency=parse_ints(args.concurrency, "--concurrency", minimum=1), limit=args.limit, subset_seed=args.subset_seed,
-        data_dir=args.data_dir, diagnostics=not args.no_diagnostics,
+        data_dir=args.data_dir, diagnostics=not args.no_diagnostics, timing=args.timing,
     )  # fmt: skip
 
 

@@ -2,8 +2,12 @@
 
 Per cell (one benchmark, one method), at the primary concurrency (the first `--concurrency`):
     tau, tau_std             committed tokens per round, mean ± std over seeds (real decoding)
-    speedup, speedup_std     S = method tokens/s ÷ AR tokens/s, same benchmark, seed and concurrency,
-                             wall time with prefill included; mean ± std over seeds
+    speedup                  paired timing (the default, timing.py): the median over prompt-turns of
+                             S_p = method tokens/s ÷ AR tokens/s on the same prompt-turn, back to back;
+                             speedup_p25, speedup_p75 its spread. Phased timing: as speedup_phased.
+    speedup_phased, speedup_std   S = method tokens/s ÷ AR tokens/s of whole passes (AR's own cell),
+                             same benchmark, seed and concurrency, prefill included; mean ± std over seeds
+    other_cpu_share          CPU share of other processes while the cell ran (0 = a quiet machine)
     tokens_per_s             the method's own throughput
     slot_acceptance/NN       P(draft at slot NN accepted), pooled over seeds
     ms_draft|select|verify|other   mean ms per engine step (= per round at concurrency 1)
@@ -28,14 +32,16 @@ from collections.abc import Sequence
 from drelay_model.diagnostics import selection_efficiency
 from drelay_model.decoding.stats import DecodeStats
 from pipelines.eval.results import CellResult
+from pipelines.eval.timing import median_spread, paired_ratios
 
 BENCHMARK_METRICS = (
-    "tau", "tau_std", "speedup", "speedup_std", "tokens_per_s", "matches_ar",
+    "tau", "tau_std", "speedup", "speedup_std", "speedup_p25", "speedup_p75", "speedup_phased",
+    "other_cpu_share", "tokens_per_s", "matches_ar",
     "tau_replay", "tau_replay_gap", "oracle_tau", "efficiency",
     "coverage_first_error", "coverage_first_base_error", "one_edit_gain",
 )  # fmt: skip
 MEAN_METRICS = (
-    "tau", "speedup", "tau_replay", "oracle_tau", "efficiency",
+    "tau", "speedup", "speedup_phased", "other_cpu_share", "tau_replay", "oracle_tau", "efficiency",
     "coverage_first_error", "coverage_first_base_error", "one_edit_gain",
 )  # fmt: skip
 
@@ -79,7 +85,12 @@ def cell_metrics(cell: CellResult, ar: CellResult, concurrency_levels: Sequence[
     at_c0 = _passes_at(cell, c0)
     tau, tau_std = mean_std([t.tau for t in at_c0.values()])
     s, s_std = mean_std(speedups(cell, ar, c0))
-    out = {"tau": tau, "tau_std": tau_std, "speedup": s, "speedup_std": s_std}
+    out = {"tau": tau, "tau_std": tau_std, "speedup": s, "speedup_std": s_std, "speedup_phased": s}
+    paired = paired_ratios(cell.prompts)
+    if paired:
+        out["speedup"], out["speedup_p25"], out["speedup_p75"] = median_spread(paired)
+    if cell.other_cpu_share is not None:
+        out["other_cpu_share"] = cell.other_cpu_share
     out["tokens_per_s"] = statistics.fmean(t.tokens_per_second for t in at_c0.values()) if at_c0 else 0.0
     out.update(timing_metrics(pooled([cell], c0)))
     for c in concurrency_levels:

@@ -45,9 +45,9 @@ def plot_tau_speedup(methods: dict[str, dict[str, float]], benchmarks: Sequence[
     for ax, key, ylabel in ((axes[0], "tau", "τ (tokens / round)"), (axes[1], "speedup", "S (× AR tokens/s)")):
         for i, (m, v) in enumerate(spec.items()):
             vals = [v.get(f"{b}/{key}", 0.0) for b in benchmarks] + [v.get(f"mean_{key}", 0.0)]
-            errs = [v.get(f"{b}/{key}_std", 0.0) for b in benchmarks] + [0.0]
+            errs = _error_bars(v, benchmarks, key, vals)
             xs = [j + (i - (len(spec) - 1) / 2) * width for j in range(len(labels))]
-            ax.bar(xs, vals, width, yerr=errs if any(errs) else None, label=m, capsize=2)
+            ax.bar(xs, vals, width, yerr=errs, label=m, capsize=2)
         ref = ax.axhline(1.0, color="black", lw=0.8, ls="--", label="AR (S = τ = 1)")
         ax.set_ylim(0, 1.3 * _highest(spec, benchmarks, key))
         ax.set_ylabel(ylabel)
@@ -59,9 +59,20 @@ def plot_tau_speedup(methods: dict[str, dict[str, float]], benchmarks: Sequence[
     return save_figure(fig, path)
 
 
+def _error_bars(v: dict[str, float], benchmarks: Sequence[str], key: str, vals: list[float]):
+    """Paired S: the 25th–75th percentile of per-prompt ratios (asymmetric); otherwise ± std over
+    seeds (T > 0); None when there is no spread to draw."""
+    if key == "speedup" and any(f"{b}/speedup_p25" in v for b in benchmarks):
+        lo = [max(x - v.get(f"{b}/speedup_p25", x), 0.0) for b, x in zip(benchmarks, vals)] + [0.0]
+        hi = [max(v.get(f"{b}/speedup_p75", x) - x, 0.0) for b, x in zip(benchmarks, vals)] + [0.0]
+        return [lo, hi]
+    errs = [v.get(f"{b}/{key}_std", 0.0) for b in benchmarks] + [0.0]
+    return errs if any(errs) else None
+
+
 def _highest(spec: dict[str, dict[str, float]], benchmarks: Sequence[str], key: str) -> float:
     """Top of the tallest bar (value + std) or 1, for axis headroom above the legend."""
-    tops = [v.get(f"{b}/{key}", 0.0) + v.get(f"{b}/{key}_std", 0.0) for v in spec.values() for b in benchmarks]
+    tops = [max(v.get(f"{b}/{key}", 0.0) + v.get(f"{b}/{key}_std", 0.0), v.get(f"{b}/{key}_p75", 0.0)) for v in spec.values() for b in benchmarks]
     return max([1.0] + tops + [v.get(f"mean_{key}", 0.0) for v in spec.values()])
 
 

@@ -49,6 +49,8 @@ class PromptRecord:
     rounds: int | None = None
     tau: float | None = None
     wall_s: float | None = None
+    ar_wall_s: float | None = None  # paired timing: AR on the same prompt-turn, back to back
+    ar_new_tokens: int | None = None
     tau_replay: float | None = None
     oracle_tau: float | None = None
 
@@ -88,6 +90,7 @@ class CellResult:
     outputs: dict[str, list[list[int]]] = field(default_factory=dict)
     replay: ReplayResult | None = None
     elapsed_s: float = 0.0
+    other_cpu_share: float | None = None  # CPU share of other processes while the cell ran (timing.py)
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -110,6 +113,7 @@ class CellResult:
             outputs=d.get("outputs") or {},
             replay=replay,
             elapsed_s=d.get("elapsed_s", 0.0),
+            other_cpu_share=d.get("other_cpu_share"),
         )
 
 

@@ -5,6 +5,8 @@ replay continuation), then each speculative method. A cell = (benchmark, method)
 
     for seed in seeds (one seed when greedy), for c in concurrency levels:
         decode the prompts in batches of c simultaneous requests          → PassResult (τ, tokens/s, phases)
+        (timing "paired": each batch is also decoded by AR back to back, alternating which goes
+        first, for S per prompt-turn that the machine's other load cannot skew: timing.py)
         (MT-Bench: turn 2 of each conversation follows the model's own turn-1 answer)
     greedy speculative methods: replay(selector) and replay(oracle) over AR's continuations
                                 + pool diagnostics from the replay trace  → ReplayResult
@@ -38,6 +40,7 @@ from pipelines.eval.prompts import PromptEncoder
 from pipelines.common.methods import AR, MethodSpec, load_method
 from pipelines.common.store import JsonStore
 from pipelines.eval.results import CellResult, PassResult, PromptRecord, ReplayResult, fingerprint
+from pipelines.eval.timing import TIMINGS, CpuMeter
 
 CellKey = tuple[str, str]  # (benchmark, method)
 OnCell = Callable[[CellResult, bool], None]  # (cell, loaded_from_disk)
@@ -58,8 +61,11 @@ class EvalConfig:
     subset_seed: int = 0
     data_dir: str | None = None
     diagnostics: bool = True
+    timing: str = "paired"  # "paired": AR alternates with the method per batch; "phased": AR's cell only
 
     def __post_init__(self) -> None:
+        if self.timing not in TIMINGS:
+            raise DRelayError(f"timing must be one of {', '.join(TIMINGS)}, got {self.timing!r}")
         if not self.specs or not self.specs[0].is_ar:
             raise DRelayError(f"the method list must start with '{AR}' (the reference for speedup)")
         if not self.concurrency or min(self.concurrency) < 1:
@@ -107,7 +113,7 @@ class EvalConfig:
         d = {"target": self.target, "methods": self.methods, "benchmarks": self.benchmarks, "temperature": self.temperature,
              "seeds": self.seeds, "max_new_tokens": self.max_new_tokens, "concurrency": self.concurrency, "limit": self.limit,
              "subset_seed": self.subset_seed, "checkpoints": self.checkpoints, "random_drafter": self.random_drafter,
-             "data_dir": self.data_dir, "diagnostics": self.diagnostics}  # fmt: skip
+             "data_dir": self.data_dir, "diagnostics": self.diagnostics, "timing": self.timing}  # fmt: skip
         return {k: ",".join(map(str, v)) if isinstance(v, tuple) else str(v) for k, v in d.items()}
 
 
@@ -146,10 +152,13 @@ def decode_pass(
     config: EvalConfig,
     seed: int,
     concurrency: int,
+    reference: SpeculativeEngine | None = None,
     bar=None,
 ) -> PassOutput:
     """Decode all prompts in batches of `concurrency` simultaneous requests; turn t+1 of a
-    conversation is sent after the model's own answer to turn t. Timing covers prefill."""
+    conversation is sent after the model's own answer to turn t. Timing covers prefill. With a
+    `reference` (AR) engine each batch is decoded by both, back to back, the reference first on odd
+    batches (paired timing); only the method's stats and outputs count as the pass."""
     out = PassOutput(DecodeStats(num_slots=engine.num_slots), [], {})
     for start in range(0, len(prompts), concurrency):
         chunk = prompts[start : start + concurrency]
@@ -157,15 +166,21 @@ def decode_pass(
         for turn in range(max(len(p.turns) for p in chunk)):
             rows = [i for i, p in enumerate(chunk) if turn < len(p.turns)]
             ids = [encoder.encode(chunk[i].turns[: turn + 1], answers[i]) for i in rows]
-            res = engine.generate(ids, config.decode.with_seed(seed * 1_000_003 + start * 101 + turn))
+            gen = config.decode.with_seed(seed * 1_000_003 + start * 101 + turn)
+            ref = reference.generate(ids, gen) if reference is not None and (start // concurrency) % 2 else None
+            res = engine.generate(ids, gen)
+            if reference is not None and ref is None:
+                ref = reference.generate(ids, gen)
             out.totals = out.totals + res.stats
             solo = len(rows) == 1
-            for i, prompt_ids, toks in zip(rows, ids, res.tokens):
+            for j, (i, prompt_ids, toks) in enumerate(zip(rows, ids, res.tokens)):
                 answers[i].append(toks)
                 out.records.append(PromptRecord(
                     prompt_id=chunk[i].prompt_id, turn=turn, seed=seed, prompt_tokens=len(prompt_ids),
                     new_tokens=len(toks), output_digest=output_digest(toks), rounds=res.stats.rounds if solo else None,
                     tau=res.stats.tau if solo else None, wall_s=res.stats.time_total,
+                    ar_wall_s=ref.stats.time_total if ref is not None else None,
+                    ar_new_tokens=len(ref.tokens[j]) if ref is not None else None,
                 ))  # fmt: skip
         for p, a in zip(chunk, answers):
             out.outputs[p.prompt_id] = a
@@ -284,6 +299,9 @@ class Evaluation:
             "random_drafter": c.random_drafter, "diagnostics": c.diagnostics,
             "checkpoint": checkpoint_identity(c.checkpoints.get(method)) if method != AR else None,
             "prompt_ids": [p.prompt_id for p in self.prompts[benchmark]],
+            # Paired cells differ from phased ones (the cells written before paired timing existed);
+            # AR's own cell is the same either way.
+            **({"timing": "paired"} if c.timing == "paired" and method != AR else {}),
         })  # fmt: skip
 
     def run(self, on_cell: OnCell | None = None) -> dict[CellKey, CellResult]:
@@ -308,15 +326,19 @@ class Evaluation:
 
     def run_cell(self, bench: str, name: str, fp: str, *, ar_cell: CellResult | None) -> CellResult:
         c, method, prompts = self.config, self.methods[name], self.prompts[bench]
-        t0 = time.perf_counter()
+        t0, meter = time.perf_counter(), CpuMeter()
         engine = method.engine(self.target)
         self._warm_up(name, engine, prompts[0])
+        reference = None
+        if c.timing == "paired" and name != AR:
+            reference = self.methods[AR].engine(self.target)
+            self._warm_up(AR, reference, prompts[0])
         cell = CellResult(benchmark=bench, method=name, fingerprint=fp, passes=[], prompts=[])
         for seed in c.run_seeds:
             for conc in c.concurrency:
                 desc = f"{bench}/{name} seed={seed} c={conc}"
                 with tqdm(total=len(prompts), desc=desc, unit="prompt", leave=False, disable=not self.progress, file=sys.stderr) as bar:
-                    po = decode_pass(engine, prompts, self.encoder, config=c, seed=seed, concurrency=conc, bar=bar)
+                    po = decode_pass(engine, prompts, self.encoder, config=c, seed=seed, concurrency=conc, reference=reference, bar=bar)
                 cell.passes.append(PassResult(seed, conc, po.totals))
                 if conc == c.concurrency[0]:
                     cell.prompts += po.records
@@ -328,6 +350,7 @@ class Evaluation:
             for r in cell.prompts:
                 r.tau_replay, r.oracle_tau = per_prompt.get((r.prompt_id, r.turn), (None, None))
         cell.elapsed_s = time.perf_counter() - t0
+        cell.other_cpu_share = meter.other_share()
         return cell
 
     def _warm_up(self, name: str, engine: SpeculativeEngine, prompt: BenchmarkPrompt) -> None:

@@ -196,7 +196,7 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
         if logger is not None:
             logger(metrics, step + 1)
         if rank == 0:
-            line.update(step + 1, metrics)
+            line.update(step + 1, metrics, budget_left_s=clock.left(), last=last)
         if last:
             break
 
@@ -238,6 +238,10 @@ class TrainClock:
         """Time that was not training (validation): not counted."""
         self._since += seconds
 
+    def left(self) -> float | None:
+        """Seconds of the budget left (None without a budget)."""
+        return None if self.budget is None else self.budget - self.spent
+
     def spent_all(self, world: int) -> bool:
         return self.budget is not None and self.spent >= self.budget
 
@@ -249,11 +253,14 @@ class ProgressLine:
     def __init__(self, start: int, total: int, every: int = 25) -> None:
         self.start, self.total, self.every, self.t0 = start, total, every, time.perf_counter()
 
-    def update(self, step: int, metrics: dict) -> None:
-        if step % self.every and step != self.total:
+    def update(self, step: int, metrics: dict, *, budget_left_s: float | None = None, last: bool = False) -> None:
+        """`budget_left_s`: the time budget left (train.max_minutes), when it ends the run sooner."""
+        if step % self.every and step != self.total and not last:
             return
         per_step = (time.perf_counter() - self.t0) / max(step - self.start, 1)
         left = (self.total - step) * per_step / 60
+        if budget_left_s is not None:
+            left = min(left, max(budget_left_s, 0.0) / 60)
         losses = " ".join(f"{k.removeprefix('loss/')} {v:.3f}" for k, v in metrics.items() if k.startswith("loss/"))
         val = " ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in metrics.items() if k.startswith("val/"))
         line = (f"[train] step {step}/{self.total} · {losses} · slot-1 acc {metrics.get('acc/slot1', 0.0):.3f} · "
