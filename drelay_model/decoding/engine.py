@@ -22,7 +22,7 @@ import torch
 from drelay_model.decoding.generation import GenerationConfig
 from drelay_model.decoding.history import VerifiedHistory
 from drelay_model.decoding.stats import DecodeStats
-from drelay_model.decoding.verify import accept, pick_tokens
+from drelay_model.decoding.verify import accept, accept_sampled, pick_tokens
 from drelay_model.decoding.verify_length import CostAwareLength, VerifyCosts
 from drelay_model.drafter.model import BlockDrafter
 from drelay_model.errors import DRelayError
@@ -135,9 +135,18 @@ class SpeculativeEngine:
         out: list[list[int]] = [[t] for t in state.anchor.tolist()]
         state.keep([b for b in state.rows if not self._finished(out[b], config, eos)])
         # The acceptance rule; per-row generators are read at call time (rows leave the batch).
-        verify = lambda path, logits, length: accept(path, logits, length, temperature=config.temperature, generator=state.generators)  # noqa: E731
+        T = config.temperature
+
+        def verify(path, logits, length, proposal=None):
+            if proposal is None:
+                return accept(path, logits, length, temperature=T, generator=state.generators)
+            return accept_sampled(path, logits, length, *proposal, temperature=T, generator=state.generators)
+
+        sampler = None
+        if T > 0 and config.draft_sampling and self.selector is not None and self.selector.capabilities.samples_path:
+            sampler = lambda block, ctx: self.selector.sample(block, ctx, temperature=T, generators=state.generators)  # noqa: E731
         while state.rows:
-            accepted, next_tok, path = self._round(state, verify, stats, policy)
+            accepted, next_tok, path = self._round(state, verify, stats, policy, sampler)
             committed = []
             n_list, x_list, p_list = accepted.tolist(), next_tok.tolist(), path.tolist()  # one host copy
             for i, b in enumerate(state.rows):
@@ -179,11 +188,13 @@ class SpeculativeEngine:
             state.history.push(res.features, lengths)
         return state, res.logits[:, 0]
 
-    def _round(self, state: "_BatchState", verify, stats: DecodeStats, policy: CostAwareLength | None = None):
+    def _round(self, state: "_BatchState", verify, stats: DecodeStats, policy: CostAwareLength | None = None, sampler=None):
         """One batched round; returns accepted [R], next token [R], path [R, G].
 
-        `verify(path, target_logits, length) -> (accepted, next_token)` is the acceptance rule
-        (`accept` with the call's temperature; the continuous batcher passes per-row settings).
+        `verify(path, target_logits, length[, proposal]) -> (accepted, next_token)` is the acceptance
+        rule (`accept` with the call's temperature; the continuous batcher passes per-row settings);
+        `sampler(block, ctx) -> Selection` replaces the selector's choice with a sampled path, whose
+        proposal (pool ids, q) then goes to `verify`.
 
         Timing: `draft` = drafter forwards (block + context extension), `select` = the selector,
         `verify` = the target forward; everything else (acceptance, cache crops, host bookkeeping)
@@ -194,7 +205,7 @@ class SpeculativeEngine:
         clock = time.perf_counter
         H = self.num_slots
         head = H if policy is None else policy.plan(partial=self.selector.capabilities.partial_block)
-        q = None
+        q = proposal = None
         if self.drafter is None or head == 0:  # AR round: verify the anchor alone
             path = torch.empty(R, 0, dtype=torch.long, device=anchor.device)
             length = torch.zeros(R, dtype=torch.long, device=anchor.device)
@@ -203,8 +214,11 @@ class SpeculativeEngine:
             t0 = clock()
             block = self.drafter.draft(anchor, state.ctx, head_slots=head if head < H else None)
             t1 = clock()
-            selection = self.selector.select(block, state.selection_context())
+            ctx = state.selection_context()
+            selection = sampler(block, ctx) if sampler is not None else self.selector.select(block, ctx)
             path, length = selection.path_ids, selection.length
+            if selection.proposal_q is not None:
+                proposal = (block.cand_ids, selection.proposal_q)
             if policy is not None:  # cut each row's path where verifying more stops paying
                 q = block.cand_logq.gather(2, selection.pool_index[:, :, None])[:, :, 0].float().exp()  # [R, head]
                 length = torch.minimum(length, policy.choose(q, head))
@@ -216,7 +230,7 @@ class SpeculativeEngine:
         t0 = clock()
         res = self.target(torch.cat([anchor[:, None], path], dim=1), cache, feature_layers=self.feature_layers)
         stats.time_verify += clock() - t0
-        accepted, next_tok = verify(path, res.logits, length)
+        accepted, next_tok = verify(path, res.logits, length) if proposal is None else verify(path, res.logits, length, proposal)
         if q is not None:
             policy.observe(q, length, accepted)
         # Keep the anchor and the accepted drafts; the next token becomes the new (uncached) anchor.

@@ -5,6 +5,10 @@ of these instead of carrying raw `max_new_tokens` / `temperature` values, so the
 and the context budget are written once:
 
     greedy          temperature == 0: argmax verification, deterministic
+    draft_sampling  at T > 0, a selector that can sample its path (native) draws it from the drafter's
+                    tempered pool and verification accepts with min(1, p/q) (verify.accept_sampled);
+                    False, or a deterministic selector: the path is chosen as at T = 0 and a draft is
+                    accepted while it equals the target's own sample (verify.accept). Both lossless.
     context budget  a prompt of P tokens needs P + max_new_tokens + H + 2 KV positions
                     (H draft slots + the anchor verified in the last round, + the bonus token), so
                     P ≤ max_positions − max_new_tokens − H − 2
@@ -27,6 +31,7 @@ class GenerationConfig:
     temperature: float = 0.0  # 0 = greedy; > 0 samples from softmax(logits / T), still lossless
     seed: int = 0
     stop_on_eos: bool = True
+    draft_sampling: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:

@@ -68,3 +68,59 @@ def accept(
     accepted = accepted_prefix(match)  # [B] leading run of matches
     next_token = x.gather(1, accepted[:, None])[:, 0]
     return accepted, next_token
+
+
+def _row_draws(generator: Generators, B: int) -> list[torch.Generator | None]:
+    return generator if isinstance(generator, list) else [generator] * B
+
+
+def accept_sampled(
+    path: torch.Tensor,
+    target_logits: torch.Tensor,
+    length: torch.Tensor,
+    proposal_ids: torch.Tensor,
+    proposal_q: torch.Tensor,
+    *,
+    temperature: float,
+    generator: Generators = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling (Leviathan et al., 2023; Chen et al., 2023) for a path whose token j
+    was drawn from a proposal q_j over the pool; p_j = softmax(logits_j / T) is the target's.
+
+        accept d_j with probability min(1, p_j(d_j) / q_j(d_j)), in order, while all earlier were;
+        at the first rejection n: x_n ~ norm(max(0, p_n − q_n));  all L accepted: x_L ~ p_L.
+
+    Each committed token is then a draw from the target's p given the true prefix (lossless), and
+    slot j is accepted with probability Σ_v min(p_j(v), q_j(v)) — against p_j(d_j) for a
+    deterministic path under `accept`. A parallel drafter's q_j does not depend on d_{<j}; the rule
+    needs only that d_j was drawn from the q_j it is given.
+
+    Args:
+        path           [B, G] int64 drafted tokens, path[b, j] ∈ proposal_ids[b, j].
+        target_logits  [B, G+1, V] float32.
+        length         [B] int64 path tokens each row submitted (≤ G).
+        proposal_ids   [B, G, K] int64 the pool; proposal_q [B, G, K] its probabilities (rows sum
+                       to 1; zero off the pool).
+        generator      one generator, or one per row (row b draws only from generator[b]: first G
+                       uniforms, then one token).
+    Returns:
+        accepted [B] int64 in [0, length], next_token [B] int64.
+    """
+    B, G = path.shape
+    V = target_logits.shape[-1]
+    p = torch.softmax(target_logits.float() / temperature, dim=-1)  # [B, G+1, V]
+    q = torch.zeros(B, G, V, dtype=p.dtype, device=p.device).scatter_add_(2, proposal_ids[:, :G], proposal_q[:, :G].to(p.dtype))
+    p_d = p[:, :G].gather(2, path[:, :, None])[:, :, 0]  # [B, G]
+    q_d = q.gather(2, path[:, :, None])[:, :, 0].clamp(min=torch.finfo(p.dtype).tiny)
+    gens = _row_draws(generator, B)
+    u = torch.stack([torch.rand(G, generator=g, device=p.device) for g in gens]) if G else p_d.new_zeros(B, 0)
+    ok = (u < p_d / q_d) & (torch.arange(G, device=path.device)[None, :] < length[:, None])
+    accepted = accepted_prefix(ok)  # [B]
+    rows = torch.arange(B, device=path.device)
+    at = p[rows, accepted]  # [B, V] the target's distribution where the row stops
+    q_at = torch.cat([q, q.new_zeros(B, 1, V)], dim=1)[rows, accepted]  # zero past the path: the bonus draws from p
+    rejected = (accepted < length)[:, None]
+    residual = torch.where(rejected, (at - q_at).clamp(min=0.0), at)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, at)  # p = q exactly: never rejected
+    next_token = torch.stack([torch.multinomial(r, 1, generator=g)[0] for r, g in zip(residual, gens)])
+    return accepted, next_token

@@ -22,6 +22,8 @@ class SelectorCapabilities:
     may_shorten       may return a path shorter than H (a per-row `length`).
     partial_block     selects from a block whose pool covers only the first L ≤ H slots (then the
                       drafter evaluates its LM head for those slots only); False: needs all H.
+    samples_path      at T > 0 can draw its path from a distribution it reports (`sample`), so
+                      verification may use the speculative-sampling rule (verify.accept_sampled).
     """
 
     trainable: bool = False
@@ -30,6 +32,7 @@ class SelectorCapabilities:
     supports_sampling: bool = True
     may_shorten: bool = False
     partial_block: bool = False
+    samples_path: bool = False
 
 
 @dataclass(frozen=True)
@@ -57,11 +60,14 @@ class Selection:
     pool_index [B, H] int64 index into the pool (0 = native choice)
     path_ids   [B, H] int64 the chosen target tokens
     length     [B] int64 how many path tokens to verify (H unless the selector may shorten)
+    proposal_q [B, H, K] the pool probabilities each path token was drawn from (`Selector.sample`),
+               or None for a deterministic choice
     """
 
     pool_index: torch.Tensor
     path_ids: torch.Tensor
     length: torch.Tensor
+    proposal_q: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,11 @@ class Selector(nn.Module):
 
     def select(self, block: DraftBlock, ctx: SelectionContext) -> Selection:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def sample(self, block: DraftBlock, ctx: SelectionContext, *, temperature: float, generators: list) -> Selection:
+        """A path drawn at temperature T > 0 with its proposal (`capabilities.samples_path`); row b
+        draws only from generators[b]."""
+        raise NotImplementedError(f"selector {type(self).__name__} does not sample its path")
 
     def training_loss(self, inputs: SelectorTrainInputs) -> SelectorTrainLoss:
         """The selector's own loss on teacher-forced blocks (trainable selectors only)."""

@@ -83,12 +83,16 @@ def _exact_joint(target, prompt: list[int], depth: int) -> dict[tuple[int, ...],
     return probs
 
 
-def test_sampling_is_lossless_chi_square(make_drafter):
-    """T = 1: the first three tokens of speculative sampling follow the target's exact distribution."""
+@pytest.mark.parametrize("draft_sampling", [True, False], ids=["sampled-path+min(1,p/q)", "argmax-path+match"])
+def test_sampling_is_lossless_chi_square(make_drafter, draft_sampling):
+    """T = 1: the first three tokens of speculative sampling follow the target's exact distribution,
+    with the sampled path and the min(1, p/q) rule (pool of 4 of 6 tokens: the residual must also
+    cover tokens outside the pool) and with the argmax path and the match rule."""
     target = tiny_target("tiny-llama", vocab=6, hidden=32, seed=5)
     prompt, depth, n = [1, 2, 3], 3, 12000
     drafter = make_drafter(target, top_k=4)
-    result = SpeculativeEngine(target, drafter).generate([prompt] * n, GenerationConfig(max_new_tokens=depth, temperature=1.0, seed=7))
+    cfg = GenerationConfig(max_new_tokens=depth, temperature=1.0, seed=7, draft_sampling=draft_sampling)
+    result = SpeculativeEngine(target, drafter).generate([prompt] * n, cfg)
     assert result.stats.accept_hist[1:].sum() > 0.05 * result.stats.rounds  # drafts do get accepted
     exact = _exact_joint(target, prompt, depth)
     counts: dict[tuple[int, ...], int] = {}
@@ -109,6 +113,26 @@ def test_sampling_is_lossless_chi_square(make_drafter):
     z = 3.29  # one-sided p = 0.0005; Wilson–Hilferty approximation of the chi-square quantile
     critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
     assert stat < critical, f"chi2={stat:.1f} ≥ {critical:.1f} (df={df})"
+
+
+def test_sampled_rule_accepts_with_the_overlap_of_p_and_q():
+    """One slot, p and q fixed: P(accept) = Σ_v min(p(v), q(v)), and the committed token ~ p."""
+    from drelay_model.decoding.verify import accept_sampled
+
+    g = torch.Generator().manual_seed(0)
+    V, K, n = 5, 3, 40000
+    logits = torch.randn(1, 2, V, generator=g).expand(n, 2, V).contiguous()
+    p = torch.softmax(logits[0, 0], -1)
+    ids = torch.tensor([4, 0, 2]).expand(n, 1, K).contiguous()
+    q_pool = torch.tensor([0.6, 0.3, 0.1])
+    path = ids[:, 0].gather(1, torch.multinomial(q_pool, n, replacement=True, generator=g)[:, None])  # [n, 1] drawn from q
+    acc, nxt = accept_sampled(path, logits, torch.ones(n, dtype=torch.long), ids, q_pool.expand(n, 1, K), temperature=1.0, generator=g)
+    q = torch.zeros(V).index_add_(0, ids[0, 0], q_pool)
+    overlap = torch.minimum(p, q).sum()
+    assert acc.float().mean().item() == pytest.approx(overlap.item(), abs=0.01)
+    first = torch.where(acc == 1, path[:, 0], nxt)  # the committed first token
+    freq = torch.bincount(first, minlength=V).float() / n
+    torch.testing.assert_close(freq, p, atol=0.01, rtol=0)
 
 
 def test_sampling_is_seeded(target, make_drafter, prompts_of):
