@@ -37,6 +37,9 @@ def add_parser(sub) -> None:
     add_benchmark_set(p)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (with replay diagnostics); 1 = sampling")
     p.add_argument("--seeds", default="0", help="comma list; at T > 0 results are mean ± std over seeds")
+    p.add_argument("--match-rule", action="store_true",
+                   help="T > 0: verify the argmax path and accept drafts equal to the target's samples (the old rule) "
+                        "instead of sampling the path and accepting with min(1, p/q)")  # fmt: skip
     add_max_new_tokens(p)
     p.add_argument("--concurrency", default="1", help="comma list of simultaneous requests; the first gives τ and S")
     p.add_argument("--no-diagnostics", action="store_true", help="skip greedy replay (replay τ, oracle τ, coverage)")
@@ -75,7 +78,7 @@ def resolve_specs(values: list[str], methods: tuple[str, ...], *, target: str, r
 
 
 def build_config(args: argparse.Namespace) -> EvalConfig:
-    decode = decode_config(args.max_new_tokens, args.temperature)
+    decode = decode_config(args.max_new_tokens, args.temperature, draft_sampling=not args.match_rule)
     check_limit(args.limit)
     methods = parse_methods(args.methods)
     return EvalConfig(

@@ -46,10 +46,10 @@ def add_run_outputs(p: argparse.ArgumentParser, *, kind: str, experiment: str) -
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
-def decode_config(max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> GenerationConfig:
+def decode_config(max_new_tokens: int, temperature: float = 0.0, seed: int = 0, *, draft_sampling: bool = True) -> GenerationConfig:
     """A GenerationConfig from flags; its one-line errors name the flag, not the field."""
     try:
-        return GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        return GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, draft_sampling=draft_sampling)
     except DRelayError as exc:
         msg = str(exc)
         field = msg.split(" ", 1)[0]

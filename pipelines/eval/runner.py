@@ -106,14 +106,21 @@ class EvalConfig:
         """Derived from the settings, so rerunning the same command resumes the same evaluation."""
         target = re.sub(r"[^A-Za-z0-9._+-]+", "_", Path(self.target).name or self.target)
         name = f"{target}-{'+'.join(self.methods)}-T{self.temperature:g}-{self.max_new_tokens}tok"
+        name += "-match" if self.match_rule else ""
         return name + (f"-n{self.limit}" if self.limit else "") + ("-random" if self.random_drafter else "")
+
+    @property
+    def match_rule(self) -> bool:
+        """T > 0 with the old acceptance rule (argmax path, drafts accepted while equal to samples)."""
+        return not self.greedy and not self.decode.draft_sampling
 
     def as_params(self) -> dict[str, str]:
         """Flat MLflow params (the names the evaluation has always logged)."""
         d = {"target": self.target, "methods": self.methods, "benchmarks": self.benchmarks, "temperature": self.temperature,
              "seeds": self.seeds, "max_new_tokens": self.max_new_tokens, "concurrency": self.concurrency, "limit": self.limit,
              "subset_seed": self.subset_seed, "checkpoints": self.checkpoints, "random_drafter": self.random_drafter,
-             "data_dir": self.data_dir, "diagnostics": self.diagnostics, "timing": self.timing}  # fmt: skip
+             "data_dir": self.data_dir, "diagnostics": self.diagnostics, "timing": self.timing,
+             "draft_sampling": self.decode.draft_sampling}  # fmt: skip
         return {k: ",".join(map(str, v)) if isinstance(v, tuple) else str(v) for k, v in d.items()}
 
 
@@ -302,6 +309,7 @@ class Evaluation:
             # Paired cells differ from phased ones (the cells written before paired timing existed);
             # AR's own cell is the same either way.
             **({"timing": "paired"} if c.timing == "paired" and method != AR else {}),
+            **({"rule": "match"} if c.match_rule and method != AR else {}),
         })  # fmt: skip
 
     def run(self, on_cell: OnCell | None = None) -> dict[CellKey, CellResult]:
