@@ -144,15 +144,16 @@ def final_checkpoint(cfg: RunConfig, repo_path) -> Path:
 
 
 def finished(cfg: RunConfig, repo_path) -> bool:
-    """True when the run's exported checkpoint exists and reached train.max_steps."""
+    """True when the run's exported checkpoint exists and is its last one: it reached train.max_steps
+    or, with train.max_minutes, spent its time budget (meta `final`)."""
     import json
 
     doc = final_checkpoint(cfg, repo_path) / "drafter_config.json"
     try:
-        step = json.loads(doc.read_text()).get("meta", {}).get("step")
+        meta = json.loads(doc.read_text()).get("meta", {})
     except (OSError, ValueError):
         return False
-    return step == cfg.train.max_steps
+    return meta.get("step") == cfg.train.max_steps or (cfg.train.max_minutes is not None and meta.get("final") is True)
 
 
 def _fill(override: str, done: dict[str, RunConfig]) -> str:

@@ -76,11 +76,15 @@ def selector_meta(module: DraftTrainModule, cfg: RunConfig) -> dict | None:
     return {"name": cfg.selector.name, "config": getattr(module.selector, "config").to_dict()}
 
 
-def save_training_checkpoint(path: Path, module: DraftTrainModule, optimizer, step: int, cfg: RunConfig, *, train_seconds: float = 0.0) -> None:
+def save_training_checkpoint(
+    path: Path, module: DraftTrainModule, optimizer, step: int, cfg: RunConfig, *, train_seconds: float = 0.0, final: bool = False
+) -> None:
     """drafter/ (a drafter checkpoint that also holds the selector as selector.*), optimizer, step and
-    the seconds of training spent so far (what `train.max_minutes` counts)."""
+    the seconds of training spent so far (what `train.max_minutes` counts); `final` marks the run's
+    last checkpoint (max_steps reached or the time budget spent) in the drafter's meta."""
     extra = {f"selector.{k}": v for k, v in module.selector.state_dict().items()} if module.selector is not None else None
-    meta = {"step": step, "run_name": cfg.ray.run_name, "selector": selector_meta(module, cfg)}
+    meta = {"step": step, "run_name": cfg.ray.run_name, "selector": selector_meta(module, cfg),
+            "train_seconds": round(float(train_seconds), 1), "final": final}  # fmt: skip
     save_drafter(module.drafter, path / "drafter", extra_tensors=extra, meta=meta)
     torch.save({"optimizer": optimizer.state_dict(), "step": step, "train_seconds": float(train_seconds)}, path / TRAINER_STATE)
     (path / "run_config.json").write_text(cfg.model_dump_json(indent=2))

@@ -190,7 +190,7 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
             metrics["throughput/tokens_per_s"] = tokens * world / (now - t_last)  # response tokens, all workers
             metrics["throughput/samples_per_s"] = (step + 1 - step_last) * cfg.train.seqs_per_step * world / (now - t_last)
         if checkpointing or validating:  # every rank reports at the same steps (Ray's report is a barrier)
-            _report(metrics, rank, module, optimizer, step + 1, cfg, checkpoint=checkpointing, train_seconds=clock.spent)
+            _report(metrics, rank, module, optimizer, step + 1, cfg, checkpoint=checkpointing, train_seconds=clock.spent, final=last)
         if checkpointing:
             t_last, tokens, step_last = time.perf_counter(), 0, step + 1
         if logger is not None:
@@ -270,7 +270,7 @@ class ProgressLine:
         print(line, file=sys.__stdout__, flush=True)
 
 
-def _report(metrics, rank, module, optimizer, step, cfg, *, checkpoint: bool, train_seconds: float = 0.0) -> None:
+def _report(metrics, rank, module, optimizer, step, cfg, *, checkpoint: bool, train_seconds: float = 0.0, final: bool = False) -> None:
     """Report to Ray Train (and through a TuneReportCallback to Tune): at validation steps so a
     scheduler sees `val/tau` as it comes, with rank 0's checkpoint at checkpoint steps."""
     import ray.train
@@ -280,7 +280,7 @@ def _report(metrics, rank, module, optimizer, step, cfg, *, checkpoint: bool, tr
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        save_training_checkpoint(Path(tmp), module, optimizer, step, cfg, train_seconds=train_seconds)
+        save_training_checkpoint(Path(tmp), module, optimizer, step, cfg, train_seconds=train_seconds, final=final)
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp))
 
 

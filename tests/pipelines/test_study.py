@@ -72,6 +72,12 @@ def test_finished_reads_the_exported_step(tmp_path):
     assert not finished(cfg, _repo(tmp_path))
     doc.write_text(json.dumps({"meta": {"step": 10}}))
     assert finished(cfg, _repo(tmp_path))
+    # With a time budget the last checkpoint says so (meta "final"); without one, steps decide.
+    budget = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_minutes": 1.0})})
+    doc.write_text(json.dumps({"meta": {"step": 7, "final": True}}))
+    assert finished(budget, _repo(tmp_path)) and not finished(cfg, _repo(tmp_path))
+    doc.write_text(json.dumps({"meta": {"step": 7, "final": False}}))
+    assert not finished(budget, _repo(tmp_path))
 
 
 @pytest.mark.parametrize(
