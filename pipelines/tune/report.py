@@ -1,9 +1,15 @@
 """A finished sweep's summary: the trial table, the plots, the best trial and its ready-to-train config,
-written next to the results and logged on the MLflow parent run."""
+written next to the results and logged on the MLflow parent run.
+
+When the base config continues a checkpoint (`drafter.init_checkpoint`), the table also holds a
+`start` row: that checkpoint's own held-out metrics, measured once with the trials' validation set
+and function (cached in `start.json`), so a reader sees whether any trial beats what it started from.
+"""
 
 from __future__ import annotations
 
 import csv
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,8 +139,9 @@ def plot_parallel(rows: list[dict], params: list[str], metric: str, path: Path) 
     plt.close(fig)
 
 
-def plot_metric_vs_params(rows: list[dict], params: list[str], metric: str, path: Path) -> None:
-    """The metric against each swept value, one panel per value."""
+def plot_metric_vs_params(rows: list[dict], params: list[str], metric: str, path: Path, reference: float | None = None) -> None:
+    """The metric against each swept value, one panel per value (`reference`: the init checkpoint's
+    own value, a dashed line)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,6 +153,8 @@ def plot_metric_vs_params(rows: list[dict], params: list[str], metric: str, path
             pts = [(_num(r[param]), r[metric]) for r in rows if r["status"] == status and r[metric] is not None]
             if pts:
                 ax.scatter(*zip(*pts), marker=marker, label=status)
+        if reference is not None:
+            ax.axhline(reference, color="grey", ls="--", lw=1, label="init checkpoint")
         xs = [_num(r[param]) for r in rows]
         if min(xs) > 0 and max(xs) / min(xs) >= 100:  # a log-range value (e.g. the learning rate)
             ax.set_xscale("log")
@@ -164,14 +173,45 @@ def _num(value) -> float:
         return float(hash(str(value)) % 1000)  # a categorical value: any stable position
 
 
-def summarize(sweep: SweepConfig, ctx: TrialContext, grid, parent: TrackedRun, client, folder: Path) -> SweepResult:
+START = "start"  # the trial id of the reference row
+
+
+def start_reference(base, folder: Path) -> dict | None:
+    """`val/*` of the base config's init checkpoint on the trials' validation prompts (cached), or
+    None when the sweep does not continue a checkpoint. `base` is the validated training config."""
+    if not base.drafter.init_checkpoint:
+        return None
+    cache = folder / "start.json"
+    if cache.is_file():
+        return json.loads(cache.read_text())
+    from drelay_model.target import load_target
+    from pipelines.common.paths import repo_path
+    from pipelines.train.model_io import build_module
+    from pipelines.train.worker import load_data, validate, validation_set
+
+    cfg = base.model_copy(update={"drafter": base.drafter.model_copy(update={"init_checkpoint": str(repo_path(base.drafter.init_checkpoint))}),
+                                  "data": base.data.model_copy(update={"regenerated": str(repo_path(base.data.regenerated))})})  # fmt: skip
+    target = load_target(cfg.target.spec, dtype=cfg.target.dtype)
+    _, val_seqs = load_data(cfg, target)
+    metrics = validate(target, build_module(cfg, target, []), *validation_set(cfg, target, val_seqs))
+    cache.write_text(json.dumps(metrics, indent=2))
+    return metrics
+
+
+def summarize(sweep: SweepConfig, ctx: TrialContext, grid, parent: TrackedRun, client, folder: Path, start: dict | None = None) -> SweepResult:
     rows = trial_rows(sweep, ctx, grid)
     link_trial_runs(rows, parent, client, folder)
+    table, reference = rows, None
+    if start is not None and start.get(sweep.metric) is not None:
+        reference = float(start[sweep.metric])
+        table = rows + [{"trial_id": START, "run_name": "init_checkpoint", "status": "reference", "steps": 0,
+                         **{p: None for p in sweep.space}, sweep.metric: reference, "mlflow_run_id": None, "checkpoint": None}]  # fmt: skip
+        parent.log_metrics({f"start/{k}": v for k, v in start.items()})
     params = list(sweep.space)
-    write_table(rows, folder / "trials.csv")
+    write_table(table, folder / "trials.csv")
     plot_parallel(rows, params, sweep.metric, folder / "parallel_coordinates.png")
-    plot_metric_vs_params(rows, params, sweep.metric, folder / "metric_vs_params.png")
-    parent.log_table(rows, "trials.json")
+    plot_metric_vs_params(rows, params, sweep.metric, folder / "metric_vs_params.png", reference=reference)
+    parent.log_table(table, "trials.json")
     for name in ("trials.csv", "parallel_coordinates.png", "metric_vs_params.png"):
         parent.log_artifact(folder / name)
     best = best_row(rows, sweep.metric, sweep.mode)

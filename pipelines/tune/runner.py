@@ -29,7 +29,7 @@ from pipelines.common.tracking import HOST_TAG, PID_TAG, TrackedRun, ensure_expe
 from pipelines.common.paths import repo_path
 from pipelines.train.driver import check_inputs
 from pipelines.tune.config import SweepConfig
-from pipelines.tune.report import SweepResult, summarize, trial_runs, write_best
+from pipelines.tune.report import SweepResult, start_reference, summarize, trial_runs, write_best
 from pipelines.tune.trial import TrialContext, context_dict, context_for, run_trial, trial_config, trial_run_name
 
 
@@ -211,7 +211,7 @@ def run_sweep(sweep: SweepConfig, base_doc: dict, *, resume: bool = False) -> Sw
             )  # fmt: skip
         grid = tuner.fit()
         release_orphaned_placement_groups()  # of trials stopped after the callback's last pass
-        return summarize(sweep, ctx, grid, parent, client, folder)
+        return summarize(sweep, ctx, grid, parent, client, folder, start=start_reference(base, folder))
 
 
 

@@ -299,3 +299,27 @@ def test_every_shipped_sweep_loads_and_fits_two_cores(name):
     cfg = RunConfig.model_validate(base)
     workers = sweep.resources.num_workers or cfg.ray.num_workers
     assert sweep.resources.driver_cpu + workers * (sweep.resources.cpus_per_worker or cfg.ray.cpus_per_worker) <= 2
+
+
+def test_start_reference_measures_the_init_checkpoint_like_a_trial(tmp_path, tiny_data):
+    """The `start` row: the base's init checkpoint through the trials' own validation (cached)."""
+    from drelay_model.drafter import load_drafter
+    from pipelines.train.config import RunConfig
+    from pipelines.train.model_io import build_module, save_training_checkpoint
+    from pipelines.train.worker import load_data, validate, validation_set
+    from pipelines.tune.report import start_reference
+
+    target = tiny_target("tiny-llama")
+    doc = base_config(tiny_data, **{"drafter.draft_vocab_size": None})
+    doc["selector"] = {"name": "drelay", "config": {"d_sel": 32, "read_dim": 32, "history_len": 8}}
+    first = RunConfig.model_validate(doc)
+    module = build_module(first, target, [])
+    save_training_checkpoint(tmp_path / "ck", module, torch.optim.AdamW(module.parameters()), 3, first)
+    base = RunConfig.model_validate({**doc, "drafter": {**doc["drafter"], "init_checkpoint": str(tmp_path / "ck" / "drafter")}})
+    assert start_reference(RunConfig.model_validate(doc), tmp_path) is None  # nothing to start from
+    got = start_reference(base, tmp_path)
+    _, val = load_data(base, target)
+    again = validate(target, build_module(base, target, []), *validation_set(base, target, val))
+    assert got == pytest.approx(again) and {"val/tau", "val/tau_selector", "val/tau_native"} <= set(got)
+    assert json.loads((tmp_path / "start.json").read_text()) == got  # cached: a resumed sweep reads it back
+    assert load_drafter(tmp_path / "ck" / "drafter", target)[2]["final"] is False
