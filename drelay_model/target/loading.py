@@ -35,13 +35,20 @@ def cache_root() -> Path:
     return Path(os.environ.get("DRELAY_CACHE_DIR", Path.home() / ".cache" / "drelay"))
 
 
-def load_target(spec: str, *, device: str | torch.device = "cpu", dtype: str | torch.dtype = torch.float32) -> TargetModel:
+def load_target(
+    spec: str, *, device: str | torch.device = "cpu", dtype: str | torch.dtype = torch.float32, pack: bool = True
+) -> TargetModel:
     """Load a frozen target from a spec (see the module docstring) onto `device` in `dtype`.
 
     device: auto | cpu | cuda | cuda:N (`resolve_device`); dtype: float32 | bfloat16 | float16.
+    pack: on CPU in float32, pre-pack the linears for oneDNN (`TargetModel.pack_linears`; a no-op
+    elsewhere).
     """
     dev, dt = resolve_device(device), resolve_dtype(dtype)
-    return _load(spec, dt).to(device=dev, dtype=dt)
+    target = _load(spec, dt).to(device=dev, dtype=dt)
+    if pack:
+        target.pack_linears()
+    return target
 
 
 def _load(spec: str, dtype: torch.dtype) -> TargetModel:

@@ -105,3 +105,73 @@ def test_loads_a_hugging_face_directory(tmp_path, target, prompts_of):
     ids = torch.tensor(prompts_of(target.vocab_size, (9,)))
     torch.testing.assert_close(loaded(ids, loaded.new_cache(1, 16)).logits, target(ids, target.new_cache(1, 16)).logits)
     assert loaded.tokenizer is not None
+
+
+# ---- pre-packed oneDNN linears (CPU, float32) ----------------------------------------------------
+from drelay_model.kernels import cpu_linear  # noqa: E402
+
+
+@pytest.fixture()
+def packed_target():
+    if not cpu_linear.available():
+        pytest.skip("this PyTorch build has no oneDNN packed linear")
+    from drelay_model.target import load_target
+
+    return load_target("tiny-llama")  # load_target packs on CPU in float32
+
+
+def test_packed_linears_match_the_eager_forward(packed_target, prompts_of):
+    t = packed_target
+    assert t.packed
+    ids = torch.tensor(prompts_of(t.vocab_size, (9,)))
+    runs = []
+    for packed in (True, False):
+        t.pack_linears() if packed else t.unpack_linears()
+        cache = t.new_cache(1, 32)
+        runs.append(t(ids, cache, feature_layers=(0, 1)))
+    torch.testing.assert_close(runs[0].logits, runs[1].logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(runs[0].features, runs[1].features, atol=1e-4, rtol=1e-4)
+
+
+def test_a_packed_row_does_not_depend_on_the_rows_beside_it(packed_target):
+    """One row alone (an AR step) and the same row first of 16 (a verify) give identical outputs:
+    the packed weight is read the same way for any number of rows."""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    x = torch.randn(16, 64, generator=g)
+    packed = cpu_linear.pack(w)
+    with torch.no_grad():
+        alone, batch = cpu_linear.linear(x[:1], w, b, packed), cpu_linear.linear(x, w, b, packed)
+    assert torch.equal(alone[0], batch[0])
+    torch.testing.assert_close(batch, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+def test_packing_steps_aside_off_its_path(packed_target):
+    """Moving the model drops the packs; bf16 autocast and autograd use F.linear."""
+    import copy
+
+    w = torch.randn(8, 4)
+    packed = cpu_linear.pack(w)
+    x = torch.randn(3, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert cpu_linear.linear(x, w, None, packed).dtype == torch.bfloat16  # autocast: F.linear
+    xg = x.clone().requires_grad_(True)
+    cpu_linear.linear(xg, w, None, packed).sum().backward()  # autograd: F.linear (the packed op has none)
+    assert xg.grad is not None
+    moved = copy.deepcopy(packed_target).to(torch.float64)
+    assert not moved.packed
+    assert cpu_linear.pack(w.double()) is None
+
+
+def test_speculative_decoding_on_a_packed_target_is_lossless(packed_target, prompts_of, make_drafter, scripted_selector):
+    """A mostly right path (every accepted length occurs) verified 16 tokens at a time by the packed
+    target gives exactly the packed target's own AR tokens."""
+    from drelay_model.decoding import GenerationConfig, SpeculativeEngine
+
+    t = packed_target
+    prompts = prompts_of(t.vocab_size, (5, 9, 3))
+    cfg = GenerationConfig(max_new_tokens=24)
+    ar = SpeculativeEngine(t).generate(prompts, cfg).tokens
+    selector = scripted_selector([p + a for p, a in zip(prompts, ar)], error_rate=0.15, vocab=t.vocab_size)
+    spec = SpeculativeEngine(t, make_drafter(t), selector).generate(prompts, cfg)
+    assert spec.tokens == ar and spec.stats.tau > 2.0

@@ -1,0 +1,42 @@
+"""Pre-packed oneDNN linears for the frozen target on CPU (issue 18, a leaner round).
+
+Verification runs the target on 1 + L tokens at once. On CPU, PyTorch's float32 `F.linear` takes a
+matrix-vector path for one token and a GEMM for two or more that re-packs the weight on every call:
+on this 2-core machine SmolLM2's LM head (49,152 × 576) took 12 ms for one row, 27 ms for two and
+31 ms for sixteen, so verifying even one drafted token cost almost twice an AR step. oneDNN's linear
+on a weight packed once (`torch.ops.mkldnn._reorder_linear_weight`) reads the weight as it is:
+8 / 9 / 12.6 ms for 1 / 2 / 16 rows. It also computes a row identically whatever the number of rows
+beside it (max |Δ| = 0 between a row alone and in a batch of 16, against 6e-5 for the eager pair),
+which can only help greedy AR and verification agree.
+
+Inference only (no autograd through the packed op), float32 CPU tensors only; everything else (bf16
+autocast in training's feature forward, CUDA) falls back to `F.linear`, so packing never changes
+what runs off this path. `benchmarks/bench_engine.py --pack` measures the effect on a whole round.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+BATCH_HINT = 16  # rows the packed layout is tuned for: H + 1 = 16 for the CPU default's verify
+
+
+def available() -> bool:
+    """oneDNN is built in and exposes the packed-linear ops."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """A packed copy of a float32 CPU weight [out, in], or None where packing does not apply."""
+    if not available() or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias), through the packed weight when it applies. x [..., in] → [..., out]."""
+    if packed is None or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_autocast_enabled("cpu") or torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+    return out.view(*x.shape[:-1], out.shape[-1])
