@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drelay_model.kernels import cpu_linear
 from drelay_model.drafter.config import DrafterConfig
 from drelay_model.kv_cache import KVCache
 
@@ -58,16 +59,16 @@ class _Layer(nn.Module):
         D, hd = cfg.hidden_size, cfg.head_dim
         self.cfg = cfg
         self.in_norm = _RMSNorm(D, cfg.rms_norm_eps)
-        self.q_proj = nn.Linear(D, cfg.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(D, cfg.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(D, cfg.num_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * hd, D, bias=False)
+        self.q_proj = cpu_linear.PackedLinear(D, cfg.num_heads * hd, bias=False)
+        self.k_proj = cpu_linear.PackedLinear(D, cfg.num_kv_heads * hd, bias=False)
+        self.v_proj = cpu_linear.PackedLinear(D, cfg.num_kv_heads * hd, bias=False)
+        self.o_proj = cpu_linear.PackedLinear(cfg.num_heads * hd, D, bias=False)
         self.q_norm = _RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = _RMSNorm(hd, cfg.rms_norm_eps)
         self.post_norm = _RMSNorm(D, cfg.rms_norm_eps)
-        self.gate_proj = nn.Linear(D, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(D, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, D, bias=False)
+        self.gate_proj = cpu_linear.PackedLinear(D, cfg.intermediate_size, bias=False)
+        self.up_proj = cpu_linear.PackedLinear(D, cfg.intermediate_size, bias=False)
+        self.down_proj = cpu_linear.PackedLinear(cfg.intermediate_size, D, bias=False)
 
     def kv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [B, T, D] (already normalised) → k, v [B, n_kv, T, hd] with RoPE on k."""
@@ -106,7 +107,7 @@ class BlockDrafter(nn.Module):
         config.check_target(target)
         D = config.hidden_size
         self.config = config
-        self.fc = nn.Linear(len(config.target_layer_ids) * D, D, bias=False)
+        self.fc = cpu_linear.PackedLinear(len(config.target_layer_ids) * D, D, bias=False)
         self.ctx_norm = _RMSNorm(D, config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.randn(D) * 0.02)
         self.layers = nn.ModuleList(_Layer(config) for _ in range(config.num_layers))
@@ -128,6 +129,7 @@ class BlockDrafter(nn.Module):
             self.draft_to_target = None
             self.target_to_draft = None
         self.register_buffer("head_weight", head, persistent=False)
+        self._head_pack = cpu_linear.PackCache()
 
     # ---- context -------------------------------------------------------------------------------
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,8 +213,12 @@ class BlockDrafter(nn.Module):
         return torch.cat([ctx_ok, blk_ok], dim=-1)[:, None]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., D] → [..., V_draft] float32 logits through the frozen (draft-vocab) head."""
-        return F.linear(hidden, self.head_weight.to(hidden.dtype)).float()
+        """[..., D] → [..., V_draft] float32 logits through the frozen (draft-vocab) head (pre-packed
+        for oneDNN at inference on CPU in float32: kernels/cpu_linear.py)."""
+        w = self.head_weight
+        if hidden.dtype != w.dtype:
+            return F.linear(hidden, w.to(hidden.dtype)).float()
+        return cpu_linear.linear(hidden, w, None, self._head_pack.get(w)).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.draft_to_target is None else self.draft_to_target[draft_ids]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 BATCH_HINT = 16  # rows the packed layout is tuned for: H + 1 = 16 for the CPU default's verify
 
@@ -40,3 +41,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
         return F.linear(x, weight, bias)
     out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class PackCache:
+    """A packed copy of one weight for a module whose weights may change (a drafter being trained):
+    rebuilt whenever the weight does (new storage, an in-place update, another dtype or device), and
+    consulted only outside autograd. Copies and pickles start empty."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._packed: torch.Tensor | None = None
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor | None:
+        if torch.is_grad_enabled():
+            return None
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, tuple(weight.shape))
+        if key != self._key:
+            self._packed, self._key = pack(weight), key
+        return self._packed
+
+    def __getstate__(self) -> dict:
+        return {"_key": None, "_packed": None}
+
+
+class PackedLinear(nn.Linear):
+    """`nn.Linear` (same parameters, same state dict) whose inference on CPU in float32 goes through
+    a packed copy of its weight (`PackCache`: repacked after each update); training is `F.linear`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._pack = PackCache()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype:
+            return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self._pack.get(self.weight))

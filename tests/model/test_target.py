@@ -175,3 +175,20 @@ def test_speculative_decoding_on_a_packed_target_is_lossless(packed_target, prom
     selector = scripted_selector([p + a for p, a in zip(prompts, ar)], error_rate=0.15, vocab=t.vocab_size)
     spec = SpeculativeEngine(t, make_drafter(t), selector).generate(prompts, cfg)
     assert spec.tokens == ar and spec.stats.tau > 2.0
+
+
+def test_packed_linear_follows_weight_updates_and_keeps_the_state_dict(packed_target):
+    """A drafter's linears are trained between inference calls: the packed copy must follow."""
+    lin = cpu_linear.PackedLinear(8, 5)
+    assert set(lin.state_dict()) == {"weight", "bias"}  # checkpoints and exports see an nn.Linear
+    x = torch.randn(4, 8)
+    with torch.inference_mode():
+        before = lin(x)
+    torch.testing.assert_close(before, torch.nn.functional.linear(x, lin.weight, lin.bias))
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+    lin(x).sum().backward()  # training: F.linear (autograd)
+    opt.step()  # an in-place update
+    with torch.inference_mode():
+        after = lin(x)
+    torch.testing.assert_close(after, torch.nn.functional.linear(x, lin.weight, lin.bias).detach())
+    assert not torch.allclose(before, after)
