@@ -63,7 +63,8 @@ def cpu_busy() -> tuple[float, float]:
 
 
 def costs_for(args, method: str, target, drafter, selector) -> VerifyCosts:
-    key = f"{args.target}__{Path(args.checkpoint or 'bundled').name}__{method}__t{args.threads}.json"
+    packed = "__packed" if getattr(target, "packed", False) else ""  # packed linears change the cost curve
+    key = f"{args.target}__{Path(args.checkpoint or 'bundled').name}__{method}__t{args.threads}{packed}.json"
     path = Path(args.costs_dir) / key
     if path.exists() and not args.remeasure:
         return VerifyCosts.load(path)

@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     if spec.is_ar:
         raise DRelayError("--method ar has no drafting costs; choose a selector")
     target = load_target_spec(args.target, device=args.device, dtype=args.dtype)
-    if args.show and not costs_path(args.target, spec, target.embed_weight.device.type).exists():
+    if args.show and not costs_path(args.target, spec, target.embed_weight.device.type, packed=target.packed).exists():
         raise DRelayError(f"no cached costs for {args.target}/{args.method}; run without --show to measure them")
     drafter, selector = load_method(spec, target)
     costs = verify_costs(target, drafter, selector, target_spec=args.target, spec=spec, remeasure=not args.show)

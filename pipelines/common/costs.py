@@ -1,6 +1,6 @@
 """Measured round costs for cost-aware verification length, cached per machine.
 
-One JSON file per (target, checkpoint, method, torch threads, device) under
+One JSON file per (target, checkpoint, method, torch threads, device, packed linears or not) under
 $DRELAY_CACHE_DIR/costs/ (default ~/.cache/drelay/costs/): measuring takes a few seconds on the CPU
 default, and the costs belong to the machine, not to the repository. `drelay costs` re-measures.
 """
@@ -20,17 +20,17 @@ from pipelines.common.methods import MethodSpec
 VERIFY_LENGTHS = ("cost", "fixed")  # cost-aware per round, or the selector's whole path (the paper's setting)
 
 
-def costs_path(target_spec: str, spec: MethodSpec, device: str = "cpu") -> Path:
+def costs_path(target_spec: str, spec: MethodSpec, device: str = "cpu", *, packed: bool = False) -> Path:
     ckpt = str(Path(spec.checkpoint).resolve()) if spec.checkpoint else "random-drafter"
     digest = hashlib.sha1(ckpt.encode()).hexdigest()[:10]
-    name = f"{target_spec}__{digest}__{spec.name}__t{torch.get_num_threads()}__{device}.json"
+    name = f"{target_spec}__{digest}__{spec.name}__t{torch.get_num_threads()}__{device}{'-packed' if packed else ''}.json"
     return cache_root() / "costs" / name.replace("/", "_")
 
 
 def verify_costs(target, drafter, selector, *, target_spec: str, spec: MethodSpec, remeasure: bool = False) -> VerifyCosts:
     """The cached cost curve, measured (and cached) on first use or when `remeasure`."""
     device = str(target.embed_weight.device.type)
-    path = costs_path(target_spec, spec, device)
+    path = costs_path(target_spec, spec, device, packed=getattr(target, "packed", False))
     if path.exists() and not remeasure:
         return VerifyCosts.load(path)
     print(f"measuring verification costs once for {target_spec}/{spec.name} (cached at {path})", file=sys.stderr)
