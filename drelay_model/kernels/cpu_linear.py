@@ -11,16 +11,26 @@ which can only help greedy AR and verification agree.
 
 Inference only (no autograd through the packed op), float32 CPU tensors only; everything else (bf16
 autocast in training's feature forward, CUDA) falls back to `F.linear`, so packing never changes
-what runs off this path. `benchmarks/bench_engine.py --pack` measures the effect on a whole round.
+what runs off this path. `DRELAY_PACKED_LINEARS=0` (or `set_enabled(False)`) turns it off
+everywhere; `benchmarks/bench_packed.py` measures each phase of a round with it on and off.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 BATCH_HINT = 16  # rows the packed layout is tuned for: H + 1 = 16 for the CPU default's verify
+_enabled = os.environ.get("DRELAY_PACKED_LINEARS", "1") != "0"
+
+
+def set_enabled(on: bool) -> None:
+    """Use packed weights where they exist (True) or always F.linear (False); for benchmarks."""
+    global _enabled
+    _enabled = bool(on)
 
 
 def available() -> bool:
@@ -30,14 +40,14 @@ def available() -> bool:
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
     """A packed copy of a float32 CPU weight [out, in], or None where packing does not apply."""
-    if not available() or weight.device.type != "cpu" or weight.dtype != torch.float32:
+    if not _enabled or not available() or weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias), through the packed weight when it applies. x [..., in] → [..., out]."""
-    if packed is None or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_autocast_enabled("cpu") or torch.is_grad_enabled():
+    if packed is None or not _enabled or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_autocast_enabled("cpu") or torch.is_grad_enabled():
         return F.linear(x, weight, bias)
     out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
     return out.view(*x.shape[:-1], out.shape[-1])

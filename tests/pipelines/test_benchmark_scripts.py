@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
         ("analysis/trace_repairs.py", ["--checkpoint", "/nonexistent", "--cells", "/nonexistent"], "checkpoint '/nonexistent' not found"),
         ("analysis/trace_repairs.py", ["--checkpoint", str(ROOT / "checkpoints/smollm2-135m"), "--cells", "/nonexistent"], "--cells: no '/nonexistent/gsm8k__ar.json'"),
         ("benchmarks/bench_selectors.py", ["--trained", "dcoco"], "--trained dcoco: expected NAME=DIR"),
+        ("benchmarks/bench_packed.py", ["--target", "nope"], "unknown target 'nope'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(script, args, message):
