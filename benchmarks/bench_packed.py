@@ -125,4 +125,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(guarded(main, "bench_packed"))
+    sys.exit(guarded(main, Path(__file__).name))
