@@ -18,16 +18,18 @@ baseline: mean τ(variant) / mean τ(baseline), and per benchmark τ(variant) / 
 from __future__ import annotations
 
 import re
+import statistics
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from drelay_model.errors import DRelayError
-from drelay_model.selectors import default_registry
+from drelay_model.selectors import SelectionContext, default_registry
 from pipelines.common.methods import MethodSpec, trained_selector
 from pipelines.common.paths import NAME_PATTERN
 from pipelines.common.store import JsonStore
@@ -146,6 +148,31 @@ def replay_variants(
     return cells
 
 
+@torch.inference_mode()
+def select_cost(target, method: MethodUnderTest, prompt_ids: list[int], reps: int = 10) -> dict[str, float]:
+    """What the variant's selector costs to run: `params` (its trainable parameters, 0 for rules) and
+    `select_ms`, the median ms of `reps` batch-1 selections on one real drafted block (the first
+    prompt's context; the latency setting, unlike replay's batched rounds)."""
+    drafter, selector = method.drafter, method.selector
+    n = len(prompt_ids)
+    cache, ctx = target.new_cache(1, n + 1), drafter.new_context_cache(1, n + 1)
+    res = target(torch.tensor([prompt_ids], device=target.device), cache, feature_layers=drafter.config.target_layer_ids)
+    drafter.extend_context(res.features, ctx)
+    anchor = torch.tensor([prompt_ids[-1]], device=target.device)
+    block = drafter.draft(anchor, ctx)
+    N = selector.capabilities.history_len
+    hist = res.features[:, -N:] if N else None
+    sctx = SelectionContext(anchor_ids=anchor, anchor_pos=cache.lengths.clone(), row_ids=torch.zeros(1, dtype=torch.long, device=target.device),
+                            history=hist, history_mask=torch.ones(hist.shape[:2], dtype=torch.bool, device=target.device) if N else None)  # fmt: skip
+    selector.select(block, sctx)  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        selector.select(block, sctx)
+        times.append((time.perf_counter() - t0) * 1000)
+    return {"params": float(sum(p.numel() for p in selector.parameters())), "select_ms": statistics.median(times)}
+
+
 def _replay_one(target, method, bench, prompts, ar_cell, encoder, fp, progress) -> VariantCell:
     t0 = time.perf_counter()
     with tqdm(total=len(prompts), desc=f"{bench}/{method.name}", unit="prompt", leave=False, disable=not progress, file=sys.stderr) as bar:
@@ -171,6 +198,7 @@ class ComparisonSummary:
 
         labels = list(self.metrics)
         head = ["benchmark", *[f"τ {v}" for v in labels], *[f"{v} ÷ {self.baseline}" for v in labels if v != self.baseline]]
+        costs = all("select_ms" in self.metrics[v] for v in labels)
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for b in [*self.benchmarks, "mean"]:
             key = "mean_tau" if b == "mean" else f"{b}/tau"
@@ -179,17 +207,24 @@ class ComparisonSummary:
             row = [name, *[f"{self.metrics[v][key]:.3f}" for v in labels]]
             row += [f"{self.metrics[v][rkey]:.3f}" for v in labels if v != self.baseline]
             lines.append("| " + " | ".join(row) + " |")
-        lines += ["", "| variant | mean τ | mean oracle τ | τ ÷ oracle τ | coverage @ 1st error | one-edit gain |", "|---|---|---|---|---|---|"]
+        extra = " select ms/round | params |" if costs else ""
+        lines += ["", "| variant | mean τ | mean oracle τ | τ ÷ oracle τ | coverage @ 1st error | one-edit gain |" + extra,
+                  "|---|---|---|---|---|---|" + ("---|---|" if costs else "")]  # fmt: skip
         for v in labels:
             m = self.metrics[v]
             eff = m["mean_tau"] / m["mean_oracle_tau"] if m["mean_oracle_tau"] else 0.0
+            cost = f" {m['select_ms']:.2f} | {int(m['params']):,} |" if costs else ""
             lines.append(f"| {v} | {m['mean_tau']:.3f} | {m['mean_oracle_tau']:.3f} | {eff:.3f} | "
-                         f"{m['mean_coverage_first_error']:.3f} | {m['mean_one_edit_gain']:.3f} |")  # fmt: skip
+                         f"{m['mean_coverage_first_error']:.3f} | {m['mean_one_edit_gain']:.3f} |{cost}")  # fmt: skip
         return "\n".join(lines) + "\n"
 
 
-def summarize(cells: Mapping[tuple[str, str], VariantCell], variants: Sequence[Variant], benchmarks: Sequence[str], baseline: str) -> ComparisonSummary:
-    """Means over benchmarks (each benchmark weighs the same, as in the paper's Avg. column)."""
+def summarize(
+    cells: Mapping[tuple[str, str], VariantCell], variants: Sequence[Variant], benchmarks: Sequence[str], baseline: str,
+    costs: Mapping[str, dict[str, float]] | None = None,
+) -> ComparisonSummary:
+    """Means over benchmarks (each benchmark weighs the same, as in the paper's Avg. column), plus
+    each variant's `select_cost` when given."""
     metrics: dict[str, dict[str, float]] = {}
     for v in variants:
         m: dict[str, float] = {}
@@ -199,6 +234,8 @@ def summarize(cells: Mapping[tuple[str, str], VariantCell], variants: Sequence[V
                       f"{b}/one_edit_gain": r.diagnostics.one_edit_gain})  # fmt: skip
         for key in ("tau", "oracle_tau", "coverage_first_error", "one_edit_gain"):
             m[f"mean_{key}"] = sum(m[f"{b}/{key}"] for b in benchmarks) / len(benchmarks)
+        m["mean_efficiency"] = m["mean_tau"] / m["mean_oracle_tau"] if m["mean_oracle_tau"] else 0.0
+        m.update((costs or {}).get(v.label, {}))
         metrics[v.label] = m
     base = metrics[baseline]
     for m in metrics.values():
@@ -208,4 +245,4 @@ def summarize(cells: Mapping[tuple[str, str], VariantCell], variants: Sequence[V
     return ComparisonSummary(baseline, list(benchmarks), metrics)
 
 
-__all__ = ["ComparisonSummary", "Variant", "VariantCell", "parse_variants", "replay_store", "replay_variants", "summarize"]
+__all__ = ["ComparisonSummary", "Variant", "VariantCell", "parse_variants", "replay_store", "replay_variants", "select_cost", "summarize"]

@@ -17,7 +17,7 @@ from pipelines.common.methods import AR, MethodSpec, load_target_spec
 from pipelines.common.outputs import ensure_writable_dir, local_dir, resolve_path
 from pipelines.common.signals import sigterm_as_exit
 from pipelines.data.eval_sets import load_benchmarks, parse_benchmarks
-from pipelines.eval.compare import parse_variants, replay_store, replay_variants, summarize
+from pipelines.eval.compare import parse_variants, replay_store, replay_variants, select_cost, summarize
 from pipelines.eval.plots import plot_comparison
 from pipelines.eval.prompts import encoder_for
 from pipelines.eval.results import cell_store
@@ -77,7 +77,10 @@ def run_compare(job: CompareJob) -> int:
         ar_cells = {b: c for (b, _), c in evaluation.run().items()}
         # 2. Replay every variant over them.
         cells = replay_variants(target, variants, prompts, ar_cells, encoder, replay_store(out_dir), progress=job.progress)
-        summary = summarize(cells, variants, benchmarks, baseline)
+        # 3. What each selector costs to run (batch 1, one real block of the first prompt).
+        first = encoder.encode(next(iter(prompts.values()))[0].turns[:1], [])
+        costs = {v.label: select_cost(target, MethodUnderTest.load(v.spec, target, label=v.label), first) for v in variants}
+        summary = summarize(cells, variants, benchmarks, baseline, costs)
         n = sum(len(p) for p in prompts.values())
         title = f"{job.target}: greedy replay τ, {n} prompts over {len(benchmarks)} benchmarks, ≤ {job.decode.max_new_tokens} new tokens"
         text = f"# {title}\n\n" + summary.markdown()
