@@ -94,6 +94,9 @@ def _compare(spec: StudySpec, configs: dict[str, RunConfig], progress: bool, par
         run_label, _, selector = ref.partition(":")
         path = final_checkpoint(configs[run_label], repo_path)
         variants.append(f"{label}={path}" + (f":{selector}" if selector else ""))
+    for label, ref in c.checkpoints.items():
+        folder, sep, selector = ref.rpartition(":") if ":" in ref else (ref, "", "")
+        variants.append(f"{label}={repo_path(folder)}" + (f":{selector}" if sep else ""))
     run_compare(CompareJob(
         variants=tuple(variants), baseline=c.baseline, target=configs[spec.run_labels()[0]].target.spec,
         benchmarks=c.benchmarks, limit=c.limit, data_dir=str(repo_path(c.data_dir)) if c.data_dir else None,

@@ -50,6 +50,9 @@ class CompareSpec(_Strict):
     baseline: str | None = None  # default: the first run of the last stage
     variants: dict[str, str] = Field(default_factory=dict)  # extra columns: label → "<run>" or "<run>:<selector>"
     runs: list[str] | None = None  # runs to compare (default: every run of the last stage)
+    # Columns from checkpoints outside the study (label → "DIR" or "DIR:<selector>"), e.g. the shipped
+    # checkpoint the study's runs should beat; DIR is repository-relative or absolute.
+    checkpoints: dict[str, str] = Field(default_factory=dict)
     benchmarks: str = "all"
     limit: int | None = Field(4, ge=1)
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -95,6 +98,10 @@ class StudySpec(_Strict):
                 if ref not in seen:
                     raise ValueError(f"compare: '{ref}' is not a run of this study")
             labels = list(c.runs or self.stages[-1].runs) + list(c.variants)
+            for label in c.checkpoints:
+                if label in labels or not re.match(NAME_PATTERN, label):
+                    raise ValueError(f"compare.checkpoints: label '{label}' is used twice or malformed")
+            labels += list(c.checkpoints)
             if c.baseline is not None and c.baseline not in labels:
                 raise ValueError(f"compare.baseline: '{c.baseline}' is not a compared label ({', '.join(labels)})")
         if self.ship is not None and self.ship not in seen:

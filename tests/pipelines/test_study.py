@@ -89,6 +89,7 @@ def test_finished_reads_the_exported_step(tmp_path):
         ({"compare": {"baseline": "zzz"}}, "compare.baseline: 'zzz' is not a compared label"),
         ({"compare": {"variants": {"x": "zzz:native"}}}, "compare: 'zzz' is not a run"),
         ({"compare": {"limit": 0}}, "compare.limit: Input should be greater than or equal to 1"),
+        ({"compare": {"checkpoints": {"drelay": "checkpoints/x"}}}, "compare.checkpoints: label 'drelay' is used twice"),
     ],
 )
 def test_bad_specs_name_the_field(tmp_path, over, message):
@@ -119,3 +120,16 @@ def test_cli_dry_run_and_errors(tmp_path, capsys):
     assert main(["study", "--spec", str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "[study] drelay: run s-drelay, 5 steps, selector drelay — to train" in out
+
+
+def test_compare_columns_from_checkpoints_outside_the_study(tmp_path, monkeypatch):
+    """`compare.checkpoints`: the shipped checkpoint as a column beside the study's runs."""
+    from pipelines.study import runner
+
+    spec = load_study(_write(tmp_path, _spec(compare={"checkpoints": {"bundled": "checkpoints/smollm2-135m", "picked": "/abs/ck:native"}})))
+    jobs = []
+    monkeypatch.setattr(runner, "run_compare", jobs.append)
+    runner._compare(spec, run_configs(spec, _repo(tmp_path)), progress=False, parent_run_id=None)
+    variants = dict(v.split("=", 1) for v in jobs[0].variants)
+    assert variants["bundled"].endswith("checkpoints/smollm2-135m") and Path(variants["bundled"]).is_absolute()
+    assert variants["picked"] == "/abs/ck:native" and "drelay" in variants
