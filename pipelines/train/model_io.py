@@ -58,8 +58,8 @@ def continues_selector(cfg: RunConfig, meta: dict) -> bool:
     kind? Then training continues from its weights, under its saved selector config; an explicit
     `selector.config` that differs from that is an error, since the weights belong to the saved one."""
     saved = meta.get("selector") or {}
-    if not cfg.selector.trains_selector or saved.get("name") != cfg.selector.name:
-        return False
+    if cfg.selector.fresh or not cfg.selector.trains_selector or saved.get("name") != cfg.selector.name:
+        return False  # `selector.fresh`: the saved selector is ignored, so its config binds nothing
     kept = default_registry().factory(cfg.selector.name).saved_config(saved.get("config")) or {}
     diff = sorted(k for k, v in cfg.selector.config.items() if k not in kept or kept[k] != v)
     if diff:

@@ -174,6 +174,10 @@ def test_init_checkpoint_continues_its_trained_selector(tmp_path):
                                "data.fallback_reference_answers=true"])  # fmt: skip
     with pytest.raises(DRelayError, match=r"^selector.config: d_sel differs from the trained 'drelay' selector"):
         check_inputs(clash)
+    fresh = load_config(None, [*over, init, "selector.fresh=true", "selector.config={d_sel: 64}", f"output_dir={tmp_path}/o",
+                               f"ray.storage_path={tmp_path}/r", "data.fallback_reference_answers=true"])  # fmt: skip
+    check_inputs(fresh)  # a fresh selector ignores the saved one: its config may differ
+    assert build_module(fresh, target, []).selector.config.d_sel == 64
     native = build_module(load_config(None, [*over[:-1], init]), target, [])
     assert native.selector is None  # a native run from a joint checkpoint keeps the drafter only
 
