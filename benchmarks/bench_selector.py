@@ -82,17 +82,29 @@ def setup(args):
     return target, drafter, selector, cache, ctx_cache, anchor, sctx
 
 
-@torch.inference_mode()
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    target, drafter, selector, cache, ctx_cache, anchor, sctx = setup(args)
-    repairing = type(selector).build(drafter=drafter).eval()
+    with torch.no_grad():  # not inference_mode: weights made there are never packed (cpu_linear.PackCache)
+        target, drafter, selector, cache, ctx_cache, anchor, sctx = setup(args)
+        repairing = repairing_copy(selector, drafter, args)
+    with torch.inference_mode():
+        measure(args, target, drafter, selector, repairing, cache, ctx_cache, anchor, sctx)
+
+
+def repairing_copy(selector, drafter, args):
+    """The same selector (same config and weights) with randomised residual heads and a gate bias
+    towards REPAIR, so that its decisions repair often."""
+    repairing = type(selector).build(drafter=drafter, config=selector.config.to_dict()).eval()
     repairing.load_state_dict(selector.state_dict())
     g = torch.Generator().manual_seed(args.seed)
     for p in repairing.residual_heads():
         p.copy_(torch.randn(p.shape, generator=g))
     repairing.causal.head.bias[1] += args.repair_bias  # push the gate towards REPAIR
+    return repairing
+
+
+def measure(args, target, drafter, selector, repairing, cache, ctx_cache, anchor, sctx) -> None:
     layers = drafter.config.target_layer_ids
     start = cache.lengths.clone()
     t = {k: [] for k in ("draft", "select", "select_repairing", "evidence", "decide", "loop", "verify")}

@@ -1,4 +1,4 @@
-"""Pre-packed oneDNN linears for the frozen target on CPU (issue 18, a leaner round).
+"""Pre-packed oneDNN linears for inference on CPU: the frozen target, the drafter, the DRelay selector.
 
 Verification runs the target on 1 + L tokens at once. On CPU, PyTorch's float32 `F.linear` takes a
 matrix-vector path for one token and a GEMM for two or more that re-packs the weight on every call:
@@ -56,15 +56,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
 class PackCache:
     """A packed copy of one weight for a module whose weights may change (a drafter being trained):
     rebuilt whenever the weight does (new storage, an in-place update, another dtype or device), and
-    consulted only outside autograd. Copies and pickles start empty."""
+    consulted only outside autograd. A weight created under `torch.inference_mode()` has no version
+    counter, so it is never packed (plain `F.linear`). Copies and pickles start empty."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._packed: torch.Tensor | None = None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
-        if torch.is_grad_enabled():
-            return None
+        if torch.is_grad_enabled() or weight.is_inference():
+            return None  # an inference tensor keeps no version counter: an in-place update would go unseen
         key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, tuple(weight.shape))
         if key != self._key:
             self._packed, self._key = pack(weight), key
@@ -83,6 +84,6 @@ class PackedLinear(nn.Linear):
         self._pack = PackCache()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.weight.dtype:
+        if x.dtype != self.weight.dtype or torch.compiler.is_compiling():  # a traced graph stays plain aten
             return F.linear(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias, self._pack.get(self.weight))

@@ -192,3 +192,14 @@ def test_packed_linear_follows_weight_updates_and_keeps_the_state_dict(packed_ta
         after = lin(x)
     torch.testing.assert_close(after, torch.nn.functional.linear(x, lin.weight, lin.bias).detach())
     assert not torch.allclose(before, after)
+
+
+def test_packed_linear_built_under_inference_mode_runs_unpacked(packed_target):
+    """A module built inside `torch.inference_mode()` has weights without a version counter: it must
+    still run (plain F.linear) and follow an in-place update made there."""
+    with torch.inference_mode():
+        lin = cpu_linear.PackedLinear(8, 5)
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+        lin.weight.mul_(2.0)
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))

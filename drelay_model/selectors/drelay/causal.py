@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drelay_model.kernels.cpu_linear import PackedLinear
 from drelay_model.selectors.drelay.config import DRelayConfig
 from drelay_model.selectors.drelay.global_read import null_attention
 
@@ -118,24 +119,24 @@ class CausalSelector(nn.Module):
         self.state_norm = nn.LayerNorm(d, eps=cfg.ln_eps)
         self.anchor_feature = cfg.anchor_feature
         if cfg.features_needed:  # verified target features: the history read's entries and/or f_a
-            self.hist_in = nn.Linear(feature_dim, d)  # W_F: verified target features F → d_sel
+            self.hist_in = PackedLinear(feature_dim, d)  # W_F: verified target features F → d_sel
             self.hist_norm = nn.LayerNorm(d, eps=cfg.ln_eps)
         if cfg.history_len:
             self.hist_pos = nn.Parameter(torch.randn(cfg.history_len, d) * 0.02)  # P_t, right-aligned
-            self.hist_q = nn.Linear(d, r, bias=False)
-            self.hist_kv = nn.Linear(d, 2 * r, bias=False)
-            self.static_y = nn.Linear(r, C, bias=False)  # W_y (the read's output projection folded in)
-        self.static_a = nn.Linear(d, C)  # W_a, b
-        self.shared = nn.Linear(d, d, bias=False)  # W_ρ (terminal: zero-init)
+            self.hist_q = PackedLinear(d, r, bias=False)
+            self.hist_kv = PackedLinear(d, 2 * r, bias=False)
+            self.static_y = PackedLinear(r, C, bias=False)  # W_y (the read's output projection folded in)
+        self.static_a = PackedLinear(d, C)  # W_a, b
+        self.shared = PackedLinear(d, d, bias=False)  # W_ρ (terminal: zero-init)
         self.anchor_flag = nn.Parameter(torch.randn(d) * 0.02)  # g_a
         self.mem_pos = nn.Parameter(torch.randn(H + 1, d) * 0.02)  # p_j, j = 0 (anchor) .. H
-        self.mem_slot = nn.Linear(2 * d, d)  # W_m on [s_j ; z_j]
-        self.tok_proj = nn.Linear(d, d + r, bias=False)  # [W_x ; W_e] on E(x): memory part, query part
+        self.mem_slot = PackedLinear(2 * d, d)  # W_m on [s_j ; z_j]
+        self.tok_proj = PackedLinear(d, d + r, bias=False)  # [W_x ; W_e] on E(x): memory part, query part
         self.mem_norm = nn.LayerNorm(d, eps=cfg.ln_eps)
-        self.mem_kv = nn.Linear(d, 2 * r, bias=False)
-        self.prefix_q = nn.Linear(d, r, bias=False)  # W_p
-        self.prefix_out = nn.Linear(r, C, bias=False)  # W_c
-        self.head = nn.Linear(C, 2)  # W_h: [rank correction, gate correction] (terminal: zero-init)
+        self.mem_kv = PackedLinear(d, 2 * r, bias=False)
+        self.prefix_q = PackedLinear(d, r, bias=False)  # W_p
+        self.prefix_out = PackedLinear(r, C, bias=False)  # W_c
+        self.head = PackedLinear(C, 2)  # W_h: [rank correction, gate correction] (terminal: zero-init)
         for p in self.residual_heads():
             nn.init.zeros_(p)
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drelay_model.kernels.cpu_linear import PackedLinear
 from drelay_model.selectors.drelay.config import DRelayConfig
 
 
@@ -73,11 +74,11 @@ class MixBlock(nn.Module):
         d = cfg.d_sel
         self.heads = cfg.heads
         self.attn_norm = nn.LayerNorm(d, eps=cfg.ln_eps)
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.attn_out = nn.Linear(d, d, bias=False)
+        self.qkv = PackedLinear(d, 3 * d, bias=False)
+        self.attn_out = PackedLinear(d, d, bias=False)
         self.ffn_norm = nn.LayerNorm(d, eps=cfg.ln_eps)
-        self.ffn_in = nn.Linear(d, cfg.ffn_mult * d)
-        self.ffn_out = nn.Linear(cfg.ffn_mult * d, d)
+        self.ffn_in = PackedLinear(d, cfg.ffn_mult * d)
+        self.ffn_out = PackedLinear(cfg.ffn_mult * d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, H, d] → [B, H, d]."""
@@ -109,15 +110,15 @@ class GlobalRead(nn.Module):
         super().__init__()
         d, r, H = cfg.d_sel, cfg.read_dim, num_slots
         self.heads, self.kernels = cfg.heads, cfg.kernels
-        self.mix_in = nn.Linear(d, d, bias=False)  # W_m on the soft candidate summary
+        self.mix_in = PackedLinear(d, d, bias=False)  # W_m on the soft candidate summary
         self.blocks = nn.ModuleList(MixBlock(cfg) for _ in range(cfg.global_blocks))
         self.u_norm = nn.LayerNorm(d, eps=cfg.ln_eps)
-        self.n_proj = nn.Linear(d, d, bias=False)  # W_n
+        self.n_proj = PackedLinear(d, d, bias=False)  # W_n
         self.n_norm = nn.LayerNorm(d, eps=cfg.ln_eps)
-        self.read_qkv = nn.Linear(d, 3 * r, bias=False)  # W_Q, W_K, W_V (nh heads of width d_g = r / nh)
-        self.read_out = nn.Linear(r, d, bias=False)  # W_O (no bias: a content-free read stays zero)
+        self.read_qkv = PackedLinear(d, 3 * r, bias=False)  # W_Q, W_K, W_V (nh heads of width d_g = r / nh)
+        self.read_out = PackedLinear(r, d, bias=False)  # W_O (no bias: a content-free read stays zero)
         self.rel_bias = nn.Parameter(torch.zeros(cfg.heads, 2 * H - 1))  # b_{j−i}, j − i ∈ [1−H, H−1]
-        self.slot_out = nn.Linear(d, d, bias=False)  # W_u: global slot residual
+        self.slot_out = PackedLinear(d, d, bias=False)  # W_u: global slot residual
         self.fusion = nn.Parameter(torch.ones(H))  # λ_i
         slot = torch.arange(H)
         self.register_buffer("rel_index", slot[:, None] - slot[None, :] + H - 1, persistent=False)  # [H(j), H(i)]: j − i + H − 1

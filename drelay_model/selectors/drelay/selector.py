@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drelay_model.kernels.cpu_linear import PackedLinear
 from drelay_model.drafter.model import DraftBlock
 from drelay_model.errors import DRelayError
 from drelay_model.training.losses import log_p_act
@@ -76,8 +77,8 @@ class DRelaySelector(Selector):
         )
         # Frozen, shared with the drafter/target; never saved in a checkpoint.
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
-        self.embed_in = nn.Linear(D, d, bias=False)  # W_e
-        self.slot_in = nn.Linear(D, d)  # W_s
+        self.embed_in = PackedLinear(D, d, bias=False)  # W_e
+        self.slot_in = PackedLinear(D, d)  # W_s
         self.slot_norm = nn.LayerNorm(d, eps=config.ln_eps)
         self.slot_pos = nn.Parameter(torch.randn(num_slots, d) * 0.02)
         self.global_read = GlobalRead(config, num_slots=num_slots, top_k=top_k) if config.global_read else None

@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 
 from drelay_model.selectors.drelay.causal import CausalSelector, Evidence, combine, decide
-from drelay_model.selectors.drelay.global_read import null_attention
 
 
 @dataclass(frozen=True)
@@ -89,28 +88,29 @@ def walk_inputs(causal: CausalSelector, ev: Evidence, anchor_emb: torch.Tensor, 
     )
 
 
-def _pick_row(t: torch.Tensor, pick: torch.Tensor) -> torch.Tensor:
-    """t [B, K, r], pick [B] → t[b, pick[b]] [B, r] (a gather: no host sync)."""
-    return t.gather(1, pick[:, None, None].expand(-1, 1, t.shape[-1])).squeeze(1)
-
-
 def walk(w: WalkInputs) -> WalkResult:
-    """Step 2 of the module docstring: H decisions in order, static shapes, no host syncs."""
+    """Step 2 of the module docstring: H decisions in order, static shapes, no host syncs.
+
+    Each candidate's terms are laid out once per block as one row [k (nh × d_g) | v | q] with k and
+    v interleaved per head, so a decision costs one gather for the pick and one concatenation for
+    the memory (about 20 small ops per slot: this loop is the CPU's select-phase critical path)."""
     B, H, nh, K1, dh = w.query.shape
-    K = K1 - 1
-    keys, values = [w.anchor_k.view(B, nh, 1, dh)], [w.anchor_v.view(B, nh, 1, dh)]
+    K, r = K1 - 1, nh * dh
+    per_head = lambda t: t.reshape(*t.shape[:-1], nh, dh)  # noqa: E731  [..., r] → [..., nh, d_g]
+    cand = torch.cat([torch.cat([per_head(w.cand_k), per_head(w.cand_v)], -1).flatten(-2), w.cand_q], -1)  # [B, H, K, 3r]
+    memory = torch.cat([per_head(w.anchor_k), per_head(w.anchor_v)], -1)[:, :, None]  # [B, nh, 1, 2 d_g] entry 0
     q_term = w.anchor_q
     picks, gates, ranks = [], [], []
     for i in range(H):
         q = w.query[:, i] + q_term.view(B, nh, 1, dh)  # [B, nh, K+1, d_g]
-        read = null_attention(q, torch.cat(keys, 2), torch.cat(values, 2), null_key=False)  # entries 0..i
-        read = read.transpose(1, 2).reshape(B, K1, nh * dh)  # [B, K+1, r]
+        read = F.scaled_dot_product_attention(q, memory[..., :dh], memory[..., dh:])  # entries 0..i
+        read = read.transpose(1, 2).reshape(B, K1, r)  # [B, K+1, r]
         out = F.linear(F.gelu(w.pre[:, i] + F.linear(read, w.out_w)), w.head_w, w.head_b)  # [B, K+1, 2]
         gate, rank = combine(out, w.gate0[:, i], w.rank0[:, i], contrast=w.contrast)
         pick = decide(gate, rank)  # [B] int64
-        keys.append(_pick_row(w.cand_k[:, i], pick).view(B, nh, 1, dh))
-        values.append(_pick_row(w.cand_v[:, i], pick).view(B, nh, 1, dh))
-        q_term = _pick_row(w.cand_q[:, i], pick)
+        row = cand[:, i].gather(1, pick[:, None, None].expand(-1, 1, 3 * r))[:, 0]  # [B, 3r] the pick's terms
+        memory = torch.cat([memory, row[:, : 2 * r].view(B, nh, 1, 2 * dh)], dim=2)
+        q_term = row[:, 2 * r :]
         picks.append(pick)
         gates.append(gate)
         ranks.append(rank)
