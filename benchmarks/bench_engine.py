@@ -67,17 +67,9 @@ def machine_info(threads: int) -> dict:
             "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
 
 
-def cpu_snapshot() -> tuple[float, float]:
-    """(busy seconds of the whole machine, CPU seconds of this process), to measure contention."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
-    return busy, time.process_time()
-
-
-def contention(start: tuple[float, float], wall: float, cores: int) -> dict:
-    """Share of the machine's CPU capacity used by *other* processes since `start`."""
-    busy, own = (b - a for a, b in zip(start, cpu_snapshot()))
-    return {"other_processes_cpu_pct": round(100 * max(busy - own, 0.0) / (wall * cores), 1),
+def contention(meter, wall: float) -> dict:
+    """Share of the machine's CPU capacity used by *other* processes since `meter` started."""
+    return {"other_processes_cpu_pct": round(100 * meter.other_share(), 1),
             "loadavg_1min_end": os.getloadavg()[0], "bench_wall_s": round(wall, 1)}
 
 
@@ -276,9 +268,11 @@ def main() -> int:
 
 def run_and_save(args, machine: dict, params: dict, run) -> None:
     """Measure, print, write the JSON and (if `run`) log metrics + the JSON to MLflow."""
-    snap, t0 = cpu_snapshot(), time.perf_counter()
+    from pipelines.eval.timing import CpuMeter
+
+    meter, t0 = CpuMeter(), time.perf_counter()
     figures = measure(args)
-    machine.update(contention(snap, time.perf_counter() - t0, machine["cores"]))
+    machine.update(contention(meter, time.perf_counter() - t0))
     report = {"machine": machine, "params": params, **figures}
     print_report(report)
     out = Path(args.out)

@@ -6,8 +6,8 @@ busy machine slows all of them alike; S per prompt = AR seconds ÷ method second
 identical — lossless — and the script checks it), and S per benchmark is the median of these paired
 ratios, with their min–max. The other processes' CPU share during the run is printed and logged.
 
-The cost curve for cost-aware length is measured first (`measure_costs`, cached under --costs-dir
-by target, checkpoint, method and threads; --remeasure to redo it).
+The cost curve for cost-aware length is the one `drelay costs` measures and caches (per target,
+checkpoint, method, threads, device and packed linears: `pipelines.common.costs`); --remeasure redoes it.
 
 Run:  .venv/bin/python benchmarks/bench_speedup.py                         # 2 prompts × 8 benchmarks × 128 tokens
       .venv/bin/python benchmarks/bench_speedup.py --limit 1 --max-new-tokens 64 --benchmarks gsm8k,mt_bench
@@ -31,7 +31,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine  # noqa: E402
-from drelay_model.decoding.verify_length import VerifyCosts, measure_costs  # noqa: E402
 from pipelines.cli import guarded  # noqa: E402
 
 ALL = "gsm8k,math500,aime25,humaneval,mbpp,livecodebench,mt_bench,alpaca"
@@ -46,7 +45,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--methods", default="native,drelay")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--costs-dir", default=str(REPO / "outputs" / "costs"))
     p.add_argument("--remeasure", action="store_true", help="measure the cost curve again")
     p.add_argument("--out", default=str(REPO / "outputs" / "bench_speedup.json"))
     p.add_argument("--no-mlflow", action="store_true")
@@ -54,23 +52,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.limit < 1 or args.max_new_tokens < 1 or args.threads < 1:
         p.error("--limit, --max-new-tokens and --threads must be positive")
     return args
-
-
-def cpu_busy() -> tuple[float, float]:
-    """(busy CPU seconds of the whole machine, CPU seconds of this process)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK"), time.process_time()
-
-
-def costs_for(args, method: str, target, drafter, selector) -> VerifyCosts:
-    packed = "__packed" if getattr(target, "packed", False) else ""  # packed linears change the cost curve
-    key = f"{args.target}__{Path(args.checkpoint or 'bundled').name}__{method}__t{args.threads}{packed}.json"
-    path = Path(args.costs_dir) / key
-    if path.exists() and not args.remeasure:
-        return VerifyCosts.load(path)
-    costs = measure_costs(target, drafter, selector)
-    costs.save(path)
-    return costs
 
 
 def timed(engine, prompt, max_new: int) -> tuple[list[int], float, float]:
@@ -82,7 +63,9 @@ def timed(engine, prompt, max_new: int) -> tuple[list[int], float, float]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    from pipelines.common.costs import verify_costs
     from pipelines.common.methods import load_method, load_target_spec, resolve_method
+    from pipelines.eval.timing import CpuMeter
     from pipelines.data.eval_sets import load_benchmark
     from pipelines.eval.prompts import encoder_for
 
@@ -90,13 +73,15 @@ def main(argv=None) -> int:
     encoder = encoder_for(target)
     engines = {"ar": SpeculativeEngine(target)}
     for method in args.methods.split(","):
-        drafter, selector = load_method(resolve_method(method, target_spec=args.target, checkpoint=args.checkpoint), target)
+        spec = resolve_method(method, target_spec=args.target, checkpoint=args.checkpoint)
+        drafter, selector = load_method(spec, target)
+        costs = verify_costs(target, drafter, selector, target_spec=args.target, spec=spec, remeasure=args.remeasure)
         engines[f"{method}/fixed"] = SpeculativeEngine(target, drafter, selector)
-        engines[f"{method}/cost"] = SpeculativeEngine(target, drafter, selector, costs=costs_for(args, method, target, drafter, selector))
+        engines[f"{method}/cost"] = SpeculativeEngine(target, drafter, selector, costs=costs)
     names = list(engines)
     ratios = {b: {n: [] for n in names[1:]} for b in args.benchmarks.split(",")}
     taus = {b: {n: [] for n in names[1:]} for b in ratios}
-    start, t_start = cpu_busy(), time.perf_counter()
+    meter, t_start = CpuMeter(), time.perf_counter()
     for bench in ratios:
         prompts = [encoder.encode(p.turns[:1], []) for p in load_benchmark(bench, limit=args.limit)]
         for i, prompt in enumerate(tqdm(prompts, desc=bench)):
@@ -109,8 +94,7 @@ def main(argv=None) -> int:
                 ratios[bench][n].append(runs["ar"][1] / runs[n][1])
                 taus[bench][n].append(runs[n][2])
     wall = time.perf_counter() - t_start
-    busy, own = (b - a for a, b in zip(start, cpu_busy()))
-    other_pct = 100 * max(busy - own, 0.0) / (wall * len(os.sched_getaffinity(0)))
+    other_pct = 100 * meter.other_share()
     table = {b: {n: {"S": statistics.median(r), "S_min": min(r), "S_max": max(r), "tau": statistics.mean(taus[b][n])}
                  for n, r in per.items()} for b, per in ratios.items()}  # fmt: skip
     mean = {n: statistics.mean(table[b][n]["S"] for b in table) for n in names[1:]}
@@ -125,7 +109,7 @@ def main(argv=None) -> int:
     if not args.no_mlflow:
         from pipelines.common.tracking import tracked_run
 
-        params = {k: v for k, v in vars(args).items() if k not in ("out", "costs_dir")}
+        params = {k: v for k, v in vars(args).items() if k != "out"}
         with tracked_run("drelay-benchmarks", run_name="bench_speedup", params=params) as run:
             run.log_metrics({f"S_{n.replace('/', '_')}_{b}": row[n]["S"] for b, row in table.items() for n in names[1:]})
             run.log_metrics({f"S_mean_{n.replace('/', '_')}": v for n, v in mean.items()} | {"other_processes_cpu_pct": other_pct})

@@ -101,9 +101,10 @@ def shipped_checkpoints_dir() -> Path | None:
 
 
 def rooted(cfg):
-    """A RunConfig whose output paths (output_dir, ray.storage_path, data.feature_cache_dir and an
-    `outputs/…` init_checkpoint) are absolute under its output root, so workers on any node and
-    every later step see the same locations."""
+    """A RunConfig whose paths are absolute, so workers on any node and every later step see the same
+    locations: the output paths (output_dir, ray.storage_path, data.feature_cache_dir, an
+    `outputs/…` init_checkpoint) under its output root, a repository-relative init_checkpoint and
+    data.regenerated (a file or a glob) under the repository."""
     root = cfg.output_root
 
     def fix(value: str | None) -> str | None:
@@ -112,6 +113,7 @@ def rooted(cfg):
     return cfg.model_copy(update={
         "output_dir": fix(cfg.output_dir),
         "ray": cfg.ray.model_copy(update={"storage_path": fix(cfg.ray.storage_path)}),
-        "data": cfg.data.model_copy(update={"feature_cache_dir": fix(cfg.data.feature_cache_dir)}),
+        "data": cfg.data.model_copy(update={"feature_cache_dir": fix(cfg.data.feature_cache_dir),
+                                            "regenerated": fix(cfg.data.regenerated)}),
         "drafter": cfg.drafter.model_copy(update={"init_checkpoint": fix(cfg.drafter.init_checkpoint)}),
     })  # fmt: skip

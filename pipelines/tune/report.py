@@ -185,12 +185,11 @@ def start_reference(base, folder: Path) -> dict | None:
     if cache.is_file():
         return json.loads(cache.read_text())
     from drelay_model.target import load_target
-    from pipelines.common.paths import repo_path
+    from pipelines.common.outputs import rooted
     from pipelines.train.model_io import build_module
     from pipelines.train.worker import load_data, validate, validation_set
 
-    cfg = base.model_copy(update={"drafter": base.drafter.model_copy(update={"init_checkpoint": str(repo_path(base.drafter.init_checkpoint))}),
-                                  "data": base.data.model_copy(update={"regenerated": str(repo_path(base.data.regenerated))})})  # fmt: skip
+    cfg = rooted(base)  # the init checkpoint and the data, wherever this runs from
     target = load_target(cfg.target.spec, dtype=cfg.target.dtype)
     _, val_seqs = load_data(cfg, target)
     metrics = validate(target, build_module(cfg, target, []), *validation_set(cfg, target, val_seqs))
