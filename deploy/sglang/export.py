@@ -26,6 +26,7 @@ from drelay_model.drafter import DrafterConfig, read_checkpoint
 from drelay_model.errors import DRelayError
 
 FORMATS = ("sglang",)
+MASK_TOKEN = "<|drelay_mask|>"
 
 
 def hf_config(config: DrafterConfig, meta: dict, *, dtype: torch.dtype, has_selector: bool) -> dict:
@@ -43,7 +44,11 @@ def hf_config(config: DrafterConfig, meta: dict, *, dtype: torch.dtype, has_sele
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
         "block_size": config.block_size,
-        "dflash_config": {"target_layer_ids": list(config.target_layer_ids), "block_size": config.block_size},
+        # mask_token(_id): the DFLASH worker fills slots 1..H with this id before embedding them;
+        # our model class overwrites those slots with `mask_embedding`, so any in-vocabulary id
+        # works. A name no tokenizer has, so SGLang's tokenizer cross-check never conflicts.
+        "dflash_config": {"target_layer_ids": list(config.target_layer_ids), "block_size": config.block_size,
+                          "mask_token": MASK_TOKEN, "mask_token_id": 0},
         "torch_dtype": str(dtype).removeprefix("torch."),
         "drelay_drafter": config.to_dict(),
     }

@@ -135,15 +135,10 @@ class DRelayDraftModel(nn.Module):
     def selector_seam(self, *, max_requests: int, max_bs: int, device="cpu"):
         """The DFlash-2 `candidate_selector` for this model (seam.py), with a verified-feature ring
         for `max_requests` request-pool slots; None when the export holds no selector."""
-        from deploy.sglang.history import RequestFeatureRing
-        from deploy.sglang.seam import DRelayCandidateSelector
+        from deploy.sglang.seam import seam_for
 
-        if self.selector is None:
-            return None
-        n = self.selector.capabilities.history_len  # the history read's N, or 1 for the anchor feature alone
-        dim = len(self.drafter_config.target_layer_ids) * self.drafter_config.hidden_size
-        ring = RequestFeatureRing(max_requests, n, dim, dtype=self.drafter.fc.weight.dtype, device=device) if n else None
-        return DRelayCandidateSelector(self.selector, history=ring, max_bs=max_bs, device=device)
+        return seam_for(self.selector, self.drafter_config, dtype=self.drafter.fc.weight.dtype,
+                        max_requests=max_requests, max_bs=max_bs, device=device)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target) -> "DRelayDraftModel":

@@ -87,6 +87,8 @@ def _worker_class():
             from sglang.srt.runtime_context import get_exec, get_schedule
 
             super().__init__(server_args, *args, **kwargs)
+            # The selector shares the target's input embedding (as in training).
+            self.draft_model.bind_selector(self._target_worker.model_runner.model.get_input_embeddings().weight)
             seam = self.draft_model.selector_seam(
                 max_requests=int(get_schedule().max_running_requests),
                 max_bs=max(get_exec().graph.cuda_graph_config.decode.bs),

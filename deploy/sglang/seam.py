@@ -61,3 +61,14 @@ class DRelayCandidateSelector(nn.Module):
         """→ (tokens [bs, H] int64, q_rows [bs, H, K] float32 point-mass proposals)."""
         pick = scores.argmax(dim=-1, keepdim=True)  # [bs, H, 1]
         return candidate_ids.gather(-1, pick).squeeze(-1), scores
+
+
+def seam_for(selector, drafter_config, *, dtype, max_requests: int, max_bs: int, device="cpu") -> DRelayCandidateSelector | None:
+    """The `candidate_selector` for a loaded selector, with a verified-feature ring of its history
+    length for `max_requests` request-pool slots; None without a selector."""
+    if selector is None:
+        return None
+    n = selector.capabilities.history_len  # the history read's N, or 1 for the anchor feature alone
+    dim = len(drafter_config.target_layer_ids) * drafter_config.hidden_size
+    ring = RequestFeatureRing(max_requests, n, dim, dtype=dtype, device=device) if n else None
+    return DRelayCandidateSelector(selector, history=ring, max_bs=max_bs, device=device)
