@@ -13,7 +13,11 @@ server: a random Qwen3-shaped target (4 layers, hidden 2,560, vocab 151,936) sav
   then two SGLang servers on the same target: plain AR and `--speculative-algorithm DRELAY`;
   greedy /generate outputs must be identical token for token, and the spec statistics
   (meta_info spec_verify_ct / spec_accept_length, and `sglext` on /v1/completions with
-  return_spec_tokens_details) are read back.
+  return_spec_tokens_details) are read back. This runs our draft model inside SGLang's runner
+  (deploy/sglang/runner.py: RadixAttention, the DFLASH context-KV hooks with our per-layer input
+  norm, the learned mask embedding); the DRELAY server log is scanned for which draft paths SGLang
+  took (selector folded into the draft CUDA graph, fused KV materialisation disabled as intended).
+  With a random drafter the acceptance statistics only show that the path runs, not draft quality.
 Needs: `pip install -e . --no-deps` in the SGLang environment (the plugin's entry point), see
 docs/sglang.md. Writes `sglang_check.json` under --out (default outputs/gpu).
 """
@@ -147,6 +151,17 @@ def _generate(port: int, prompts: list[list[int]]) -> list[dict]:
             for p in prompts]
 
 
+LOG_MARKERS = {  # SGLang 0.5.23's log lines (tp rank 0) for the draft paths DRELAY should take
+    "selector_in_draft_graph": "selector decode folded into the draft cuda graph",
+    "fused_kv_disabled": "DFLASH fused KV materialization disabled",
+}
+
+
+def _log_flags(log: Path) -> dict:
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    return {name: marker in text for name, marker in LOG_MARKERS.items()}
+
+
 def check_server(work: Path) -> dict:
     from importlib.metadata import entry_points
 
@@ -173,10 +188,12 @@ def check_server(work: Path) -> dict:
         finally:
             proc.terminate()
             proc.wait(60)
+    result["draft_paths"] = _log_flags(work / "drelay.log")
     same = [a["output_ids"] == d["output_ids"] for a, d in zip(result["ar"], result["drelay"])]
     meta = [{k: d["meta_info"].get(k) for k in ("spec_verify_ct", "spec_accept_length", "spec_accept_histogram")} for d in result["drelay"]]
-    print(f"server: greedy identical per prompt {same}; spec stats {meta}; sglext {result.get('sglext')}", flush=True)
-    return {"identical": same, "spec_meta": meta, "sglext": result.get("sglext")}
+    print(f"server: greedy identical per prompt {same}; spec stats {meta}; sglext {result.get('sglext')}; "
+          f"draft paths {result['draft_paths']}", flush=True)
+    return {"identical": same, "spec_meta": meta, "sglext": result.get("sglext"), "draft_paths": result["draft_paths"]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,6 +67,9 @@ def export_sglang(checkpoint: str | Path, out: str | Path) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DRelayError(f"output '{out}' already exists and is not an empty directory")
     config, tensors, meta = read_checkpoint(checkpoint)
+    ids = list(config.target_layer_ids)
+    if ids != sorted(set(ids)):  # SGLang concatenates the captured layers in layer order
+        raise DRelayError(f"checkpoint '{checkpoint}': target_layer_ids {ids} are not strictly ascending (SGLang captures features in layer order)")
     has_selector = any(k.startswith("selector.") for k in tensors)
     if has_selector and not (meta.get("selector") or {}).get("name"):
         raise DRelayError(f"checkpoint '{checkpoint}' holds selector tensors but no meta.selector name")

@@ -231,6 +231,12 @@ def test_export_names_a_mask_token_id_for_the_worker(target, tmp_path):
     _, _, out, _ = exported(target, tmp_path)
     dflash = json.loads((out / "config.json").read_text())["dflash_config"]
     assert dflash["mask_token_id"] == 0 and dflash["mask_token"] == "<|drelay_mask|>"
+    from drelay_model.drafter import BlockDrafter, DrafterConfig, save_drafter
+
+    unsorted = DrafterConfig.for_target(target, num_layers=1, target_layer_ids=(1, 0))
+    save_drafter(BlockDrafter(unsorted, target), tmp_path / "unsorted")
+    with pytest.raises(DRelayError, match="ascending"):
+        export_sglang(tmp_path / "unsorted", tmp_path / "out2")
 
 
 @pytest.mark.sglang
