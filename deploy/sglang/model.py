@@ -1,4 +1,6 @@
-"""`DRelayDraftModel`: the draft-model class of an exported DRelay checkpoint (pure PyTorch).
+"""The export's name map, and `DRelayDraftModel`: an exported DRelay checkpoint bound to *our*
+target (pure PyTorch, for our own engine and the round-trip tests). Inside SGLang the class the
+registry resolves is models/drelay_draft.py's (runner.py's math on SGLang's paged KV).
 
 An export (export.py) is an HF-style directory: `config.json` with `architectures =
 ["DRelayDraftModel"]` and `model.safetensors` under the names below. Our drafter differs from
@@ -10,9 +12,9 @@ SGLang's DFlash draft model in three ways, all handled here rather than folded i
   - the pool goes through a frozen LM head that may be a frequency-ranked subset of the target's
     rows (`d2t` maps draft ids to target ids).
 None of these can be folded exactly (an RMSNorm is not linear; no token row equals a learned
-vector), so the class runs our own drafter math and SGLang loads it through
-SGLANG_EXTERNAL_MODEL_PACKAGE=deploy.sglang.models (`EntryClass`). The frozen embedding and LM head are the target's:
-`bind_target` shares them (they are never exported), as SGLang shares its target's.
+vector), so both classes run our own drafter math (here: BlockDrafter; in SGLang: runner_math.py).
+The frozen embedding and LM head are the target's: `bind_target` shares them (they are never
+exported), as SGLang shares its target's.
 
 Names (ours → exported), N = layer index:
   fc.weight → fc.weight;  ctx_norm.weight → hidden_norm.weight;  norm.weight → norm.weight

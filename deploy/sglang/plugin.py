@@ -17,10 +17,11 @@ Read in SGLang 0.5.23's source (wheel, not run): DFlashWorkerV2 calls
 `draft_model.compute_candidates(hidden [N, D])` and `draft_model.candidate_selector.build_lattice /
 sample_path` (`_selector_lattice`, `_SelectorDraftSampler`), and materialises target features
 through `_append_target_hidden_to_draft_kv_by_loc(target_hidden [T, L·D], …, commit_lens |
-extend_lens)`, which DRelayWorker extends to feed the ring. Not verified here (no GPU; SGLang
-cannot serve on CPU): that the draft model runner can run `DRelayDraftModel`'s forward inside
-SGLang's attention backends (its forward is ours, not SGLang's paged-KV one), and the whole server
-path; benchmarks/gpu/sglang_check.py exercises it on the first GPU machine.
+extend_lens)`, which DRelayWorker extends to feed the ring; it also binds the exported selector
+to the target's input embedding (`bind_selector`) before installing the seam. The draft model's
+runner forward is runner.py's (RadixAttention over the paged draft KV). Not verified here (no GPU;
+SGLang cannot serve on CPU): any of this inside an SGLang process; benchmarks/gpu/sglang_check.py
+exercises it on the first GPU machine.
 """
 
 from __future__ import annotations

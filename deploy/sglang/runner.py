@@ -111,7 +111,8 @@ class DRelayRunnerModel(DraftRunner):
                               f"run with --speculative-num-draft-tokens {self.drafter_config.block_size}")
         view = SimpleNamespace(config=self.drafter_config, embed_weight=embed_weight)  # what selectors size themselves from
         tensors = {"selector." + k.removeprefix("drelay_selector."): v for k, v in self.extra_tensors.items()}
-        selector = default_registry().from_checkpoint(saved["name"], drafter=view, tensors=tensors, meta={"selector": saved})
+        with torch.device(embed_weight.device):  # built beside the embedding it shares
+            selector = default_registry().from_checkpoint(saved["name"], drafter=view, tensors=tensors, meta={"selector": saved})
         self.selector = selector.to(device=embed_weight.device, dtype=self.fc.weight.dtype).eval()
 
     def selector_seam(self, *, max_requests: int, max_bs: int, device="cpu"):
