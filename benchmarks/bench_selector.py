@@ -19,6 +19,8 @@ parameter count (the frozen embedding is shared, not counted).
 Run:  .venv/bin/python benchmarks/bench_selector.py                 # 1 thread (default), ~1 min
       .venv/bin/python benchmarks/bench_selector.py --checkpoint checkpoints/smollm2-135m   # trained
       .venv/bin/python benchmarks/bench_selector.py --threads 2 --reps 50
+      .venv/bin/python benchmarks/bench_selector.py --checkpoint checkpoints/smollm2-135m --compile
+                      # also: torch.compile of the whole select phase vs eager, paired (compile time printed)
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repair-bias", type=float, default=5.0, help="gate bias of the repairing selector")
     p.add_argument("--checkpoint", help="a trained drafter + DRelay selector (default: random drafter, fresh selector)")
+    p.add_argument("--compile", action="store_true", help="also time torch.compile(select) against eager, paired")
     return p.parse_args()
 
 
@@ -90,6 +93,29 @@ def main() -> None:
         repairing = repairing_copy(selector, drafter, args)
     with torch.inference_mode():
         measure(args, target, drafter, selector, repairing, cache, ctx_cache, anchor, sctx)
+    if args.compile:
+        with torch.no_grad():  # inference tensors cannot enter a compiled graph's guards as parameters
+            compiled_select(args, drafter, selector, ctx_cache, anchor, sctx)
+
+
+def compiled_select(args, drafter, selector, ctx_cache, anchor, sctx) -> None:
+    """Inductor on the whole select phase (Global Read, history read, the walk), eager and compiled
+    alternating per repetition; checks that both pick the same path."""
+    eager = type(selector).select_with_scores.__wrapped__  # the body, without its inference_mode wrapper
+    block = drafter.draft(anchor, ctx_cache)
+    compiled = torch.compile(lambda blk, ctx: eager(selector, blk, ctx), dynamic=False)
+    t0 = time.perf_counter()
+    out_c = compiled(block, sctx)
+    t_compile = time.perf_counter() - t0
+    out_e = eager(selector, block, sctx)
+    same = torch.equal(out_c.selection.pool_index, out_e.selection.pool_index)
+    te, tc = [], []
+    for _ in range(args.reps):
+        te.append(timed(eager, selector, block, sctx)[1] * 1e3)
+        tc.append(timed(compiled, block, sctx)[1] * 1e3)
+    print(f"  torch.compile(select): first call {t_compile:.1f} s; eager {statistics.median(te):.2f} ms, "
+          f"compiled {statistics.median(tc):.2f} ms (compiled ÷ eager {statistics.median(tc) / statistics.median(te):.2f}); "
+          f"same path: {same}")
 
 
 def repairing_copy(selector, drafter, args):
