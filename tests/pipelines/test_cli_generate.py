@@ -38,6 +38,7 @@ def test_speculative_generation_reports_speedup_and_matches_ar(capsys, tmp_path,
     assert report["same_output_as_ar"] is True and report["verify_length"] == length
     assert bool(list(tmp_path.glob("costs/*.json"))) == (length == "cost")  # measured once, cached
     assert report["speedup"] > 0 and report["ar_tokens_per_s"] > 0
+    assert len(report["speedups"]) == 3 and report["speedup"] == sorted(report["speedups"])[1]  # median of 3 pairs
 
 
 @pytest.mark.parametrize(
@@ -47,6 +48,7 @@ def test_speculative_generation_reports_speedup_and_matches_ar(capsys, tmp_path,
         (["--chat", "hi", "--method", "magic", "--random-drafter"], "unknown method 'magic'"),
         (["--chat", "hi", "--checkpoint", "/no/such/dir"], "checkpoint '/no/such/dir' not found"),
         (["--chat", "hi", "--method", "ar", "--max-new-tokens", "0"], "--max-new-tokens must be"),
+        (["--chat", "hi", "--random-drafter", "--compare-ar", "--repeats", "0"], "--repeats must be ≥ 1"),
         (["--prompts-file", "/no/file.txt", "--method", "ar"], "not found"),
         (["--chat", "word " * 9000, "--method", "ar"], "context window"),
     ],
