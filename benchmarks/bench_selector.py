@@ -26,6 +26,7 @@ Run:  .venv/bin/python benchmarks/bench_selector.py                 # 1 thread (
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 import statistics
 import time
@@ -133,12 +134,14 @@ def repairing_copy(selector, drafter, args):
 def measure(args, target, drafter, selector, repairing, cache, ctx_cache, anchor, sctx) -> None:
     layers = drafter.config.target_layer_ids
     start = cache.lengths.clone()
-    t = {k: [] for k in ("draft", "select", "select_repairing", "evidence", "decide", "loop", "verify")}
+    t = {k: [] for k in ("draft", "select", "select_repairing", "evidence", "decide", "loop", "verify", "select_p2")}
+    sctx_p2 = dataclasses.replace(sctx, max_slots=2)  # cost-aware length planned 2 drafts: 2 decisions
     repairs = trained_repairs = 0
     for rep in range(args.reps + 3):  # 3 warm-up repetitions
         block, t_draft = timed(drafter.draft, anchor, ctx_cache)
         sel, t_select = timed(selector.select, block, sctx)
         sel_r, t_select_r = timed(repairing.select, block, sctx)
+        _, t_select_p2 = timed(selector.select, block, sctx_p2)
         (ev, cand_emb), t_ev = timed(selector.evidence, block, sctx.history, sctx.history_mask)
         _, t_decide = timed(repairing.causal.decide_block, ev, selector.embed(anchor), cand_emb)
         _, t_loop = timed(repairing.causal.sequential, ev, selector.embed(anchor), cand_emb)
@@ -146,7 +149,7 @@ def measure(args, target, drafter, selector, repairing, cache, ctx_cache, anchor
         _, t_verify = timed(lambda: target(ids, cache, feature_layers=layers))
         cache.crop(start)
         if rep >= 3:
-            for k, v in zip(t, (t_draft, t_select, t_select_r, t_ev, t_decide, t_loop, t_verify)):
+            for k, v in zip(t, (t_draft, t_select, t_select_r, t_ev, t_decide, t_loop, t_verify, t_select_p2)):
                 t[k].append(v * 1e3)
             repairs += int((sel_r.pool_index != 0).sum())
             trained_repairs += int((sel.pool_index != 0).sum())
@@ -165,6 +168,7 @@ def measure(args, target, drafter, selector, repairing, cache, ctx_cache, anchor
         print(f"  select           {med['select']:7.2f} ms   trained selector of {args.checkpoint}, {trained_repairs / args.reps:.1f} repairs per block")
     else:
         print(f"  select           {med['select']:7.2f} ms   fresh selector (keeps every native token: one pass)")
+    print(f"  select, 2 slots  {med['select_p2']:7.2f} ms   SelectionContext.max_slots=2 (cost-aware length planned 2 drafts)")
     print(f"  select repairing {med['select_repairing']:7.2f} ms   randomised residual heads, {repairs / args.reps:.1f} repairs per block")
     print(f"    of which       {med['evidence']:7.2f} ms   Global Read + prefix-independent evidence (once per block)")
     print(f"                   {med['decide']:7.2f} ms   decisions by parallel passes (decide_block, repairing)")

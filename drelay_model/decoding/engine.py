@@ -43,7 +43,7 @@ class _BatchState:
     history: VerifiedHistory | None = None
     anchor: torch.Tensor | None = None  # [R] int64
 
-    def selection_context(self) -> SelectionContext:
+    def selection_context(self, max_slots: int | None = None) -> SelectionContext:
         hist = self.history
         return SelectionContext(
             anchor_ids=self.anchor,
@@ -51,6 +51,7 @@ class _BatchState:
             row_ids=torch.tensor(self.rows, dtype=torch.long, device=self.anchor.device),
             history=hist.feats if hist is not None else None,
             history_mask=hist.mask() if hist is not None else None,
+            max_slots=max_slots,
         )
 
     def keep(self, rows: list[int]) -> None:
@@ -204,23 +205,26 @@ class SpeculativeEngine:
         R = anchor.shape[0]
         clock = time.perf_counter
         H = self.num_slots
-        head = H if policy is None else policy.plan(partial=self.selector.capabilities.partial_block)
+        # planned: how many path tokens this round may verify (0 = an AR round); head: how many slots
+        # get an LM head (= planned, or all H for a selector that reads the whole pool).
+        planned = H if policy is None else policy.plan(partial=self.selector.capabilities.partial_block)
         q = proposal = None
-        if self.drafter is None or head == 0:  # AR round: verify the anchor alone
+        if self.drafter is None or planned == 0:  # AR round: verify the anchor alone
             path = torch.empty(R, 0, dtype=torch.long, device=anchor.device)
             length = torch.zeros(R, dtype=torch.long, device=anchor.device)
         else:
-            head = head if self.selector.capabilities.partial_block else H
+            head = planned if self.selector.capabilities.partial_block else H
             t0 = clock()
             block = self.drafter.draft(anchor, state.ctx, head_slots=head if head < H else None)
             t1 = clock()
-            ctx = state.selection_context()
+            ctx = state.selection_context(max_slots=planned if planned < H else None)
             selection = sampler(block, ctx) if sampler is not None else self.selector.select(block, ctx)
             path, length = selection.path_ids, selection.length
             if selection.proposal_q is not None:
                 proposal = (block.cand_ids, selection.proposal_q)
             if policy is not None:  # cut each row's path where verifying more stops paying
-                q = block.cand_logq.gather(2, selection.pool_index[:, :, None])[:, :, 0].float().exp()  # [R, head]
+                chosen = selection.pool_index[:, :planned, None]
+                q = block.cand_logq[:, :planned].gather(2, chosen)[:, :, 0].float().exp()  # [R, planned]
                 length = torch.minimum(length, policy.choose(q, head))
                 G = int(length.max())  # one host sync: the verify forward's width
                 path, q = path[:, :G], q[:, :G]

@@ -139,12 +139,13 @@ class CostAwareLength:
         return ((self.bin_hits[b] + self.prior * q.double()) / (self.bin_seen[b] + self.prior)).clamp(0.0, 1.0)
 
     def choose(self, q: torch.Tensor, head_slots: int) -> torch.Tensor:
-        """Per-row verification length from the chosen candidates' q [B, L_head] → [B] int64 (on
-        q's device; the policy's own state lives on the CPU)."""
-        p = self.confidence(q.detach().cpu())  # [B, L_head]
-        e = expected_committed(p)  # [B, L_head + 1]
+        """Per-row verification length ≤ P from the chosen candidates' q [B, P] (the planned slots)
+        → [B] int64 (on q's device; the policy's own state lives on the CPU). head_slots: the slots
+        drafted with an LM head this round (≥ P), whose cost is already spent."""
+        p = self.confidence(q.detach().cpu())  # [B, P]
+        e = expected_committed(p)  # [B, P + 1]
         sunk = self.costs.draft_ms(head_slots)
-        t = torch.tensor([sunk + self.costs.verify_ms[L] for L in range(head_slots + 1)], dtype=torch.float64)
+        t = torch.tensor([sunk + self.costs.verify_ms[L] for L in range(q.shape[1] + 1)], dtype=torch.float64)
         return (e / t).argmax(dim=-1).to(q.device)
 
     # ---- after verification ----------------------------------------------------------------------

@@ -44,6 +44,9 @@ class SelectionContext:
     row_ids     [B] int64 which request each row is (rows leave the batch as they finish).
     history     [B, N, L*D] the last N verified target features (oldest first), or None when the
                 selector asked for none; history_mask [B, N] bool marks real (not padded) entries.
+    max_slots   the engine verifies at most this many path tokens this round (cost-aware length), or
+                None (up to H). A selector may decide only the first max_slots slots; it then returns
+                length ≤ max_slots, and path entries past it are never verified.
     """
 
     anchor_ids: torch.Tensor
@@ -51,6 +54,7 @@ class SelectionContext:
     row_ids: torch.Tensor
     history: torch.Tensor | None = None
     history_mask: torch.Tensor | None = None
+    max_slots: int | None = None
 
 
 @dataclass(frozen=True)

@@ -94,3 +94,24 @@ def test_walk_compiles_as_one_graph_and_decide_block_does_not():
         with pytest.raises(Exception):
             bad(ev, anchor, cand_emb)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("overrides", [{}, {"decisions": "passes"}, {"gate_evidence": "slot", "anchor_feature": False}, {"global_read": False}])
+def test_deciding_the_first_p_slots_equals_the_full_walk_cut_at_p(overrides):
+    """`SelectionContext.max_slots` = P (cost-aware length verifies at most P drafts): the selector
+    decides only slots 0..P−1, and those decisions and scores are the full walk's first P; past P
+    it keeps the native candidate and reports length P."""
+    import dataclasses
+
+    H, K = 6, 5
+    sel = perturb(make(5, H=H, K=K, **overrides), 5, gate_bias=3.0)
+    block, ctx = block_and_ctx(3, 7, H=H, K=K, ties=False)
+    full = sel.select_with_scores(block, ctx)
+    assert full.selection.pool_index.ne(0).any()  # REPAIR decisions are part of the comparison
+    for P in range(1, H + 1):
+        cut = sel.select_with_scores(block, dataclasses.replace(ctx, max_slots=P))
+        assert torch.equal(cut.selection.pool_index[:, :P], full.selection.pool_index[:, :P])
+        assert cut.selection.pool_index[:, P:].eq(0).all()
+        assert cut.selection.length.tolist() == [P] * 3
+        torch.testing.assert_close(cut.output.gate[:, :P], full.output.gate[:, :P], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cut.output.rank[:, :P], full.output.rank[:, :P], atol=1e-5, rtol=1e-5)

@@ -240,7 +240,7 @@ class CausalSelector(nn.Module):
             pool_index [B, H] int64, gate [B, H], rank [B, H, K].
         """
         B, H, nh, K1, dh = ev.query.shape
-        K, r = K1 - 1, nh * dh
+        r = nh * dh
         keys = cand_emb.new_empty(B, nh, H, dh)  # entries 0..H−1 (the last slot's is never read)
         values = cand_emb.new_empty(B, nh, H, dh)
         k, v, q_term = self.token_terms(ev.anchor, anchor_emb)  # [B, r] each: the anchor

@@ -112,11 +112,15 @@ class DRelaySelector(Selector):
         """Token ids [...] → projected frozen embeddings ê [..., d]."""
         return self.embed_in(F.embedding(ids, self.embed_weight).to(self.embed_in.weight.dtype))
 
-    def evidence(self, block: DraftBlock, history: torch.Tensor | None, history_mask: torch.Tensor | None) -> tuple[Evidence, torch.Tensor]:
+    def evidence(
+        self, block: DraftBlock, history: torch.Tensor | None, history_mask: torch.Tensor | None, slots: int | None = None
+    ) -> tuple[Evidence, torch.Tensor]:
         """Global Read and every prefix-independent part of the causal selector, once per block.
+        `slots` = P < H: Global Read still reads the whole block (it is bidirectional), but the causal
+        selector's evidence — per slot, given Global Read's output — is computed for slots 0..P−1 only.
 
         Returns:
-            (Evidence, cand_emb [B, H, K, d]).
+            (Evidence over P slots, cand_emb [B, P, K, d]).
         """
         B, H, K = block.cand_ids.shape
         if (H, K) != (self.num_slots, self.top_k):
@@ -131,7 +135,10 @@ class DRelaySelector(Selector):
             z, c = s, cand_emb
         if history is not None and history_mask is None:
             history_mask = torch.ones(history.shape[:2], dtype=torch.bool, device=history.device)
-        return self.causal.evidence(s, z, c, cand_emb, block.cand_logq, history, history_mask), cand_emb
+        logq = block.cand_logq
+        if slots is not None and slots < H:
+            s, z, c, cand_emb, logq = s[:, :slots], z[:, :slots], c[:, :slots], cand_emb[:, :slots], logq[:, :slots]
+        return self.causal.evidence(s, z, c, cand_emb, logq, history, history_mask), cand_emb
 
     # ---- training ------------------------------------------------------------------------------
     def forward_train(
@@ -184,16 +191,28 @@ class DRelaySelector(Selector):
     def select_with_scores(self, block: DraftBlock, ctx: SelectionContext) -> SelectionTrace:
         """Global Read once, then the H causal decisions (`config.decisions`: the graph-safe walk or
         `CausalSelector.decide_block`, both identical to deciding slot by slot); also returns the
-        scores the final decisions saw."""
+        scores the final decisions saw.
+
+        With `ctx.max_slots` = P < H only the first P decisions are made (decision i depends on
+        slots < i alone, so they equal the first P of the full walk); slots P.. keep the native
+        candidate with gate −∞ (KEEP) and rank = log q, and the selection's length is P."""
+        B, H, K = block.cand_ids.shape
+        P = H if ctx.max_slots is None else max(1, min(int(ctx.max_slots), H))
         history = ctx.history if self.config.features_needed else None
-        ev, cand_emb = self.evidence(block, history, ctx.history_mask if history is not None else None)
+        ev, cand_emb = self.evidence(block, history, ctx.history_mask if history is not None else None, slots=P)
         anchor_emb = self.embed(ctx.anchor_ids)
         if self.config.decisions == "walk":
             res = self.walk_decisions(ev, anchor_emb, cand_emb)
             pick, gate, rank = res.pool_index, res.gate, res.rank
         else:
             pick, gate, rank = self.causal.decide_block(ev, anchor_emb, cand_emb)
-        return SelectionTrace(selection=self.gather(block, pick), output=SelectorOutput(gate=gate, rank=rank))
+        if P == H:
+            return SelectionTrace(selection=self.gather(block, pick), output=SelectorOutput(gate=gate, rank=rank))
+        pick = torch.cat([pick, pick.new_zeros(B, H - P)], dim=1)  # [B, H]: native past P
+        gate = torch.cat([gate, gate.new_full((B, H - P), float("-inf"))], dim=1)
+        rank = torch.cat([rank, block.cand_logq[:, P:].to(rank.dtype)], dim=1)
+        length = torch.full((B,), P, dtype=torch.long, device=pick.device)
+        return SelectionTrace(selection=self.gather(block, pick, length), output=SelectorOutput(gate=gate, rank=rank))
 
     def walk_decisions(self, ev: Evidence, anchor_emb: torch.Tensor, cand_emb: torch.Tensor) -> WalkResult:
         """The graph-safe decision walk (walk.py) on the configured backend (triton is imported

@@ -95,7 +95,7 @@ def walk(w: WalkInputs) -> WalkResult:
     v interleaved per head, so a decision costs one gather for the pick and one concatenation for
     the memory (about 20 small ops per slot: this loop is the CPU's select-phase critical path)."""
     B, H, nh, K1, dh = w.query.shape
-    K, r = K1 - 1, nh * dh
+    r = nh * dh
     per_head = lambda t: t.reshape(*t.shape[:-1], nh, dh)  # noqa: E731  [..., r] → [..., nh, d_g]
     cand = torch.cat([torch.cat([per_head(w.cand_k), per_head(w.cand_v)], -1).flatten(-2), w.cand_q], -1)  # [B, H, K, 3r]
     memory = torch.cat([per_head(w.anchor_k), per_head(w.anchor_v)], -1)[:, :, None]  # [B, nh, 1, 2 d_g] entry 0
