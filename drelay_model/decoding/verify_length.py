@@ -26,6 +26,7 @@ Shapes: B rows, H slots.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -46,27 +47,34 @@ class VerifyCosts:
     verify_ms  [H + 1] target forward over t = 1 .. H + 1 new tokens on a cached context
     block_ms   drafter layers over one block (everything but the LM head)
     head_ms    LM head + top-K for one slot
-    select_ms  the selector over one block
+    select_ms  the selector over one block, deciding one slot (`SelectionContext.max_slots` = 1)
+    select_slot_ms  each further decided slot (0 for a selector whose cost does not depend on it;
+               files written before it existed hold the whole block's cost in select_ms)
     """
 
     verify_ms: tuple[float, ...]
     block_ms: float
     head_ms: float
     select_ms: float
+    select_slot_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.verify_ms or any(not (t > 0 and math.isfinite(t)) for t in self.verify_ms):
             raise DRelayError(f"verify_ms must be positive and finite, got {self.verify_ms}")
-        if any(not (t >= 0 and math.isfinite(t)) for t in (self.block_ms, self.head_ms, self.select_ms)):
-            raise DRelayError("block_ms, head_ms and select_ms must be finite and ≥ 0")
+        if any(not (t >= 0 and math.isfinite(t)) for t in (self.block_ms, self.head_ms, self.select_ms, self.select_slot_ms)):
+            raise DRelayError("block_ms, head_ms, select_ms and select_slot_ms must be finite and ≥ 0")
 
     @property
     def max_slots(self) -> int:
         return len(self.verify_ms) - 1
 
-    def draft_ms(self, head_slots: int) -> float:
-        """Drafting + selection with the LM head over `head_slots` slots (0: no drafting)."""
-        return 0.0 if head_slots == 0 else self.block_ms + head_slots * self.head_ms + self.select_ms
+    def draft_ms(self, head_slots: int, decided: int | None = None) -> float:
+        """Drafting with the LM head over `head_slots` slots + selecting `decided` of them (default:
+        all of them); 0 with no drafting."""
+        if head_slots == 0:
+            return 0.0
+        decided = head_slots if decided is None else decided
+        return self.block_ms + head_slots * self.head_ms + self.select_ms + max(decided - 1, 0) * self.select_slot_ms
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -80,7 +88,8 @@ class VerifyCosts:
         try:
             raw = json.loads(Path(path).read_text())
             return cls(verify_ms=tuple(float(t) for t in raw["verify_ms"]), block_ms=float(raw["block_ms"]),
-                       head_ms=float(raw["head_ms"]), select_ms=float(raw["select_ms"]))  # fmt: skip
+                       head_ms=float(raw["head_ms"]), select_ms=float(raw["select_ms"]),
+                       select_slot_ms=float(raw.get("select_slot_ms", 0.0)))  # fmt: skip
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DRelayError(f"cannot read verification costs from {path}: {exc}") from exc
 
@@ -120,7 +129,7 @@ class CostAwareLength:
         selector needs all H heads whatever is verified, so drafting always costs the full block."""
         e = expected_committed(self.slot_rate)  # [H + 1]
         H = self.num_slots
-        draft = [self.costs.draft_ms(L if partial or L == 0 else H) for L in range(H + 1)]
+        draft = [self.costs.draft_ms(L if partial or L == 0 else H, decided=L) for L in range(H + 1)]
         t = torch.tensor([draft[L] + self.costs.verify_ms[L] for L in range(H + 1)], dtype=torch.float64)
         best = int((e / t).argmax())
         if best > 0:
@@ -144,7 +153,7 @@ class CostAwareLength:
         drafted with an LM head this round (≥ P), whose cost is already spent."""
         p = self.confidence(q.detach().cpu())  # [B, P]
         e = expected_committed(p)  # [B, P + 1]
-        sunk = self.costs.draft_ms(head_slots)
+        sunk = self.costs.draft_ms(head_slots, decided=q.shape[1])
         t = torch.tensor([sunk + self.costs.verify_ms[L] for L in range(q.shape[1] + 1)], dtype=torch.float64)
         return (e / t).argmax(dim=-1).to(q.device)
 
@@ -208,5 +217,8 @@ def measure_costs(target, drafter, selector, *, context_len: int = 200, reps: in
         hist = torch.zeros(1, selector.capabilities.history_len, res.features.shape[-1], dtype=res.features.dtype, device=device)
         sctx = SelectionContext(anchor_ids=anchor, anchor_pos=sctx.anchor_pos, row_ids=sctx.row_ids, history=hist,
                                 history_mask=torch.ones(hist.shape[:2], dtype=torch.bool, device=device))  # fmt: skip
-    select_ms = fastest_ms(lambda: selector.select(block, sctx))
-    return VerifyCosts(verify_ms=verify_ms, block_ms=block_ms, head_ms=head_ms, select_ms=select_ms)
+    one_slot = dataclasses.replace(sctx, max_slots=1)
+    select_one = fastest_ms(lambda: selector.select(block, one_slot))
+    select_all = fastest_ms(lambda: selector.select(block, sctx))
+    select_slot_ms = max(select_all - select_one, 0.0) / max(H - 1, 1)
+    return VerifyCosts(verify_ms=verify_ms, block_ms=block_ms, head_ms=head_ms, select_ms=select_one, select_slot_ms=select_slot_ms)

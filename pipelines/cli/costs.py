@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from drelay_model.errors import DRelayError
@@ -32,8 +33,9 @@ def run(args: argparse.Namespace) -> int:
     drafter, selector = load_method(spec, target)
     costs = verify_costs(target, drafter, selector, target_spec=args.target, spec=spec, remeasure=not args.show)
     if args.json:
-        print(json.dumps({"verify_ms": costs.verify_ms, "block_ms": costs.block_ms, "head_ms": costs.head_ms, "select_ms": costs.select_ms}))
+        print(json.dumps(dataclasses.asdict(costs)))
         return 0
-    print(f"drafter block {costs.block_ms:.1f} ms + LM head {costs.head_ms:.2f} ms/slot + select {costs.select_ms:.1f} ms")
+    print(f"drafter block {costs.block_ms:.1f} ms + LM head {costs.head_ms:.2f} ms/slot + select {costs.select_ms:.1f} ms"
+          f" (+ {costs.select_slot_ms:.2f} ms per further decided slot)")
     print("verify(t) ms: " + "  ".join(f"{t}:{ms:.1f}" for t, ms in enumerate(costs.verify_ms, start=1)))
     return 0

@@ -128,3 +128,20 @@ def test_measure_costs_on_a_tiny_target(target, make_drafter):
     selector = default_registry().create("native", drafter=drafter)
     c = measure_costs(target, drafter, selector, context_len=16, reps=2)
     assert len(c.verify_ms) == drafter.config.num_slots + 1 and c.block_ms >= 0 and c.select_ms >= 0
+
+
+def test_select_cost_grows_with_the_decided_slots_and_old_files_load(tmp_path):
+    """draft_ms charges select_ms for the first decided slot and select_slot_ms for each further
+    one; a cost file written before select_slot_ms existed loads with 0 (its select_ms was the whole
+    block's cost)."""
+    import json
+
+    c = VerifyCosts(verify_ms=(10.0, 11.0, 12.0, 13.0), block_ms=2.0, head_ms=0.5, select_ms=1.0, select_slot_ms=0.25)
+    assert c.draft_ms(0) == 0.0
+    assert c.draft_ms(3, decided=1) == 2.0 + 1.5 + 1.0
+    assert c.draft_ms(3) == c.draft_ms(3, decided=3) == 2.0 + 1.5 + 1.0 + 2 * 0.25
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"verify_ms": [10.0, 11.0], "block_ms": 2.0, "head_ms": 0.5, "select_ms": 3.0}))
+    assert VerifyCosts.load(old).select_slot_ms == 0.0
+    c.save(tmp_path / "new.json")
+    assert VerifyCosts.load(tmp_path / "new.json") == c
