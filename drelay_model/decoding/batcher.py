@@ -202,6 +202,8 @@ class ContinuousBatcher:
         self.stats.time_prefill += time.perf_counter() - t0
         self.stats.time_total += time.perf_counter() - t0
         self.stats.generated += len(requests)
+        if self._state is not None:
+            self._state.sync_context(self.engine.drafter)  # the rows joining have no pending features
         self._state = state if self._state is None else _concat_states(self._state, state)
         updates = []
         for r, tok in zip(requests, state.anchor.tolist()):
@@ -303,6 +305,7 @@ def _set_capacity(cache: KVCache, capacity: int) -> None:
 
 
 def _concat_states(a: _BatchState, b: _BatchState) -> _BatchState:
+    assert not a.pending and not b.pending, "sync_context() before merging states"
     out = _BatchState(rows=a.rows + b.rows, cache=_concat_caches(a.cache, b.cache))
     out.anchor = torch.cat([a.anchor, b.anchor])
     if a.ctx is not None:

@@ -15,7 +15,7 @@ tokens that maximises expected tokens per second (`verify_length.py`; 0 = an AR 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,6 +42,17 @@ class _BatchState:
     ctx: KVCache | None = None  # drafter context keys/values
     history: VerifiedHistory | None = None
     anchor: torch.Tensor | None = None  # [R] int64
+    # Target features [R, 1, F] of AR rounds not yet in the drafter's context (`ctx`): an AR round
+    # does not draft, so its context extension waits for the next drafted round, which extends by
+    # all of them in one call (`sync_context`) instead of one call per token.
+    pending: list[torch.Tensor] = field(default_factory=list)
+
+    def sync_context(self, drafter: BlockDrafter) -> None:
+        """Extend the drafter's context by the pending AR-round features (every row has the same
+        number: an AR round is batch-wide and commits exactly its anchor)."""
+        if self.pending:
+            drafter.extend_context(torch.cat(self.pending, dim=1), self.ctx)
+            self.pending = []
 
     def selection_context(self, max_slots: int | None = None) -> SelectionContext:
         hist = self.history
@@ -66,6 +77,7 @@ class _BatchState:
         for part in (self.ctx, self.history):
             if part is not None:
                 part.select_rows(index)
+        self.pending = [f[index] for f in self.pending]
         self.anchor = self.anchor[index]
         self.rows = rows
 
@@ -215,6 +227,7 @@ class SpeculativeEngine:
         else:
             head = planned if self.selector.capabilities.partial_block else H
             t0 = clock()
+            state.sync_context(self.drafter)
             block = self.drafter.draft(anchor, state.ctx, head_slots=head if head < H else None)
             t1 = clock()
             ctx = state.selection_context(max_slots=planned if planned < H else None)
@@ -239,7 +252,9 @@ class SpeculativeEngine:
             policy.observe(q, length, accepted)
         # Keep the anchor and the accepted drafts; the next token becomes the new (uncached) anchor.
         cache.crop(start + 1 + accepted)
-        if state.ctx is not None:
+        if state.ctx is not None and path.shape[1] == 0:  # an AR round: every row committed its anchor
+            state.pending.append(res.features)
+        elif state.ctx is not None:
             t0 = clock()
             self.drafter.extend_context(res.features, state.ctx)
             stats.time_draft += clock() - t0

@@ -145,3 +145,30 @@ def test_select_cost_grows_with_the_decided_slots_and_old_files_load(tmp_path):
     assert VerifyCosts.load(old).select_slot_ms == 0.0
     c.save(tmp_path / "new.json")
     assert VerifyCosts.load(tmp_path / "new.json") == c
+
+
+def test_ar_rounds_extend_the_drafter_context_lazily_and_exactly(target, make_drafter):
+    """An AR round leaves its target features pending; the next drafted round extends the drafter's
+    context by all of them in one call. The context keys/values then equal extending it once per
+    round, and dropping a row drops its pending features."""
+    from drelay_model.decoding.engine import _BatchState
+
+    drafter = make_drafter(target)
+    F = len(drafter.config.target_layer_ids) * target.hidden_size
+    g = torch.Generator().manual_seed(0)
+    prefill, rounds = torch.randn(3, 5, F, generator=g), [torch.randn(3, 1, F, generator=g) for _ in range(4)]
+    eager, lazy = drafter.new_context_cache(3, 16), drafter.new_context_cache(3, 16)
+    with torch.no_grad():
+        for ctx in (eager, lazy):
+            drafter.extend_context(prefill, ctx)
+        for f in rounds:
+            drafter.extend_context(f, eager)
+        state = _BatchState(rows=[0, 1, 2], cache=target.new_cache(3, 16), ctx=lazy, anchor=torch.zeros(3, dtype=torch.long))
+        state.pending = list(rounds)
+        state.keep([0, 2])  # row 1 finished: its pending features go with it
+        eager.select_rows(torch.tensor([0, 2]))
+        state.sync_context(drafter)
+    assert state.pending == [] and torch.equal(lazy.lengths, eager.lengths)
+    n = int(eager.lengths.max())
+    torch.testing.assert_close(lazy.k[..., :n, :], eager.k[..., :n, :], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lazy.v[..., :n, :], eager.v[..., :n, :], atol=1e-5, rtol=1e-5)
