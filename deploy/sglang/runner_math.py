@@ -33,20 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from drelay_model.drafter import DrafterConfig
+from drelay_model.drafter.model import RMSNorm
 from drelay_model.errors import DRelayError
 
 # attend(q [N, nh·hd], k [N, n_kv·hd], v [N, n_kv·hd]) → [N, nh·hd] for one layer's block tokens.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
 
 class Vector(nn.Module):

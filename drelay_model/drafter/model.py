@@ -39,7 +39,7 @@ class DraftBlock:
     cand_logq: torch.Tensor
 
 
-class _RMSNorm(nn.Module):
+class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, init: torch.Tensor | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(init.detach().clone() if init is not None else torch.ones(dim))
@@ -58,14 +58,14 @@ class _Layer(nn.Module):
         super().__init__()
         D, hd = cfg.hidden_size, cfg.head_dim
         self.cfg = cfg
-        self.in_norm = _RMSNorm(D, cfg.rms_norm_eps)
+        self.in_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.q_proj = cpu_linear.PackedLinear(D, cfg.num_heads * hd, bias=False)
         self.k_proj = cpu_linear.PackedLinear(D, cfg.num_kv_heads * hd, bias=False)
         self.v_proj = cpu_linear.PackedLinear(D, cfg.num_kv_heads * hd, bias=False)
         self.o_proj = cpu_linear.PackedLinear(cfg.num_heads * hd, D, bias=False)
-        self.q_norm = _RMSNorm(hd, cfg.rms_norm_eps)
-        self.k_norm = _RMSNorm(hd, cfg.rms_norm_eps)
-        self.post_norm = _RMSNorm(D, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.post_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.gate_proj = cpu_linear.PackedLinear(D, cfg.intermediate_size, bias=False)
         self.up_proj = cpu_linear.PackedLinear(D, cfg.intermediate_size, bias=False)
         self.down_proj = cpu_linear.PackedLinear(cfg.intermediate_size, D, bias=False)
@@ -108,10 +108,10 @@ class BlockDrafter(nn.Module):
         D = config.hidden_size
         self.config = config
         self.fc = cpu_linear.PackedLinear(len(config.target_layer_ids) * D, D, bias=False)
-        self.ctx_norm = _RMSNorm(D, config.rms_norm_eps)
+        self.ctx_norm = RMSNorm(D, config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.randn(D) * 0.02)
         self.layers = nn.ModuleList(_Layer(config) for _ in range(config.num_layers))
-        self.norm = _RMSNorm(D, config.rms_norm_eps, init=target.final_norm_weight)
+        self.norm = RMSNorm(D, config.rms_norm_eps, init=target.final_norm_weight)
         inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # Frozen, shared with the target; never saved in a drafter checkpoint.
