@@ -56,6 +56,10 @@ class SelectionContext:
     history_mask: torch.Tensor | None = None
     max_slots: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.max_slots is not None and self.max_slots < 1:
+            raise ValueError(f"max_slots must be ≥ 1 or None, got {self.max_slots}")
+
 
 @dataclass(frozen=True)
 class Selection:

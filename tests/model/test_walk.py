@@ -115,3 +115,5 @@ def test_deciding_the_first_p_slots_equals_the_full_walk_cut_at_p(overrides):
         assert cut.selection.length.tolist() == [P] * 3
         torch.testing.assert_close(cut.output.gate[:, :P], full.output.gate[:, :P], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(cut.output.rank[:, :P], full.output.rank[:, :P], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="max_slots"):  # the context owns the bound
+        dataclasses.replace(ctx, max_slots=0)

@@ -197,7 +197,7 @@ class DRelaySelector(Selector):
         slots < i alone, so they equal the first P of the full walk); slots P.. keep the native
         candidate with gate −∞ (KEEP) and rank = log q, and the selection's length is P."""
         B, H, K = block.cand_ids.shape
-        P = H if ctx.max_slots is None else max(1, min(int(ctx.max_slots), H))
+        P = H if ctx.max_slots is None else min(ctx.max_slots, H)  # SelectionContext checks it is ≥ 1
         history = ctx.history if self.config.features_needed else None
         ev, cand_emb = self.evidence(block, history, ctx.history_mask if history is not None else None, slots=P)
         anchor_emb = self.embed(ctx.anchor_ids)
