@@ -23,7 +23,8 @@ from drelay_model.decoding.generation import GenerationConfig
 from drelay_model.decoding.history import VerifiedHistory
 from drelay_model.decoding.stats import DecodeStats
 from drelay_model.decoding.verify import accept, accept_sampled, pick_tokens
-from drelay_model.decoding.verify_length import CostAwareLength, VerifyCosts
+from drelay_model.decoding.verify_costs import VerifyCosts
+from drelay_model.decoding.verify_length import CostAwareLength
 from drelay_model.drafter.model import BlockDrafter
 from drelay_model.errors import DRelayError
 from drelay_model.kv_cache import KVCache
@@ -221,6 +222,7 @@ class SpeculativeEngine:
         # get an LM head (= planned, or all H for a selector that reads the whole pool).
         planned = H if policy is None else policy.plan(partial=self.selector.capabilities.partial_block)
         q = proposal = None
+        head, drafting_ms = 0, 0.0
         if self.drafter is None or planned == 0:  # AR round: verify the anchor alone
             path = torch.empty(R, 0, dtype=torch.long, device=anchor.device)
             length = torch.zeros(R, dtype=torch.long, device=anchor.device)
@@ -241,12 +243,15 @@ class SpeculativeEngine:
                 length = torch.minimum(length, policy.choose(q, head))
                 G = int(length.max())  # one host sync: the verify forward's width
                 path, q = path[:, :G], q[:, :G]
+            t2 = clock()
             stats.time_draft += t1 - t0
-            stats.time_select += clock() - t1
+            stats.time_select += t2 - t1
+            drafting_ms = 1e3 * (t2 - t0)
         start = cache.lengths.clone()
         t0 = clock()
         res = self.target(torch.cat([anchor[:, None], path], dim=1), cache, feature_layers=self.feature_layers)
-        stats.time_verify += clock() - t0
+        verify_s = clock() - t0
+        stats.time_verify += verify_s
         accepted, next_tok = verify(path, res.logits, length) if proposal is None else verify(path, res.logits, length, proposal)
         if q is not None:
             policy.observe(q, length, accepted)
@@ -257,10 +262,15 @@ class SpeculativeEngine:
         elif state.ctx is not None:
             t0 = clock()
             self.drafter.extend_context(res.features, state.ctx)
-            stats.time_draft += clock() - t0
+            extend_s = clock() - t0
+            stats.time_draft += extend_s
+            drafting_ms += 1e3 * extend_s
             state.ctx.crop(start + 1 + accepted)
         if state.history is not None:
             state.history.push(res.features, accepted + 1)
+        if policy is not None:  # rescale the cost curve by what this round measured
+            policy.observe_times(verify_width=1 + path.shape[1], verify_ms=1e3 * verify_s, head_slots=head,
+                                 decided=planned, draft_ms=drafting_ms)  # fmt: skip
         return accepted, next_tok, path
 
     # ---- host-side bookkeeping -----------------------------------------------------------------

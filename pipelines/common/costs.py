@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from drelay_model.decoding.verify_length import VerifyCosts, measure_costs
+from drelay_model.decoding.verify_costs import VerifyCosts, measure_costs
 from drelay_model.target.loading import cache_root
 from pipelines.common.methods import MethodSpec
 

@@ -172,3 +172,60 @@ def test_ar_rounds_extend_the_drafter_context_lazily_and_exactly(target, make_dr
     n = int(eager.lengths.max())
     torch.testing.assert_close(lazy.k[..., :n, :], eager.k[..., :n, :], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lazy.v[..., :n, :], eager.v[..., :n, :], atol=1e-5, rtol=1e-5)
+
+
+def test_isotonic_fit_is_non_decreasing_and_pools_outliers():
+    from drelay_model.decoding.verify_length import isotonic
+
+    assert isotonic([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert isotonic([3.0, 1.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])
+    assert isotonic([1.0, 3.0, 2.0, 4.0]) == pytest.approx([1.0, 2.5, 2.5, 4.0])
+    # one slow first call moves only the pooled block, not the whole curve (a running max would
+    # have made every width cost 30)
+    fit = isotonic([30.0, 20.0, 21.0, 22.0, 35.0, 36.0])
+    assert fit == sorted(fit) and fit[-1] == 36.0 and fit[0] < 30.0
+
+
+def test_extend_cost_counts_in_drafting_and_old_files_load(tmp_path):
+    import json
+
+    c = VerifyCosts(verify_ms=(10.0, 11.0), block_ms=2.0, head_ms=0.5, select_ms=1.0, extend_ms=0.75)
+    assert c.draft_ms(0) == 0.0 and c.draft_ms(1) == 2.0 + 0.5 + 1.0 + 0.75
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"verify_ms": [10.0, 11.0], "block_ms": 2.0, "head_ms": 0.5, "select_ms": 1.0}))
+    assert VerifyCosts.load(old).extend_ms == 0.0
+    with pytest.raises(DRelayError, match="extend_ms"):
+        VerifyCosts(verify_ms=(10.0,), block_ms=1.0, head_ms=1.0, select_ms=1.0, extend_ms=-1.0)
+
+
+def test_measured_times_rescale_the_curve_and_move_the_plan():
+    """Drafting measured far slower than modelled (caches the target flushed, a busy machine) turns
+    the plan to AR rounds; measured in line with the model, the scales stay at 1. One spike moves a
+    scale by at most 2× (log-ratio clipped), and `time_decay` is range-checked."""
+    base = costs(verify=(30.0, 30.5, 31.0, 31.5, 32.0), block=1.0, head=0.1, select=0.1)
+    steady = CostAwareLength(base, H)
+    steady.slot_rate[:] = 0.3
+    for _ in range(20):
+        steady.observe_times(verify_width=3, verify_ms=31.0, head_slots=H, decided=H, draft_ms=base.draft_ms(H))
+    assert steady.draft_ms(H) == pytest.approx(base.draft_ms(H)) and steady.verify_ms(3) == pytest.approx(31.0)
+    assert steady.plan() > 0  # cheap drafting: worth it at â = 0.3
+
+    slow = CostAwareLength(base, H)
+    slow.slot_rate[:] = 0.3
+    slow.observe_times(verify_width=1, verify_ms=30.0, head_slots=H, decided=H, draft_ms=1e6)  # one spike
+    assert slow.draft_ms(H) <= base.draft_ms(H) * 2 ** (1 - slow.time_decay) + 1e-9
+    for _ in range(60):  # drafting really takes 12× the model
+        slow.observe_times(verify_width=1, verify_ms=30.0, head_slots=H, decided=H, draft_ms=12 * base.draft_ms(H))
+    assert slow.draft_ms(H) == pytest.approx(12 * base.draft_ms(H), rel=0.05)
+    assert slow.plan() == 0
+    with pytest.raises(DRelayError, match="time_decay"):
+        CostAwareLength(base, H, time_decay=1.0)
+
+
+def test_measure_costs_is_interleaved_and_monotone(target, make_drafter):
+    drafter = make_drafter(target)
+    selector = default_registry().create("native", drafter=drafter)
+    c = measure_costs(target, drafter, selector, context_len=16, reps=3)
+    assert list(c.verify_ms) == sorted(c.verify_ms) and c.extend_ms > 0
+    with pytest.raises(DRelayError, match="reps"):
+        measure_costs(target, drafter, selector, reps=0)
