@@ -43,16 +43,19 @@ class _BatchState:
     ctx: KVCache | None = None  # drafter context keys/values
     history: VerifiedHistory | None = None
     anchor: torch.Tensor | None = None  # [R] int64
-    # Target features [R, 1, F] of AR rounds not yet in the drafter's context (`ctx`): an AR round
-    # does not draft, so its context extension waits for the next drafted round, which extends by
-    # all of them in one call (`sync_context`) instead of one call per token.
+    # Target features [R, 1, F] of AR rounds not yet in the drafter's context (`ctx`) nor in the
+    # verified history: an AR round does not draft, so both wait for the next drafted round, which
+    # extends them by all of them in one call each (`sync_context`) instead of one per token.
     pending: list[torch.Tensor] = field(default_factory=list)
 
     def sync_context(self, drafter: BlockDrafter) -> None:
-        """Extend the drafter's context by the pending AR-round features (every row has the same
-        number: an AR round is batch-wide and commits exactly its anchor)."""
+        """Extend the drafter's context and the history by the pending AR-round features (every
+        row has the same number: an AR round is batch-wide and commits exactly its anchor)."""
         if self.pending:
-            drafter.extend_context(torch.cat(self.pending, dim=1), self.ctx)
+            feats = torch.cat(self.pending, dim=1)  # [R, n, F]
+            drafter.extend_context(feats, self.ctx)
+            if self.history is not None:
+                self.history.push(feats, torch.full_like(self.cache.lengths, feats.shape[1]))
             self.pending = []
 
     def selection_context(self, max_slots: int | None = None) -> SelectionContext:
@@ -257,7 +260,8 @@ class SpeculativeEngine:
             policy.observe(q, length, accepted)
         # Keep the anchor and the accepted drafts; the next token becomes the new (uncached) anchor.
         cache.crop(start + 1 + accepted)
-        if state.ctx is not None and path.shape[1] == 0:  # an AR round: every row committed its anchor
+        ar_round = state.ctx is not None and path.shape[1] == 0  # every row committed its anchor
+        if ar_round:
             state.pending.append(res.features)
         elif state.ctx is not None:
             t0 = clock()
@@ -266,7 +270,7 @@ class SpeculativeEngine:
             stats.time_draft += extend_s
             drafting_ms += 1e3 * extend_s
             state.ctx.crop(start + 1 + accepted)
-        if state.history is not None:
+        if state.history is not None and not ar_round:
             state.history.push(res.features, accepted + 1)
         if policy is not None:  # rescale the cost curve by what this round measured
             policy.observe_times(verify_width=1 + path.shape[1], verify_ms=1e3 * verify_s, head_slots=head,

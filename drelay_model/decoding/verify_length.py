@@ -11,6 +11,9 @@ that maximises committed tokens per millisecond, E(L) / t(L), in two steps:
 
   plan    before drafting, from running per-slot acceptance rates â_i (no pool yet): L_plan, the
           number of slots whose LM head the drafter evaluates; 0 skips the drafter (an AR round).
+          â_i = (hits_i + κ·â_{i−1}) / (seen_i + κ), decayed counts of drafts verified at slot i
+          (â_0 = ½): a slot rarely reached borrows its lower neighbour's rate instead of an
+          optimistic constant, which on low-acceptance text made drafting look worth it.
           While AR wins, a drafted round still runs every `probe` rounds to keep â current (the
           interval doubles while probes keep losing, up to `max_probe`).
   choose  after drafting, per row, from the pool: p_i = the calibrated confidence of the chosen
@@ -18,7 +21,9 @@ that maximises committed tokens per millisecond, E(L) / t(L), in two steps:
           L ≤ L_plan maximising E(L) / (t_sunk + s_v·t_verify(1 + L)) — drafting is already paid for.
   observe after verification, the accepted counts update â_i and the calibration bins;
           `observe_times` updates s_d and s_v, the running geometric means of measured ÷ modelled
-          time of the drafting (draft + select + context extension) and verification phases. The
+          time of the drafting (draft + select + context extension) and verification phases (s_v
+          apart for one token, mostly AR rounds, and for wider verifies, which only drafted rounds
+          measure, so the curve's slope is learned too and not only its level). The
           curve is measured in isolation; in decoding the drafter runs with caches the target has
           just flushed, contexts grow and other processes come and go, and only the ratio s_d / s_v
           moves the argmax.
@@ -76,20 +81,26 @@ class CostAwareLength:
     max_probe: int = 64
     prior: float = 4.0  # pseudo-counts pulling a calibration bin towards its raw q
     time_decay: float = 0.9  # weight of the past in the running cost scales (≈ 10 rounds)
-    slot_rate: torch.Tensor = field(init=False)  # [H] â_i, running (float64, host)
+    rate_decay: float = 0.95  # per drafted round, on the per-slot counts (≈ 20 rounds)
+    rate_prior: float = 2.0  # κ: pseudo-counts pulling â_i towards â_{i−1}
+    slot_hits: list[float] = field(init=False)  # [H] accepted drafts per slot (decayed)
+    slot_seen: list[float] = field(init=False)  # [H] verified drafts per slot (decayed)
     bin_hits: list[float] = field(init=False)  # [BINS] accepted drafts per q-bin
     bin_seen: list[float] = field(init=False)  # [BINS] verified drafts per q-bin
     log_draft_scale: float = 0.0  # log s_d
-    log_verify_scale: float = 0.0  # log s_v
+    log_verify_scale: list[float] = field(default_factory=lambda: [0.0, 0.0])  # log s_v: 1 token, ≥ 2 tokens
     _since_probe: int = 0
     _interval: int = 0
 
     def __post_init__(self) -> None:
         if self.num_slots > self.costs.max_slots:
             raise DRelayError(f"costs cover {self.costs.max_slots} slots, the drafter has {self.num_slots}: re-measure them")
-        if not 0.0 <= self.time_decay < 1.0:
-            raise DRelayError(f"time_decay must be in [0, 1), got {self.time_decay}")
-        self.slot_rate = torch.full((self.num_slots,), 0.5, dtype=torch.float64)
+        for name in ("time_decay", "rate_decay"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise DRelayError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not self.rate_prior > 0:
+            raise DRelayError(f"rate_prior must be > 0, got {self.rate_prior}")
+        self.slot_hits, self.slot_seen = [0.0] * self.num_slots, [0.0] * self.num_slots
         self.bin_hits, self.bin_seen = [0.0] * _BINS, [0.0] * _BINS
         self._interval = self.probe
 
@@ -99,13 +110,21 @@ class CostAwareLength:
 
     def verify_ms(self, width: int) -> float:
         """Verifying `width` tokens (the anchor + width − 1 drafts)."""
-        return math.exp(self.log_verify_scale) * self.costs.verify_ms[width - 1]
+        return math.exp(self.log_verify_scale[width > 1]) * self.costs.verify_ms[width - 1]
+
+    def slot_rates(self) -> list[float]:
+        """[H] â_i, each slot's counts shrunk towards the slot before it (the module docstring)."""
+        rates, prev = [], 0.5
+        for hits, seen in zip(self.slot_hits, self.slot_seen):
+            prev = (hits + self.rate_prior * prev) / (seen + self.rate_prior)
+            rates.append(prev)
+        return rates
 
     # ---- before drafting -------------------------------------------------------------------------
     def plan(self, *, partial: bool = True) -> int:
         """How many slots to draft heads for this round (0: an AR round). partial=False: the
         selector needs all H heads whatever is verified, so drafting always costs the full block."""
-        e = _expected(self.slot_rate.tolist())  # [H + 1]
+        e = _expected(self.slot_rates())  # [H + 1]
         H = self.num_slots
         t = [self.draft_ms(L if partial or L == 0 else H, decided=L) + self.verify_ms(L + 1) for L in range(H + 1)]
         best = _best(e, t)
@@ -139,10 +158,11 @@ class CostAwareLength:
         return torch.tensor(rows, dtype=torch.long, device=q.device)
 
     # ---- after verification ----------------------------------------------------------------------
-    def observe(self, q: torch.Tensor, length: torch.Tensor, accepted: torch.Tensor, decay: float = 0.9) -> None:
+    def observe(self, q: torch.Tensor, length: torch.Tensor, accepted: torch.Tensor) -> None:
         """Update â_i and the calibration bins from one round: q [B, G], length/accepted [B]."""
         H = self.num_slots
-        hits, seen = [0] * H, [0] * H
+        hits = [self.rate_decay * h for h in self.slot_hits]
+        seen = [self.rate_decay * n for n in self.slot_seen]
         for row, n_len, n_acc in zip(q.detach().tolist(), length.tolist(), accepted.tolist()):
             for i in range(min(n_len, n_acc + 1)):  # draft i was verified with i − 1 accepted
                 b = min(max(int(row[i] * _BINS), 0), _BINS - 1)
@@ -150,13 +170,9 @@ class CostAwareLength:
                 self.bin_seen[b] += 1.0
                 self.bin_hits[b] += hit
                 if i < H:
-                    seen[i] += 1
+                    seen[i] += 1.0
                     hits[i] += hit
-        rate = self.slot_rate.tolist()
-        for i in range(H):
-            if seen[i]:
-                rate[i] = decay * rate[i] + (1 - decay) * hits[i] / seen[i]
-        self.slot_rate = torch.tensor(rate, dtype=torch.float64)
+        self.slot_hits, self.slot_seen = hits, seen
 
     def observe_times(self, *, verify_width: int, verify_ms: float, head_slots: int = 0, decided: int = 0, draft_ms: float = 0.0) -> None:
         """Update the running scales from one round's measured phase times (ms): verification of
@@ -169,6 +185,7 @@ class CostAwareLength:
             r = min(max(math.log(measured / modelled), log_scale - _MAX_LOG_RATIO), log_scale + _MAX_LOG_RATIO)
             return self.time_decay * log_scale + (1 - self.time_decay) * r
 
-        self.log_verify_scale = update(self.log_verify_scale, verify_ms, self.costs.verify_ms[min(verify_width, len(self.costs.verify_ms)) - 1])
+        w = min(verify_width, len(self.costs.verify_ms))
+        self.log_verify_scale[w > 1] = update(self.log_verify_scale[w > 1], verify_ms, self.costs.verify_ms[w - 1])
         if head_slots > 0:
             self.log_draft_scale = update(self.log_draft_scale, draft_ms, self.costs.draft_ms(head_slots, decided))

@@ -43,11 +43,11 @@ def test_choices_follow_the_costs():
     assert expensive.choose(sure * 0.6, H).tolist() == [0, 0]
     # plan: with low running acceptance an AR round wins, but every `probe` rounds it drafts anyway
     slow = CostAwareLength(costs(block=200.0), H, probe=3)
-    slow.slot_rate[:] = 0.05
+    slow.slot_seen, slow.slot_hits = [100.0] * H, [5.0] * H
     plans = [slow.plan() for _ in range(9)]
     assert plans.count(0) == 7 and plans[2] > 0  # probes at rounds 3 and 3 + 6 (the interval doubles)
     fast = CostAwareLength(costs(block=1.0), H)
-    fast.slot_rate[:] = 0.95
+    fast.slot_seen, fast.slot_hits = [100.0] * H, [95.0] * H
     assert fast.plan() == H
 
 
@@ -56,7 +56,7 @@ def test_observe_learns_acceptance_and_calibration():
     q = torch.full((4, H), 0.95)
     for _ in range(30):  # confident drafts that are always rejected at the first slot
         policy.observe(q, torch.full((4,), H), torch.zeros(4, dtype=torch.long))
-    assert float(policy.slot_rate[0]) < 0.05
+    assert policy.slot_rates()[0] < 0.1
     assert float(policy.confidence(torch.tensor([0.95]))[0]) < 0.05  # the 0.9 bin learned it
     assert float(policy.confidence(torch.tensor([0.15]))[0]) == pytest.approx(0.15)  # an unseen bin keeps q
 
@@ -149,26 +149,35 @@ def test_select_cost_grows_with_the_decided_slots_and_old_files_load(tmp_path):
 
 def test_ar_rounds_extend_the_drafter_context_lazily_and_exactly(target, make_drafter):
     """An AR round leaves its target features pending; the next drafted round extends the drafter's
-    context by all of them in one call. The context keys/values then equal extending it once per
-    round, and dropping a row drops its pending features."""
+    context and the verified history by all of them in one call. Both then equal extending them once
+    per round, and dropping a row drops its pending features."""
     from drelay_model.decoding.engine import _BatchState
+    from drelay_model.decoding.history import VerifiedHistory
 
     drafter = make_drafter(target)
     F = len(drafter.config.target_layer_ids) * target.hidden_size
     g = torch.Generator().manual_seed(0)
     prefill, rounds = torch.randn(3, 5, F, generator=g), [torch.randn(3, 1, F, generator=g) for _ in range(4)]
     eager, lazy = drafter.new_context_cache(3, 16), drafter.new_context_cache(3, 16)
+    hist_eager, hist_lazy = VerifiedHistory(3, 3, F), VerifiedHistory(3, 3, F)  # shorter than the pending run
     with torch.no_grad():
         for ctx in (eager, lazy):
             drafter.extend_context(prefill, ctx)
+        for h in (hist_eager, hist_lazy):
+            h.push(prefill, torch.tensor([5, 2, 4]))
         for f in rounds:
             drafter.extend_context(f, eager)
-        state = _BatchState(rows=[0, 1, 2], cache=target.new_cache(3, 16), ctx=lazy, anchor=torch.zeros(3, dtype=torch.long))
+            hist_eager.push(f, torch.ones(3, dtype=torch.long))
+        cache = target.new_cache(3, 16)
+        state = _BatchState(rows=[0, 1, 2], cache=cache, ctx=lazy, history=hist_lazy, anchor=torch.zeros(3, dtype=torch.long))
         state.pending = list(rounds)
         state.keep([0, 2])  # row 1 finished: its pending features go with it
         eager.select_rows(torch.tensor([0, 2]))
+        hist_eager.select_rows(torch.tensor([0, 2]))
         state.sync_context(drafter)
     assert state.pending == [] and torch.equal(lazy.lengths, eager.lengths)
+    assert torch.equal(hist_lazy.feats, hist_eager.feats) and torch.equal(hist_lazy.count, hist_eager.count)
+    assert torch.equal(hist_lazy.mask(), hist_eager.mask())
     n = int(eager.lengths.max())
     torch.testing.assert_close(lazy.k[..., :n, :], eager.k[..., :n, :], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lazy.v[..., :n, :], eager.v[..., :n, :], atol=1e-5, rtol=1e-5)
@@ -204,14 +213,14 @@ def test_measured_times_rescale_the_curve_and_move_the_plan():
     scale by at most 2× (log-ratio clipped), and `time_decay` is range-checked."""
     base = costs(verify=(30.0, 30.5, 31.0, 31.5, 32.0), block=1.0, head=0.1, select=0.1)
     steady = CostAwareLength(base, H)
-    steady.slot_rate[:] = 0.3
+    steady.slot_seen, steady.slot_hits = [100.0] * H, [30.0] * H
     for _ in range(20):
         steady.observe_times(verify_width=3, verify_ms=31.0, head_slots=H, decided=H, draft_ms=base.draft_ms(H))
     assert steady.draft_ms(H) == pytest.approx(base.draft_ms(H)) and steady.verify_ms(3) == pytest.approx(31.0)
     assert steady.plan() > 0  # cheap drafting: worth it at â = 0.3
 
     slow = CostAwareLength(base, H)
-    slow.slot_rate[:] = 0.3
+    slow.slot_seen, slow.slot_hits = [100.0] * H, [30.0] * H
     slow.observe_times(verify_width=1, verify_ms=30.0, head_slots=H, decided=H, draft_ms=1e6)  # one spike
     assert slow.draft_ms(H) <= base.draft_ms(H) * 2 ** (1 - slow.time_decay) + 1e-9
     for _ in range(60):  # drafting really takes 12× the model
@@ -229,3 +238,25 @@ def test_measure_costs_is_interleaved_and_monotone(target, make_drafter):
     assert list(c.verify_ms) == sorted(c.verify_ms) and c.extend_ms > 0
     with pytest.raises(DRelayError, match="reps"):
         measure_costs(target, drafter, selector, reps=0)
+
+
+def test_rarely_reached_slots_borrow_the_rate_below_and_wide_verifies_learn_their_own_scale():
+    """On low-acceptance text slot 2+ is seldom verified; its rate follows slot 1's instead of an
+    optimistic constant, so the plan turns to AR rounds. One-token and wider verifies keep separate
+    running scales (the curve's slope, not only its level)."""
+    # E(L) / t(L) with â = (0.2, ½, ½, ½) would draft 4 slots: 1.375 / 40.4 ms > 1 / 30 ms
+    c = costs(verify=(30.0, 30.5, 31.0, 31.5, 32.0), block=8.0, head=0.1, select=0.1)
+    policy = CostAwareLength(c, H)
+    q = torch.full((1, H), 0.5)
+    for _ in range(40):  # slot 1 accepted in 1 round of 5, never further
+        for acc in (1, 0, 0, 0, 0):
+            policy.observe(q, torch.tensor([H]), torch.tensor([acc]))
+    rates = policy.slot_rates()
+    assert rates[0] == pytest.approx(0.2, abs=0.03) and all(r < 0.2 for r in rates[1:])
+    assert policy.plan() == 0  # E(L) ≤ 1.25 does not pay for drafting + the wider verify
+    for _ in range(40):
+        policy.observe_times(verify_width=1, verify_ms=30.0)
+        policy.observe_times(verify_width=5, verify_ms=48.0, head_slots=H, decided=H, draft_ms=c.draft_ms(H))
+    assert policy.verify_ms(1) == pytest.approx(30.0) and policy.verify_ms(5) == pytest.approx(48.0, rel=0.02)
+    with pytest.raises(DRelayError, match="rate_prior"):
+        CostAwareLength(c, H, rate_prior=0.0)
