@@ -348,3 +348,36 @@ def test_selector_scout_accepts_what_incremental_selection_accepts(gate_bias):
         forced = policy(block, anchor_ids, anchor_pos, labels)
         accepted = lambda p: (p == labels).long().cumprod(1).sum(1)  # noqa: E731
         assert torch.equal(accepted(forced), accepted(path)) and torch.equal(accepted(path), first_error)
+
+
+def test_fused_null_attention_equals_the_reference():
+    """The inference path (SDPA with a zero null key row and a query-major bias) computes the same
+    joint normalisation as `null_attention`, including exactly-zero reads where every key is masked;
+    Global Read's candidate read agrees with and without autograd."""
+    from drelay_model.selectors.drelay.global_read import fused_null_attention
+
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 4, 7, 8, generator=g) for _ in range(3))
+    k = k[:, :, :5]
+    v = v[:, :, :5]
+    bias = torch.randn(2, 4, 5, 7, generator=g)  # key-major for the reference
+    mask = torch.tensor([[False] * 5, [True, False, True, True, False]])
+    for b, m in ((None, None), (bias, None), (bias, mask), (None, mask)):
+        ref = null_attention(q, k, v, bias=b, key_mask=m)
+        got = fused_null_attention(q, k, v, bias=None if b is None else b.transpose(-1, -2), key_mask=m)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(fused_null_attention(q, k, v, key_mask=mask)[0], torch.zeros_like(q[0]))
+    from drelay_model.selectors.drelay.global_read import GlobalRead
+
+    H, K, nh, dg = 3, 4, 2, 8
+    gr = GlobalRead(DRelayConfig(d_sel=16, heads=nh, read_dim=nh * dg), num_slots=H, top_k=K)
+    with torch.no_grad():
+        gr.rel_bias.copy_(torch.randn(nh, 2 * H - 1, generator=g))
+    q, k, v = (torch.randn(2, nh, H * K, dg, generator=g) for _ in range(3))
+    logq = torch.log_softmax(torch.randn(2, H, K, generator=g), dim=-1)
+    key_mask = torch.rand(2, H, K, generator=g) > 0.3
+    for m in (None, key_mask):
+        train = gr.attend(q, k, v, logq, m)  # autograd on: the reference path
+        with torch.no_grad():
+            infer = gr.attend(q, k, v, logq, m)
+        torch.testing.assert_close(infer, train.detach(), atol=1e-5, rtol=1e-5)

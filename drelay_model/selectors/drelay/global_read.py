@@ -66,6 +66,33 @@ def null_attention(
     return attn.transpose(-1, -2) @ v
 
 
+def fused_null_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: torch.Tensor | None = None, key_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`null_attention` in one fused kernel (`F.scaled_dot_product_attention`), for inference.
+
+    The null key joins as one more key and value row of zeros: its logit is q·0 + 0 = 0 and its
+    value 0, exactly the joint normalisation above. One difference of layout: `bias` here is
+    query-major, broadcastable to [B, nh, Q, T], as SDPA takes it. Scores, bias add, mask, softmax
+    and the value sum then run in one pass instead of five [B, nh, T, Q] tensors (the candidate
+    read's 240 × 240 scores per head cost 1.3 ms that way on the CPU default, 0.6 ms fused).
+    Not for training: SDPA does not return a gradient for the additive mask, which carries the
+    learned relative bias.
+
+    Args: q [B, nh, Q, dh]; k, v [B, nh, T, dh]; key_mask [B, T] bool (True = a real key) or None.
+    Returns: [B, nh, Q, dh].
+    """
+    B, nh, Q, dh = q.shape
+    zeros = k.new_zeros(B, nh, 1, dh)
+    k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros.to(v.dtype)], dim=2)
+    T = k.shape[2] - 1
+    mask = q.new_zeros(B, 1, 1, T + 1) if bias is None else torch.cat([bias.expand(B, -1, Q, T), q.new_zeros(B, 1, 1, 1).expand(B, bias.shape[1], Q, 1)], dim=-1)
+    if key_mask is not None:
+        real = torch.cat([key_mask, key_mask.new_ones(B, 1)], dim=1)  # the null key is always there
+        mask = mask.masked_fill(real[:, None, None, :].logical_not(), float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype))
+
+
 class MixBlock(nn.Module):
     """Pre-LN bidirectional self-attention + GELU FFN over the H slots of one block."""
 
@@ -170,9 +197,14 @@ class GlobalRead(nn.Module):
         key_mask [B, H, K] bool or None → [B, nh, HK, d_g]."""
         B, nh, HK, _ = q.shape
         H, K = cand_logq.shape[1:]
+        mask = key_mask.reshape(B, H * K) if key_mask is not None else None
+        if not torch.is_grad_enabled():  # inference: one fused kernel, query-major bias [B, nh, (i, k), (j, l)]
+            prior = cand_logq.reshape(B, 1, 1, 1, H, K).to(q.dtype)
+            rel = self.rel_bias[:, self.rel_index.T][None, :, :, None, :, None].to(q.dtype)  # [1, nh, H(i), 1, H(j), 1]
+            bias = (prior + rel).expand(B, nh, H, K, H, K).reshape(B, nh, HK, HK)
+            return fused_null_attention(q, k, v, bias=bias, key_mask=mask)
         # Key-major bias [B, nh, (j, l), (i, k)]: the prior log q_j(v_jl) plus b_{j−i}.
         prior = cand_logq.reshape(B, 1, H, K, 1, 1).to(q.dtype)
         rel = self.rel_bias[:, self.rel_index][:, :, None, :, None]  # [nh, H(j), 1, H(i), 1]
         bias = (prior + rel).expand(B, nh, H, K, H, K).reshape(B, nh, H * K, H * K)
-        mask = key_mask.reshape(B, H * K) if key_mask is not None else None
         return null_attention(q, k, v, bias=bias, key_mask=mask)  # [B, nh, HK, dg]
