@@ -117,6 +117,11 @@ class SpeculativeEngine:
         self.num_slots = drafter.config.num_slots if drafter is not None else 0
         self.history_len = self.selector.capabilities.history_len if self.selector is not None else 0
         self.costs = costs if drafter is not None else None
+        # The cost-aware policy learns acceptance rates, calibration and cost scales as it decodes;
+        # it carries them from one generate() call to the next (as a server's traffic would), so a
+        # short request does not pay for learning from scratch. Outputs never depend on it (lossless);
+        # assign a fresh CostAwareLength to start cold.
+        self.policy = CostAwareLength(self.costs, self.num_slots) if self.costs is not None else None
         self.device = target.device
         for name, part in (("drafter", self.drafter), ("selector", self.selector)):
             where = {p.device for p in part.parameters()} | {b.device for b in part.buffers()} if part is not None else set()
@@ -145,7 +150,7 @@ class SpeculativeEngine:
         eos = set(self.target.eos_token_ids) if config.stop_on_eos else set()
         t_start = time.perf_counter()
 
-        policy = CostAwareLength(self.costs, self.num_slots) if self.costs is not None else None
+        policy = self.policy
         state = self._prefill(prompts, config, gen)
         state.generators = gen
         stats.time_prefill = time.perf_counter() - t_start

@@ -92,7 +92,7 @@ class _Forced(CostAwareLength):
 
 
 @pytest.mark.parametrize("name", default_registry().names())
-def test_every_verification_length_is_lossless(target, make_drafter, prompts_of, name, monkeypatch):
+def test_every_verification_length_is_lossless(target, make_drafter, prompts_of, name):
     prompts = prompts_of(target.vocab_size, (5, 11, 3))
     drafter = make_drafter(target, top_k=16)
     torch.manual_seed(0)
@@ -102,7 +102,7 @@ def test_every_verification_length_is_lossless(target, make_drafter, prompts_of,
     H = drafter.config.num_slots
     for L in sorted({0, 1, 2, H // 2, H}):
         engine = SpeculativeEngine(target, drafter, selector, costs=costs(verify=[1.0] * (H + 1)))
-        monkeypatch.setattr("drelay_model.decoding.engine.CostAwareLength", lambda c, n, L=L: _Forced(L, n))
+        engine.policy = _Forced(L, H)
         out = engine.generate(prompts, cfg)
         assert out.tokens == greedy, L
         if L == 0:
@@ -260,3 +260,17 @@ def test_rarely_reached_slots_borrow_the_rate_below_and_wide_verifies_learn_thei
     assert policy.verify_ms(1) == pytest.approx(30.0) and policy.verify_ms(5) == pytest.approx(48.0, rel=0.02)
     with pytest.raises(DRelayError, match="rate_prior"):
         CostAwareLength(c, H, rate_prior=0.0)
+
+
+def test_the_policy_carries_what_it_learned_across_generate_calls(target, make_drafter, prompts_of):
+    prompts = prompts_of(target.vocab_size, (6,))
+    drafter = make_drafter(target, top_k=16)
+    H = drafter.config.num_slots
+    c = VerifyCosts(verify_ms=tuple(10.0 + 0.1 * i for i in range(H + 1)), block_ms=0.1, head_ms=0.01, select_ms=0.01)
+    engine = SpeculativeEngine(target, drafter, costs=c)
+    policy = engine.policy
+    first = engine.generate(prompts, GenerationConfig(max_new_tokens=12))
+    seen = sum(policy.slot_seen)
+    assert seen > 0 and engine.policy is policy
+    second = engine.generate(prompts, GenerationConfig(max_new_tokens=12))
+    assert second.tokens == first.tokens and sum(policy.slot_seen) != seen  # same output, state went on
