@@ -13,7 +13,9 @@ that maximises committed tokens per millisecond, E(L) / t(L), in two steps:
           number of slots whose LM head the drafter evaluates; 0 skips the drafter (an AR round).
           â_i = (hits_i + κ·â_{i−1}) / (seen_i + κ), decayed counts of drafts verified at slot i
           (â_0 = ½): a slot rarely reached borrows its lower neighbour's rate instead of an
-          optimistic constant, which on low-acceptance text made drafting look worth it.
+          optimistic constant, which on low-acceptance text made drafting look worth it. The
+          counts also fade by `idle_decay` each AR round, so evidence from a stretch of
+          unpredictable text does not keep the policy in AR rounds once the text changes.
           While AR wins, a drafted round still runs every `probe` rounds to keep â current (the
           interval doubles while probes keep losing, up to `max_probe`).
   choose  after drafting, per row, from the pool: p_i = the calibrated confidence of the chosen
@@ -83,6 +85,7 @@ class CostAwareLength:
     time_decay: float = 0.9  # weight of the past in the running cost scales (≈ 10 rounds)
     rate_decay: float = 0.95  # per drafted round, on the per-slot counts (≈ 20 rounds)
     rate_prior: float = 2.0  # κ: pseudo-counts pulling â_i towards â_{i−1}
+    idle_decay: float = 0.99  # per AR round, on the per-slot counts (≈ 100 rounds)
     slot_hits: list[float] = field(init=False)  # [H] accepted drafts per slot (decayed)
     slot_seen: list[float] = field(init=False)  # [H] verified drafts per slot (decayed)
     bin_hits: list[float] = field(init=False)  # [BINS] accepted drafts per q-bin
@@ -95,7 +98,7 @@ class CostAwareLength:
     def __post_init__(self) -> None:
         if self.num_slots > self.costs.max_slots:
             raise DRelayError(f"costs cover {self.costs.max_slots} slots, the drafter has {self.num_slots}: re-measure them")
-        for name in ("time_decay", "rate_decay"):
+        for name in ("time_decay", "rate_decay", "idle_decay"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise DRelayError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not self.rate_prior > 0:
@@ -132,6 +135,8 @@ class CostAwareLength:
             self._interval, self._since_probe = self.probe, 0
             return best
         self._since_probe += 1
+        self.slot_hits = [self.idle_decay * h for h in self.slot_hits]
+        self.slot_seen = [self.idle_decay * n for n in self.slot_seen]
         if self._since_probe >= self._interval:  # probe: draft anyway to keep the estimates current
             self._since_probe, self._interval = 0, min(2 * self._interval, self.max_probe)
             return _best(e, t, start=1)

@@ -274,3 +274,17 @@ def test_the_policy_carries_what_it_learned_across_generate_calls(target, make_d
     assert seen > 0 and engine.policy is policy
     second = engine.generate(prompts, GenerationConfig(max_new_tokens=12))
     assert second.tokens == first.tokens and sum(policy.slot_seen) != seen  # same output, state went on
+
+
+def test_evidence_fades_during_ar_rounds_so_drafting_resumes():
+    """After a run of rejections the plan turns to AR rounds; as the counts fade (`idle_decay`)
+    the rates drift back towards the prior and drafting resumes before the next scheduled probe."""
+    c = costs(verify=(30.0, 30.5, 31.0, 31.5, 32.0), block=3.0, head=0.1, select=0.1)
+    policy = CostAwareLength(c, H, max_probe=10_000, probe=10_000, idle_decay=0.9)
+    q = torch.full((1, H), 0.5)
+    for _ in range(10):
+        policy.observe(q, torch.tensor([H]), torch.tensor([0]))
+    plans = [policy.plan() for _ in range(200)]
+    assert plans[0] == 0 and any(p > 0 for p in plans)
+    with pytest.raises(DRelayError, match="idle_decay"):
+        CostAwareLength(c, H, idle_decay=1.0)
