@@ -54,10 +54,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def timed(engine, prompt, max_new: int) -> tuple[list[int], float, float]:
+def timed(engine, prompt, max_new: int):
+    """(tokens, seconds, τ, stats) of one decode."""
     t0 = time.perf_counter()
     res = engine.generate([prompt], GenerationConfig(max_new_tokens=max_new))
-    return res.tokens[0], time.perf_counter() - t0, res.stats.tau
+    return res.tokens[0], time.perf_counter() - t0, res.stats.tau, res.stats
 
 
 def main(argv=None) -> int:
@@ -81,12 +82,15 @@ def main(argv=None) -> int:
     names = list(engines)
     ratios = {b: {n: [] for n in names[1:]} for b in args.benchmarks.split(",")}
     taus = {b: {n: [] for n in names[1:]} for b in ratios}
+    phases = {n: None for n in names}  # DecodeStats summed over every prompt: ms per round by phase
     meter, t_start = CpuMeter(), time.perf_counter()
     for bench in ratios:
         prompts = [encoder.encode(p.turns[:1], []) for p in load_benchmark(bench, limit=args.limit)]
         for i, prompt in enumerate(tqdm(prompts, desc=bench)):
             order = names[i % len(names):] + names[: i % len(names)]  # rotate who goes first
             runs = {n: timed(engines[n], prompt, args.max_new_tokens) for n in order}
+            for n in names:
+                phases[n] = runs[n][3] if phases[n] is None else phases[n] + runs[n][3]
             for n in names[1:]:
                 if runs[n][0] != runs["ar"][0]:
                     print(f"error: {n} output differs from AR on {bench} prompt {i}", file=sys.stderr)
@@ -103,7 +107,14 @@ def main(argv=None) -> int:
     for b, row in table.items():
         print(f"{b:<14}" + "".join(f"{row[n]['S']:>9.2f} τ{row[n]['tau']:<5.2f}" for n in names[1:]))
     print(f"{'mean':<14}" + "".join(f"{mean[n]:>16.2f}" for n in names[1:]))
-    out = {"args": vars(args), "table": table, "mean_S": mean, "other_processes_cpu_pct": other_pct, "wall_s": wall}
+    per_round = {n: st.breakdown_ms_per_step() | {"rounds_per_token": st.steps / max(st.generated, 1)} for n, st in phases.items()}
+    print("\nms per round by phase, all prompts (draft = drafter + context extension; other = the engine's own work)")
+    print(f"{'engine':<14}" + "".join(f"{k:>9}" for k in ("draft", "select", "verify", "other")) + f"{'ms/token':>10}")
+    for n, row in per_round.items():
+        ms_token = sum(row[k] for k in ("draft", "select", "verify", "other")) * row["rounds_per_token"]
+        print(f"{n:<14}" + "".join(f"{row[k]:>9.2f}" for k in ("draft", "select", "verify", "other")) + f"{ms_token:>10.2f}")
+    out = {"args": vars(args), "table": table, "mean_S": mean, "phases_ms_per_round": per_round,
+           "other_processes_cpu_pct": other_pct, "wall_s": wall}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     if not args.no_mlflow:

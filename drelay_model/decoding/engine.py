@@ -225,6 +225,7 @@ class SpeculativeEngine:
         anchor, cache = state.anchor, state.cache
         R = anchor.shape[0]
         clock = time.perf_counter
+        t_round = clock()
         H = self.num_slots
         # planned: how many path tokens this round may verify (0 = an AR round); head: how many slots
         # get an LM head (= planned, or all H for a selector that reads the whole pool).
@@ -279,7 +280,7 @@ class SpeculativeEngine:
             state.history.push(res.features, accepted + 1)
         if policy is not None:  # rescale the cost curve by what this round measured
             policy.observe_times(verify_width=1 + path.shape[1], verify_ms=1e3 * verify_s, head_slots=head,
-                                 decided=planned, draft_ms=drafting_ms)  # fmt: skip
+                                 decided=planned, draft_ms=drafting_ms, round_ms=1e3 * (clock() - t_round))  # fmt: skip
         return accepted, next_tok, path
 
     # ---- host-side bookkeeping -----------------------------------------------------------------

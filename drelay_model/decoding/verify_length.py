@@ -5,7 +5,7 @@ accepted | drafts 1..i−1 were), its expectation is
 
     E(L) = 1 + Σ_{i=1..L} Π_{j≤i} p_j
 
-and it costs t(L) = s_d·t_draft(L) + s_v·t_verify(1 + L) (t(0) = s_v·t_verify(1): no drafting), with
+and it costs t(L) = s_d·t_draft(L) + s_v·t_verify(1 + L) + o_D (t(0) = s_v·t_verify(1) + o_AR), with
 the measured curve of `verify_costs.py` and running scales s_d, s_v (below). The policy picks the L
 that maximises committed tokens per millisecond, E(L) / t(L), in two steps:
 
@@ -25,7 +25,9 @@ that maximises committed tokens per millisecond, E(L) / t(L), in two steps:
           `observe_times` updates s_d and s_v, the running geometric means of measured ÷ modelled
           time of the drafting (draft + select + context extension) and verification phases (s_v
           apart for one token, mostly AR rounds, and for wider verifies, which only drafted rounds
-          measure, so the curve's slope is learned too and not only its level). The
+          measure, so the curve's slope is learned too and not only its level), and o, the
+          running mean of the rest of an AR and of a drafted round (acceptance, cache crops, the
+          policy itself: a drafted round's is larger, and the curve leaves it out). The
           curve is measured in isolation; in decoding the drafter runs with caches the target has
           just flushed, contexts grow and other processes come and go, and only the ratio s_d / s_v
           moves the argmax.
@@ -83,7 +85,7 @@ class CostAwareLength:
     max_probe: int = 64
     prior: float = 4.0  # pseudo-counts pulling a calibration bin towards its raw q
     time_decay: float = 0.9  # weight of the past in the running cost scales (≈ 10 rounds)
-    rate_decay: float = 0.95  # per drafted round, on the per-slot counts (≈ 20 rounds)
+    rate_decay: float = 0.97  # per drafted round, on the per-slot counts (≈ 33 rounds)
     rate_prior: float = 2.0  # κ: pseudo-counts pulling â_i towards â_{i−1}
     idle_decay: float = 0.99  # per AR round, on the per-slot counts (≈ 100 rounds)
     slot_hits: list[float] = field(init=False)  # [H] accepted drafts per slot (decayed)
@@ -92,6 +94,7 @@ class CostAwareLength:
     bin_seen: list[float] = field(init=False)  # [BINS] verified drafts per q-bin
     log_draft_scale: float = 0.0  # log s_d
     log_verify_scale: list[float] = field(default_factory=lambda: [0.0, 0.0])  # log s_v: 1 token, ≥ 2 tokens
+    other_ms: list[float] = field(default_factory=lambda: [0.0, 0.0])  # o: the rest of an AR / a drafted round
     _since_probe: int = 0
     _interval: int = 0
 
@@ -115,6 +118,10 @@ class CostAwareLength:
         """Verifying `width` tokens (the anchor + width − 1 drafts)."""
         return math.exp(self.log_verify_scale[width > 1]) * self.costs.verify_ms[width - 1]
 
+    def round_ms(self, head_slots: int, decided: int, width: int) -> float:
+        """A whole round: drafting (0 for an AR round) + verifying `width` tokens + the rest."""
+        return self.draft_ms(head_slots, decided) + self.verify_ms(width) + self.other_ms[head_slots > 0]
+
     def slot_rates(self) -> list[float]:
         """[H] â_i, each slot's counts shrunk towards the slot before it (the module docstring)."""
         rates, prev = [], 0.5
@@ -129,7 +136,7 @@ class CostAwareLength:
         selector needs all H heads whatever is verified, so drafting always costs the full block."""
         e = _expected(self.slot_rates())  # [H + 1]
         H = self.num_slots
-        t = [self.draft_ms(L if partial or L == 0 else H, decided=L) + self.verify_ms(L + 1) for L in range(H + 1)]
+        t = [self.round_ms(L if partial or L == 0 else H, L, L + 1) for L in range(H + 1)]
         best = _best(e, t)
         if best > 0:
             self._interval, self._since_probe = self.probe, 0
@@ -157,8 +164,7 @@ class CostAwareLength:
         → [B] int64 (on q's device). head_slots: the slots drafted with an LM head this round (≥ P),
         whose cost is already spent."""
         P = q.shape[1]
-        sunk = self.draft_ms(head_slots, decided=P)
-        t = [sunk + self.verify_ms(L + 1) for L in range(P + 1)]
+        t = [self.round_ms(head_slots, P, L + 1) for L in range(P + 1)]  # drafting is sunk: the same in every t
         rows = [_best(_expected([self._confidence(v) for v in row]), t) for row in q.detach().tolist()]
         return torch.tensor(rows, dtype=torch.long, device=q.device)
 
@@ -179,9 +185,12 @@ class CostAwareLength:
                     hits[i] += hit
         self.slot_hits, self.slot_seen = hits, seen
 
-    def observe_times(self, *, verify_width: int, verify_ms: float, head_slots: int = 0, decided: int = 0, draft_ms: float = 0.0) -> None:
+    def observe_times(
+        self, *, verify_width: int, verify_ms: float, head_slots: int = 0, decided: int = 0, draft_ms: float = 0.0, round_ms: float | None = None
+    ) -> None:
         """Update the running scales from one round's measured phase times (ms): verification of
-        `verify_width` tokens, and for a drafted round (head_slots > 0) its drafting phase."""
+        `verify_width` tokens, for a drafted round (head_slots > 0) its drafting phase, and the
+        whole round (`round_ms`: what is left after both phases is the round's other work o)."""
 
         def update(log_scale: float, measured: float, modelled: float) -> float:
             if not (measured > 0 and modelled > 0):
@@ -194,3 +203,7 @@ class CostAwareLength:
         self.log_verify_scale[w > 1] = update(self.log_verify_scale[w > 1], verify_ms, self.costs.verify_ms[w - 1])
         if head_slots > 0:
             self.log_draft_scale = update(self.log_draft_scale, draft_ms, self.costs.draft_ms(head_slots, decided))
+        if round_ms is not None:
+            rest = max(round_ms - verify_ms - (draft_ms if head_slots > 0 else 0.0), 0.0)
+            kind = int(head_slots > 0)
+            self.other_ms[kind] = self.time_decay * self.other_ms[kind] + (1 - self.time_decay) * min(rest, verify_ms)

@@ -288,3 +288,18 @@ def test_evidence_fades_during_ar_rounds_so_drafting_resumes():
     assert plans[0] == 0 and any(p > 0 for p in plans)
     with pytest.raises(DRelayError, match="idle_decay"):
         CostAwareLength(c, H, idle_decay=1.0)
+
+
+def test_the_rest_of_a_drafted_round_counts_against_drafting():
+    """Drafted rounds whose whole time exceeds their drafting + verify phases (acceptance, crops,
+    the policy's own work) carry that rest o into the plan; with it drafting stops paying."""
+    c = costs(verify=(30.0, 30.5, 31.0, 31.5, 32.0), block=1.0, head=0.1, select=0.1)
+    policy = CostAwareLength(c, H)
+    policy.slot_seen, policy.slot_hits = [100.0] * H, [30.0] * H
+    assert policy.plan() > 0
+    for _ in range(60):
+        policy.observe_times(verify_width=1, verify_ms=30.0, round_ms=30.2)  # AR rounds: 0.2 ms of rest
+        policy.observe_times(verify_width=5, verify_ms=32.0, head_slots=H, decided=H, draft_ms=c.draft_ms(H), round_ms=32.0 + c.draft_ms(H) + 12.0)
+    assert policy.other_ms[0] == pytest.approx(0.2, rel=0.01) and policy.other_ms[1] == pytest.approx(12.0, rel=0.01)
+    assert policy.round_ms(H, H, 5) == pytest.approx(c.draft_ms(H) + 32.0 + 12.0, rel=0.01)
+    assert policy.plan() == 0
