@@ -77,7 +77,8 @@ def _best(e: list[float], t: list[float], start: int = 0) -> int:
 
 @dataclass
 class CostAwareLength:
-    """The per-generate() policy state (create one per engine call; see the module docstring)."""
+    """The policy state of one engine or continuous batcher; it persists across generate() calls
+    (assign a fresh one to start cold). See the module docstring."""
 
     costs: VerifyCosts
     num_slots: int
