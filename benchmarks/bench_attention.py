@@ -32,7 +32,6 @@ def main(argv=None) -> int:
     if args.reps < 2 or args.threads < 1:
         p.error("--reps must be ≥ 2 and --threads ≥ 1")
     torch.set_num_threads(args.threads)
-    import drelay_model.selectors.drelay.causal as causal
     import drelay_model.selectors.drelay.global_read as gr
     from drelay_model.selectors.base import SelectionContext
     from pipelines.common.methods import load_method, load_target_spec, resolve_method
@@ -42,8 +41,8 @@ def main(argv=None) -> int:
     def reference(q, k, v, *, bias=None, key_mask=None):  # the same call, through the unfused reference
         return gr.null_attention(q, k, v, bias=None if bias is None else bias.transpose(-1, -2), key_mask=key_mask)
 
-    def use(fn) -> None:
-        gr.fused_null_attention = causal.fused_null_attention = fn
+    def use(fn) -> None:  # what `null_read` calls at inference (Global Read and the history read)
+        gr.fused_null_attention = fn
 
     target = load_target_spec("smollm2-135m")
     drafter, selector = load_method(resolve_method("drelay", target_spec="smollm2-135m"), target)

@@ -30,7 +30,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from drelay_model.decoding import GenerationConfig, SpeculativeEngine  # noqa: E402
+from drelay_model.decoding import DecodeStats, GenerationConfig, SpeculativeEngine  # noqa: E402
 from pipelines.cli import guarded  # noqa: E402
 
 ALL = "gsm8k,math500,aime25,humaneval,mbpp,livecodebench,mt_bench,alpaca"
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     names = list(engines)
     ratios = {b: {n: [] for n in names[1:]} for b in args.benchmarks.split(",")}
     taus = {b: {n: [] for n in names[1:]} for b in ratios}
-    phases = {n: None for n in names}  # DecodeStats summed over every prompt: ms per round by phase
+    decodes = {n: [] for n in names}  # every prompt's DecodeStats, merged for ms per round by phase
     meter, t_start = CpuMeter(), time.perf_counter()
     for bench in ratios:
         prompts = [encoder.encode(p.turns[:1], []) for p in load_benchmark(bench, limit=args.limit)]
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
             order = names[i % len(names):] + names[: i % len(names)]  # rotate who goes first
             runs = {n: timed(engines[n], prompt, args.max_new_tokens) for n in order}
             for n in names:
-                phases[n] = runs[n][3] if phases[n] is None else phases[n] + runs[n][3]
+                decodes[n].append(runs[n][3])
             for n in names[1:]:
                 if runs[n][0] != runs["ar"][0]:
                     print(f"error: {n} output differs from AR on {bench} prompt {i}", file=sys.stderr)
@@ -107,6 +107,7 @@ def main(argv=None) -> int:
     for b, row in table.items():
         print(f"{b:<14}" + "".join(f"{row[n]['S']:>9.2f} τ{row[n]['tau']:<5.2f}" for n in names[1:]))
     print(f"{'mean':<14}" + "".join(f"{mean[n]:>16.2f}" for n in names[1:]))
+    phases = {n: DecodeStats.merged(parts) for n, parts in decodes.items()}
     per_round = {n: st.breakdown_ms_per_step() | {"rounds_per_token": st.steps / max(st.generated, 1)} for n, st in phases.items()}
     print("\nms per round by phase, all prompts (draft = drafter + context extension; other = the engine's own work)")
     print(f"{'engine':<14}" + "".join(f"{k:>9}" for k in ("draft", "select", "verify", "other")) + f"{'ms/token':>10}")

@@ -55,19 +55,18 @@ _BINS = 10  # calibration bins over q ∈ [0, 1]
 _MAX_LOG_RATIO = math.log(2.0)  # one round's measured ÷ modelled counts as at most 2× the running scale
 
 
-def expected_committed(p: torch.Tensor) -> torch.Tensor:
-    """E(L) for L = 0 .. H from per-slot conditional acceptance p [..., H] → [..., H + 1]."""
-    reach = torch.cumprod(p, dim=-1)  # [..., H] P(drafts 1..i all accepted)
-    return 1.0 + torch.cat([torch.zeros_like(reach[..., :1]), reach.cumsum(dim=-1)], dim=-1)
-
-
-def _expected(p: list[float]) -> list[float]:
-    """`expected_committed` for one row as Python floats: [H] → [H + 1]."""
+def expected_committed(p: list[float]) -> list[float]:
+    """E(L) for L = 0 .. H from one row's per-slot conditional acceptance p [H] → [H + 1]."""
     out, reach = [1.0], 1.0
     for pi in p:
-        reach *= pi
+        reach *= pi  # P(drafts 1..i all accepted)
         out.append(out[-1] + reach)
     return out
+
+
+def _bin(q: float) -> int:
+    """The calibration bin of a draft probability q ∈ [0, 1]."""
+    return min(max(int(q * _BINS), 0), _BINS - 1)
 
 
 def _best(e: list[float], t: list[float], start: int = 0) -> int:
@@ -135,7 +134,7 @@ class CostAwareLength:
     def plan(self, *, partial: bool = True) -> int:
         """How many slots to draft heads for this round (0: an AR round). partial=False: the
         selector needs all H heads whatever is verified, so drafting always costs the full block."""
-        e = _expected(self.slot_rates())  # [H + 1]
+        e = expected_committed(self.slot_rates())  # [H + 1]
         H = self.num_slots
         t = [self.round_ms(L if partial or L == 0 else H, L, L + 1) for L in range(H + 1)]
         best = _best(e, t)
@@ -151,14 +150,10 @@ class CostAwareLength:
         return 0
 
     # ---- after drafting --------------------------------------------------------------------------
-    def _confidence(self, q: float) -> float:
-        b = min(max(int(q * _BINS), 0), _BINS - 1)
+    def confidence(self, q: float) -> float:
+        """Calibrated P(accept) for a chosen candidate's draft probability q ∈ [0, 1]."""
+        b = _bin(q)
         return min(max((self.bin_hits[b] + self.prior * q) / (self.bin_seen[b] + self.prior), 0.0), 1.0)
-
-    def confidence(self, q: torch.Tensor) -> torch.Tensor:
-        """Calibrated P(accept) for chosen-candidate draft probabilities q [...] (float in [0, 1])."""
-        flat = [self._confidence(v) for v in q.detach().reshape(-1).tolist()]
-        return torch.tensor(flat, dtype=torch.float64).view(q.shape)
 
     def choose(self, q: torch.Tensor, head_slots: int) -> torch.Tensor:
         """Per-row verification length ≤ P from the chosen candidates' q [B, P] (the planned slots)
@@ -166,7 +161,7 @@ class CostAwareLength:
         whose cost is already spent."""
         P = q.shape[1]
         t = [self.round_ms(head_slots, P, L + 1) for L in range(P + 1)]  # drafting is sunk: the same in every t
-        rows = [_best(_expected([self._confidence(v) for v in row]), t) for row in q.detach().tolist()]
+        rows = [_best(expected_committed([self.confidence(v) for v in row]), t) for row in q.detach().tolist()]
         return torch.tensor(rows, dtype=torch.long, device=q.device)
 
     # ---- after verification ----------------------------------------------------------------------
@@ -177,7 +172,7 @@ class CostAwareLength:
         seen = [self.rate_decay * n for n in self.slot_seen]
         for row, n_len, n_acc in zip(q.detach().tolist(), length.tolist(), accepted.tolist()):
             for i in range(min(n_len, n_acc + 1)):  # draft i was verified with i − 1 accepted
-                b = min(max(int(row[i] * _BINS), 0), _BINS - 1)
+                b = _bin(row[i])
                 hit = i < n_acc
                 self.bin_seen[b] += 1.0
                 self.bin_hits[b] += hit

@@ -21,7 +21,7 @@ def costs(verify=(30.0, 32.0, 34.0, 36.0, 38.0), block=5.0, head=1.0, select=1.0
 
 
 def test_expected_committed_is_the_mean_of_1_plus_accepted():
-    p = torch.tensor([0.9, 0.5, 0.7, 0.2], dtype=torch.float64)
+    p = [0.9, 0.5, 0.7, 0.2]
     e = expected_committed(p)
     for L in range(H + 1):  # brute force over accept/reject outcomes of the L verified drafts
         mean = 0.0
@@ -57,8 +57,8 @@ def test_observe_learns_acceptance_and_calibration():
     for _ in range(30):  # confident drafts that are always rejected at the first slot
         policy.observe(q, torch.full((4,), H), torch.zeros(4, dtype=torch.long))
     assert policy.slot_rates()[0] < 0.1
-    assert float(policy.confidence(torch.tensor([0.95]))[0]) < 0.05  # the 0.9 bin learned it
-    assert float(policy.confidence(torch.tensor([0.15]))[0]) == pytest.approx(0.15)  # an unseen bin keeps q
+    assert policy.confidence(0.95) < 0.05  # the 0.9 bin learned it
+    assert policy.confidence(0.15) == pytest.approx(0.15)  # an unseen bin keeps q
 
 
 def test_bad_costs_are_clear_errors(tmp_path):

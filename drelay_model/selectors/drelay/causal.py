@@ -42,7 +42,7 @@ from torch import nn
 
 from drelay_model.kernels.cpu_linear import PackedLinear
 from drelay_model.selectors.drelay.config import DRelayConfig
-from drelay_model.selectors.drelay.global_read import fused_null_attention, null_attention
+from drelay_model.selectors.drelay.global_read import null_attention, null_read
 
 # A decision margin g + log r* within this many nats of zero is a numerical tie and resolves to KEEP.
 # (float32 log-probs near −20 carry ~2e-6 rounding; 1e-4 nats is a probability ratio of 1.0001.)
@@ -187,8 +187,7 @@ class CausalSelector(nn.Module):
         mem = self.hist_norm(self.hist_in(history.to(a.dtype))) + self.hist_pos[self.history_len - N :]  # [B, N, d]
         k, v = self.hist_kv(mem).view(B, N, 2, nh, r // nh).permute(2, 0, 3, 1, 4)  # [B, nh, N, dg]
         q = self.hist_q(a).view(B, H * K1, nh, r // nh).transpose(1, 2)  # [B, nh, H(K+1), dg]
-        attend = null_attention if torch.is_grad_enabled() else fused_null_attention  # the same math
-        read = attend(q, k, v, key_mask=history_mask)  # all-masked rows read zero
+        read = null_read(q, k, v, key_mask=history_mask)  # all-masked rows read zero
         return read.transpose(1, 2).reshape(B, H, K1, r)
 
     # ---- prefix memory ---------------------------------------------------------------------------

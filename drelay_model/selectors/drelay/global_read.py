@@ -83,14 +83,24 @@ def fused_null_attention(
     Returns: [B, nh, Q, dh].
     """
     B, nh, Q, dh = q.shape
-    zeros = k.new_zeros(B, nh, 1, dh)
-    k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros.to(v.dtype)], dim=2)
-    T = k.shape[2] - 1
-    mask = q.new_zeros(B, 1, 1, T + 1) if bias is None else torch.cat([bias.expand(B, -1, Q, T), q.new_zeros(B, 1, 1, 1).expand(B, bias.shape[1], Q, 1)], dim=-1)
+    T = k.shape[2]
+    k, v = F.pad(k, (0, 0, 0, 1)), F.pad(v, (0, 0, 0, 1))  # + the null key/value row of zeros
+    mask = q.new_zeros(B, 1, 1, T + 1) if bias is None else F.pad(bias.expand(B, -1, Q, T), (0, 1))  # its logit: 0
     if key_mask is not None:
-        real = torch.cat([key_mask, key_mask.new_ones(B, 1)], dim=1)  # the null key is always there
+        real = F.pad(key_mask, (0, 1), value=True)  # the null key is always there
         mask = mask.masked_fill(real[:, None, None, :].logical_not(), float("-inf"))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype))
+
+
+def null_read(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: torch.Tensor | None = None, key_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Attention jointly normalised with a null key, `bias` query-major ([.., Q, T]): the fused
+    kernel at inference, `null_attention` under autograd (SDPA gives no gradient for the additive
+    mask that carries learned biases). Same math either way."""
+    if torch.is_grad_enabled():
+        return null_attention(q, k, v, bias=None if bias is None else bias.transpose(-1, -2), key_mask=key_mask)
+    return fused_null_attention(q, k, v, bias=bias, key_mask=key_mask)
 
 
 class MixBlock(nn.Module):
@@ -197,14 +207,9 @@ class GlobalRead(nn.Module):
         key_mask [B, H, K] bool or None → [B, nh, HK, d_g]."""
         B, nh, HK, _ = q.shape
         H, K = cand_logq.shape[1:]
+        # Query-major bias [B, nh, (i, k), (j, l)]: the prior log q_j(v_jl) plus b_{j−i}.
+        prior = cand_logq.reshape(B, 1, 1, 1, H, K).to(q.dtype)
+        rel = self.rel_bias[:, self.rel_index.T][None, :, :, None, :, None].to(q.dtype)  # [1, nh, H(i), 1, H(j), 1]
+        bias = (prior + rel).expand(B, nh, H, K, H, K).reshape(B, nh, HK, HK)
         mask = key_mask.reshape(B, H * K) if key_mask is not None else None
-        if not torch.is_grad_enabled():  # inference: one fused kernel, query-major bias [B, nh, (i, k), (j, l)]
-            prior = cand_logq.reshape(B, 1, 1, 1, H, K).to(q.dtype)
-            rel = self.rel_bias[:, self.rel_index.T][None, :, :, None, :, None].to(q.dtype)  # [1, nh, H(i), 1, H(j), 1]
-            bias = (prior + rel).expand(B, nh, H, K, H, K).reshape(B, nh, HK, HK)
-            return fused_null_attention(q, k, v, bias=bias, key_mask=mask)
-        # Key-major bias [B, nh, (j, l), (i, k)]: the prior log q_j(v_jl) plus b_{j−i}.
-        prior = cand_logq.reshape(B, 1, H, K, 1, 1).to(q.dtype)
-        rel = self.rel_bias[:, self.rel_index][:, :, None, :, None]  # [nh, H(j), 1, H(i), 1]
-        bias = (prior + rel).expand(B, nh, H, K, H, K).reshape(B, nh, H * K, H * K)
-        return null_attention(q, k, v, bias=bias, key_mask=mask)  # [B, nh, HK, dg]
+        return null_read(q, k, v, bias=bias, key_mask=mask)  # [B, nh, HK, dg]
