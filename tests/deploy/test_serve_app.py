@@ -212,10 +212,11 @@ def test_prometheus_metrics_are_exported(server, client):
     client.completions.create(model=MODEL, prompt="metrics", max_tokens=5, temperature=0)
     port = ray.nodes()[0]["MetricsExportPort"]
     wanted = ("drelay_request_latency_s", "drelay_time_to_first_token_s", "drelay_tokens_per_s", "drelay_tau", "drelay_requests")
+    tags = ('method="native"', 'route="completions"')
     deadline, text = time.time() + 60, ""
-    while time.time() < deadline:
+    while time.time() < deadline:  # wait for this request's tagged series, not only for the names
         text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-        if all(name in text for name in wanted):
+        if all(name in text for name in wanted) and all(tag in text for tag in tags):
             break
         time.sleep(2)
     missing = [name for name in wanted if name not in text]
