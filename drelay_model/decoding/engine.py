@@ -239,7 +239,7 @@ class SpeculativeEngine:
             head = planned if self.selector.capabilities.partial_block else H
             t0 = clock()
             state.sync_context(self.drafter)
-            block = self.drafter.draft(anchor, state.ctx, head_slots=head if head < H else None)
+            block = self.drafter.draft(anchor, state.ctx, slots=head if head < H else None)
             t1 = clock()
             ctx = state.selection_context(max_slots=planned if planned < H else None)
             selection = sampler(block, ctx) if sampler is not None else self.selector.select(block, ctx)

@@ -1,9 +1,13 @@
 """The measured cost curve of one round, for cost-aware verification length (`verify_length.py`).
 
-A round that drafts with the LM head on h slots, decides d of them and verifies L costs
+A round that drafts h slots, decides d of them and verifies L costs
 
-    t(h, d, L) = block + h·head + select + (d − 1)·select_slot + extend + verify(1 + L)     (h > 0)
-    t(0, 0, 0) = verify(1)                                                                 (an AR round)
+    t(h, d, L) = draft(h) + select + (d − 1)·select_slot + extend + verify(1 + L)     (h > 0)
+    t(0, 0, 0) = verify(1)                                                           (an AR round)
+
+draft(h) is the drafter over a block of the anchor and h masked positions, with an LM head on each
+(`BlockDrafter.draft(slots=h)`); a selector that reads the whole pool always pays draft(H). Files
+written before draft(h) was measured model it as block + h·head over the whole block.
 
 `measure_costs` times every term once per machine, target and drafter (cached as JSON by
 `pipelines.common.costs`). On a shared machine single timings swing by ±30%, so it interleaves all
@@ -33,8 +37,10 @@ class VerifyCosts:
     """Measured costs in milliseconds (batch of one row).
 
     verify_ms  [H + 1] target forward over t = 1 .. H + 1 new tokens on a cached context
-    block_ms   drafter layers over one block (everything but the LM head)
+    block_ms   drafter layers over one whole block (everything but the LM head)
     head_ms    LM head + top-K for one slot
+    draft_slots_ms  [H] the drafter over a block of h = 1 .. H slots, heads included (empty in files
+               written before it existed: then block_ms + h·head_ms)
     select_ms  the selector over one block, deciding one slot (`SelectionContext.max_slots` = 1)
     select_slot_ms  each further decided slot (0 for a selector whose cost does not depend on it;
                files written before it existed hold the whole block's cost in select_ms)
@@ -48,6 +54,7 @@ class VerifyCosts:
     select_ms: float
     select_slot_ms: float = 0.0
     extend_ms: float = 0.0
+    draft_slots_ms: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.verify_ms or any(not (t > 0 and math.isfinite(t)) for t in self.verify_ms):
@@ -55,19 +62,25 @@ class VerifyCosts:
         others = (self.block_ms, self.head_ms, self.select_ms, self.select_slot_ms, self.extend_ms)
         if any(not (t >= 0 and math.isfinite(t)) for t in others):
             raise DRelayError("block_ms, head_ms, select_ms, select_slot_ms and extend_ms must be finite and ≥ 0")
+        if any(not (t > 0 and math.isfinite(t)) for t in self.draft_slots_ms) or len(self.draft_slots_ms) > self.max_slots:
+            raise DRelayError(f"draft_slots_ms must hold at most {self.max_slots} positive finite times, got {self.draft_slots_ms}")
 
     @property
     def max_slots(self) -> int:
         return len(self.verify_ms) - 1
 
     def draft_ms(self, head_slots: int, decided: int | None = None) -> float:
-        """Drafting with the LM head over `head_slots` slots, selecting `decided` of them (default:
-        all of them) and extending the drafter's context afterwards; 0 with no drafting."""
+        """Drafting `head_slots` slots, selecting `decided` of them (default: all of them) and
+        extending the drafter's context afterwards; 0 with no drafting."""
         if head_slots == 0:
             return 0.0
         decided = head_slots if decided is None else decided
         select = self.select_ms + max(decided - 1, 0) * self.select_slot_ms
-        return self.block_ms + head_slots * self.head_ms + select + self.extend_ms
+        if head_slots <= len(self.draft_slots_ms):
+            drafting = self.draft_slots_ms[head_slots - 1]
+        else:  # an older file: the whole block, heads on head_slots of it
+            drafting = self.block_ms + head_slots * self.head_ms
+        return drafting + select + self.extend_ms
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -83,7 +96,8 @@ class VerifyCosts:
             return cls(verify_ms=tuple(float(t) for t in raw["verify_ms"]), block_ms=float(raw["block_ms"]),
                        head_ms=float(raw["head_ms"]), select_ms=float(raw["select_ms"]),
                        select_slot_ms=float(raw.get("select_slot_ms", 0.0)),
-                       extend_ms=float(raw.get("extend_ms", 0.0)))  # fmt: skip
+                       extend_ms=float(raw.get("extend_ms", 0.0)),
+                       draft_slots_ms=tuple(float(t) for t in raw.get("draft_slots_ms", ())))  # fmt: skip
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DRelayError(f"cannot read verification costs from {path}: {exc}") from exc
 
@@ -103,8 +117,8 @@ def isotonic(values: list[float]) -> list[float]:
 
 @torch.inference_mode()
 def measure_costs(target, drafter, selector, *, context_len: int = 200, reps: int = 9, extend_tokens: int = 4) -> VerifyCosts:
-    """Time one row's verify(1 .. H + 1), drafter block, LM head per slot, selection and context
-    extension (by `extend_tokens` positions, a typical drafted round), in ms: the median of `reps`
+    """Time one row's verify(1 .. H + 1), drafting of 1 .. H slots, the LM head per slot, selection
+    and context extension (by `extend_tokens` positions, a typical drafted round), in ms: the median of `reps`
     interleaved repetitions after one warm-up."""
     from drelay_model.selectors.base import SelectionContext  # local: selectors import the drafter
 
@@ -139,7 +153,8 @@ def measure_costs(target, drafter, selector, *, context_len: int = 200, reps: in
         ctx.crop(ctx_base)
 
     calls = {("verify", t): (lambda t=t: verify(t)) for t in range(1, H + 2)}
-    calls |= {"draft_all": lambda: drafter.draft(anchor, ctx), "draft_one": lambda: drafter.draft(anchor, ctx, head_slots=1),
+    calls |= {("draft", h): (lambda h=h: drafter.draft(anchor, ctx, slots=h)) for h in range(1, H + 1)}
+    calls |= {"pool_all": lambda: drafter.pool(block.hidden), "pool_one": lambda: drafter.pool(block.hidden[:, :1]),
               "select_one": lambda: selector.select(block, one_slot), "select_all": lambda: selector.select(block, sctx),
               "extend": extend}  # fmt: skip
     times: dict = defaultdict(list)
@@ -151,12 +166,14 @@ def measure_costs(target, drafter, selector, *, context_len: int = 200, reps: in
                 times[key].append(1e3 * (time.perf_counter() - t0))
     ms = {key: statistics.median(v) for key, v in times.items()}
     verify_ms = tuple(isotonic([ms[("verify", t)] for t in range(1, H + 2)]))
-    head_ms = max(ms["draft_all"] - ms["draft_one"], 0.0) / max(H - 1, 1)
+    draft_slots_ms = tuple(isotonic([ms[("draft", h)] for h in range(1, H + 1)]))
+    head_ms = max(ms["pool_all"] - ms["pool_one"], 0.0) / max(H - 1, 1)
     return VerifyCosts(
         verify_ms=verify_ms,
-        block_ms=max(ms["draft_one"] - head_ms, 0.0),
+        block_ms=max(draft_slots_ms[-1] - H * head_ms, 0.0),
         head_ms=head_ms,
         select_ms=ms["select_one"],
         select_slot_ms=max(ms["select_all"] - ms["select_one"], 0.0) / max(H - 1, 1),
         extend_ms=ms["extend"],
+        draft_slots_ms=draft_slots_ms,
     )

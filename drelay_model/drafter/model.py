@@ -130,6 +130,7 @@ class BlockDrafter(nn.Module):
             self.target_to_draft = None
         self.register_buffer("head_weight", head, persistent=False)
         self._head_pack = cpu_linear.PackCache()
+        self._rank_pack = cpu_linear.PackCache(torch.bfloat16)  # the head in bf16, to rank the pool
 
     # ---- context -------------------------------------------------------------------------------
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,6 +178,7 @@ class BlockDrafter(nn.Module):
         anchor_ids: torch.Tensor,
         anchor_pos: torch.Tensor,
         ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        size: int | None = None,
     ) -> torch.Tensor:
         """Final hidden states of M blocks per row.
 
@@ -184,26 +186,27 @@ class BlockDrafter(nn.Module):
             anchor_ids  [B, M] int64 anchor tokens; anchor_pos [B, M] their absolute positions.
             ctx_kv      per layer (k, v) [B, n_kv, C, hd] for context positions 0..C-1; block m sees
                         context position p only if p < anchor_pos[b, m] (strict).
+            size        positions per block, S (default: block_size, as trained); fewer drafts
+                        only the first size − 1 slots (inference: `draft`).
         Returns:
             [B, M, S, D] after the final norm (slot 0 is the anchor).
         """
         B, M = anchor_ids.shape
-        S, D = self.config.block_size, self.config.hidden_size
+        S, D = size or self.config.block_size, self.config.hidden_size
         C = ctx_kv[0][0].shape[2]
         x = self.mask_embedding.expand(B, M, S, D).clone()
         x[:, :, 0] = F.embedding(anchor_ids, self.embed_weight).to(x.dtype)
         x = x.view(B, M * S, D)
         positions = (anchor_pos[:, :, None] + torch.arange(S, device=anchor_pos.device)).view(B, M * S)
         cos, sin = self._cos_sin(positions)
-        mask = self._block_mask(anchor_pos, C)
+        mask = self._block_mask(anchor_pos, C, S)
         for layer, (ck, cv) in zip(self.layers, ctx_kv):
             x = layer(x, cos, sin, ck, cv, mask)
         return self.norm(x).view(B, M, S, D)
 
-    def _block_mask(self, anchor_pos: torch.Tensor, C: int) -> torch.Tensor | None:
+    def _block_mask(self, anchor_pos: torch.Tensor, C: int, S: int) -> torch.Tensor | None:
         """[B, 1, M*S, C + M*S] bool: context p < anchor of the query's block; own block only."""
         B, M = anchor_pos.shape
-        S = self.config.block_size
         if M == 1 and bool((anchor_pos == C).all()):
             return None  # single block that sees the whole context: no mask needed
         ctx_ok = torch.arange(C, device=anchor_pos.device)[None, None, :] < anchor_pos[:, :, None]  # [B, M, C]
@@ -225,21 +228,49 @@ class BlockDrafter(nn.Module):
 
     # ---- inference -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def draft(self, anchor_ids: torch.Tensor, ctx_cache: KVCache, *, head_slots: int | None = None) -> DraftBlock:
+    def draft(self, anchor_ids: torch.Tensor, ctx_cache: KVCache, *, slots: int | None = None) -> DraftBlock:
         """Draft one block per row after the verified context in `ctx_cache`.
 
         anchor_ids [B] int64, the last verified token of each row, at position ctx_cache.lengths[b].
-        head_slots: evaluate the LM head (the costly part of drafting) only for the first
-        `head_slots` slots; the pool then has that many slots. Default: all H.
+        slots: draft only the first `slots` slots (default: all H): the block is the anchor and
+        `slots` masked positions, and only those get an LM head. Attention inside a block is
+        bidirectional, so a shorter block is a slightly different estimate of the same slots
+        (never a different output: verification decides); on the bundled checkpoint it accepts as
+        often (docs/benchmarks.md) and costs a fraction of the whole block.
         """
         anchor_pos = ctx_cache.lengths[:, None]  # [B, 1]
         C = int(anchor_pos.max())
         ctx_kv = [(ctx_cache.k[i, :, :, :C], ctx_cache.v[i, :, :, :C]) for i in range(self.config.num_layers)]
-        hidden = self.block_hidden(anchor_ids[:, None], anchor_pos, ctx_kv)[:, 0, 1:]  # [B, H, D]
-        return self.pool(hidden if head_slots is None else hidden[:, :head_slots])
+        size = self.config.block_size if slots is None else 1 + min(max(slots, 1), self.config.num_slots)
+        hidden = self.block_hidden(anchor_ids[:, None], anchor_pos, ctx_kv, size=size)[:, 0, 1:]  # [B, size − 1, D]
+        return self.pool(hidden)
 
     def pool(self, hidden: torch.Tensor) -> DraftBlock:
-        """Slot hidden states [B, H, D] → the top-K pool under the drafter's softmax."""
-        logq = torch.log_softmax(self.logits(hidden), dim=-1)  # [B, H, V]
-        cand_logq, cand = logq.topk(self.config.top_k, dim=-1)  # [B, H, K]
+        """Slot hidden states [B, H, D] → the top-K pool under the drafter's softmax.
+
+        Where the CPU runs bfloat16 natively (`cpu_linear.bf16_available`), the head is read once in
+        bf16 to rank the draft vocabulary, and only the K members get float32 logits:
+            members  = top-K of the bf16 logits                                   [B, H, K]
+            z_v      = h · w_v in float32 for members, the bf16 logit otherwise
+            log q_v  = z_v − logsumexp(z)
+        so the pool's order and log q are float32 up to the bf16 part of the normaliser, and a pool
+        can differ from the float32 one only in a member tied at the K-th place.
+        """
+        K = self.config.top_k
+        w = self.head_weight
+        coarse = None
+        if hidden.dtype == w.dtype == torch.float32 and not torch.is_grad_enabled():
+            packed = self._rank_pack.get(w)
+            if packed is not None:
+                coarse = cpu_linear.linear(hidden, w, None, packed)  # [B, H, V] bf16
+        if coarse is None:
+            logq = torch.log_softmax(self.logits(hidden), dim=-1)  # [B, H, V]
+            cand_logq, cand = logq.topk(K, dim=-1)  # [B, H, K]
+        else:
+            cand = coarse.topk(K, dim=-1).indices  # [B, H, K]
+            exact = (w[cand] @ hidden[..., None])[..., 0]  # [B, H, K] float32 member logits
+            exact, order = exact.sort(dim=-1, descending=True)
+            cand = cand.gather(-1, order)
+            z = coarse.float().scatter_(-1, cand, exact)  # [B, H, V]
+            cand_logq = exact - torch.logsumexp(z, dim=-1, keepdim=True)
         return DraftBlock(hidden=hidden, cand_ids=self.to_target_ids(cand), cand_logq=cand_logq)

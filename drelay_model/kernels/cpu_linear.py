@@ -13,6 +13,11 @@ Inference only (no autograd through the packed op), float32 CPU tensors only; ev
 autocast in training's feature forward, CUDA) falls back to `F.linear`, so packing never changes
 what runs off this path. `DRELAY_PACKED_LINEARS=0` (or `set_enabled(False)`) turns it off
 everywhere; `benchmarks/bench_packed.py` measures each phase of a round with it on and off.
+
+A weight can also be packed in bfloat16 (`pack(w, torch.bfloat16)`) where oneDNN runs bf16 natively
+(AVX512-BF16 / AMX): it reads half the bytes, and the output is bfloat16. The drafter uses it only
+to rank its draft vocabulary (`BlockDrafter.pool`), whose 16,384 × 576 head is the largest weight a
+draft reads: 0.43 → 0.14 ms for one slot on this machine's CPU. `DRELAY_BF16_POOL=0` turns it off.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from torch import nn
 
 BATCH_HINT = 16  # rows the packed layout is tuned for: H + 1 = 16 for the CPU default's verify
 _enabled = os.environ.get("DRELAY_PACKED_LINEARS", "1") != "0"
+_bf16_enabled = os.environ.get("DRELAY_BF16_POOL", "1") != "0"
 
 
 def set_enabled(on: bool) -> None:
@@ -33,23 +39,41 @@ def set_enabled(on: bool) -> None:
     _enabled = bool(on)
 
 
+def set_bf16_enabled(on: bool) -> None:
+    """Allow bfloat16-packed weights (True, where the CPU runs bf16 natively) or never (False)."""
+    global _bf16_enabled
+    _bf16_enabled = bool(on)
+
+
 def available() -> bool:
     """oneDNN is built in and exposes the packed-linear ops."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """A packed copy of a float32 CPU weight [out, in], or None where packing does not apply."""
+def bf16_available() -> bool:
+    """Packing in bfloat16 is on and this CPU runs it natively (emulated bf16 would be slower)."""
+    return _enabled and _bf16_enabled and available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """A packed copy in `dtype` (float32 or bfloat16) of a float32 CPU weight [out, in], or None
+    where packing does not apply."""
     if not _enabled or not available() or weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+    if dtype == torch.bfloat16 and not bf16_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype), BATCH_HINT)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias), through the packed weight when it applies. x [..., in] → [..., out]."""
+    """F.linear(x, weight, bias), through the packed weight when it applies. x [..., in] → [..., out]
+    (bfloat16 from a bfloat16-packed weight: x is rounded to bf16 first, and there is no bias)."""
     if packed is None or not _enabled or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_autocast_enabled("cpu") or torch.is_grad_enabled():
         return F.linear(x, weight, bias)
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+    rows = x.reshape(-1, x.shape[-1])
+    if packed.dtype == torch.bfloat16:
+        rows, bias = rows.to(torch.bfloat16), None if bias is None else bias.to(torch.bfloat16)
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -57,22 +81,24 @@ class PackCache:
     """A packed copy of one weight for a module whose weights may change (a drafter being trained):
     rebuilt whenever the weight does (new storage, an in-place update, another dtype or device), and
     consulted only outside autograd. A weight created under `torch.inference_mode()` has no version
-    counter, so it is never packed (plain `F.linear`). Copies and pickles start empty."""
+    counter, so it is never packed (plain `F.linear`). Copies and pickles start empty. `dtype`: the
+    packed copy's (bfloat16: see the module docstring; None where the CPU lacks native bf16)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        self.dtype = dtype
         self._key: tuple | None = None
         self._packed: torch.Tensor | None = None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
         if torch.is_grad_enabled() or weight.is_inference():
             return None  # an inference tensor keeps no version counter: an in-place update would go unseen
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, tuple(weight.shape))
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, tuple(weight.shape), _enabled, _bf16_enabled)
         if key != self._key:
-            self._packed, self._key = pack(weight), key
+            self._packed, self._key = pack(weight, self.dtype), key
         return self._packed
 
     def __getstate__(self) -> dict:
-        return {"_key": None, "_packed": None}
+        return {"dtype": self.dtype, "_key": None, "_packed": None}
 
 
 class PackedLinear(nn.Linear):

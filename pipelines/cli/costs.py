@@ -37,5 +37,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"drafter block {costs.block_ms:.1f} ms + LM head {costs.head_ms:.2f} ms/slot + select {costs.select_ms:.1f} ms"
           f" (+ {costs.select_slot_ms:.2f} ms per further decided slot) + context extension {costs.extend_ms:.1f} ms")
+    if costs.draft_slots_ms:
+        print("draft(h slots) ms: " + "  ".join(f"{h}:{ms:.1f}" for h, ms in enumerate(costs.draft_slots_ms, start=1)))
     print("verify(t) ms: " + "  ".join(f"{t}:{ms:.1f}" for t, ms in enumerate(costs.verify_ms, start=1)))
     return 0

@@ -32,7 +32,10 @@ def verify_costs(target, drafter, selector, *, target_spec: str, spec: MethodSpe
     device = str(target.embed_weight.device.type)
     path = costs_path(target_spec, spec, device, packed=getattr(target, "packed", False))
     if path.exists() and not remeasure:
-        return VerifyCosts.load(path)
+        costs = VerifyCosts.load(path)
+        if costs.draft_slots_ms:
+            return costs
+        print(f"the cached costs at {path} predate per-length drafting times: re-measuring", file=sys.stderr)
     print(f"measuring verification costs once for {target_spec}/{spec.name} (cached at {path})", file=sys.stderr)
     costs = measure_costs(target, drafter, selector)
     costs.save(path)
