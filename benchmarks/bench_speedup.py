@@ -1,8 +1,9 @@
 """End-to-end speedup S on the eight benchmarks: fixed vs cost-aware verification length.
 
 Batch 1, greedy, the bundled drafter, one engine for AR and speculative decoding. Every prompt is
-decoded by each contender back to back (AR, then each method; the order rotates per prompt), so a
-busy machine slows all of them alike; S per prompt = AR seconds ÷ method seconds (the outputs are
+decoded by each contender back to back, `--repeats` times in mirrored order (A B C … C B A: a
+machine speeding up or slowing down steadily shifts every contender's mean time alike; the first
+contender rotates per prompt), so a busy machine slows all of them alike; S per prompt = AR seconds ÷ method seconds (the outputs are
 identical — lossless — and the script checks it), and S per benchmark is the median of these paired
 ratios, with their min–max. The other processes' CPU share during the run is printed and logged.
 
@@ -43,14 +44,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--benchmarks", default=ALL)
     p.add_argument("--limit", type=int, default=2, help="prompts per benchmark")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=2, help="decodes per prompt and contender, in mirrored order")
     p.add_argument("--methods", default="native,drelay")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--remeasure", action="store_true", help="measure the cost curve again")
     p.add_argument("--out", default=str(REPO / "outputs" / "bench_speedup.json"))
     p.add_argument("--no-mlflow", action="store_true")
     args = p.parse_args(argv)
-    if args.limit < 1 or args.max_new_tokens < 1 or args.threads < 1:
-        p.error("--limit, --max-new-tokens and --threads must be positive")
+    if args.limit < 1 or args.max_new_tokens < 1 or args.threads < 1 or args.repeats < 1:
+        p.error("--limit, --max-new-tokens, --repeats and --threads must be positive")
     return args
 
 
@@ -88,15 +90,19 @@ def main(argv=None) -> int:
         prompts = [encoder.encode(p.turns[:1], []) for p in load_benchmark(bench, limit=args.limit)]
         for i, prompt in enumerate(tqdm(prompts, desc=bench)):
             order = names[i % len(names):] + names[: i % len(names)]  # rotate who goes first
-            runs = {n: timed(engines[n], prompt, args.max_new_tokens) for n in order}
+            runs = {n: [] for n in names}
+            for r in range(args.repeats):  # A B C … then C B A …
+                for n in order if r % 2 == 0 else order[::-1]:
+                    runs[n].append(timed(engines[n], prompt, args.max_new_tokens))
+            seconds = {n: sum(run[1] for run in runs[n]) for n in names}
             for n in names:
-                decodes[n].append(runs[n][3])
+                decodes[n].extend(run[3] for run in runs[n])
             for n in names[1:]:
-                if runs[n][0] != runs["ar"][0]:
+                if any(run[0] != runs["ar"][0][0] for run in runs[n]):
                     print(f"error: {n} output differs from AR on {bench} prompt {i}", file=sys.stderr)
                     return 1
-                ratios[bench][n].append(runs["ar"][1] / runs[n][1])
-                taus[bench][n].append(runs[n][2])
+                ratios[bench][n].append(seconds["ar"] / seconds[n])
+                taus[bench][n].append(runs[n][0][2])
     wall = time.perf_counter() - t_start
     other_pct = 100 * meter.other_share()
     table = {b: {n: {"S": statistics.median(r), "S_min": min(r), "S_max": max(r), "tau": statistics.mean(taus[b][n])}

@@ -16,6 +16,11 @@ that maximises committed tokens per millisecond, E(L) / t(L), in two steps:
           optimistic constant, which on low-acceptance text made drafting look worth it. The
           counts also fade by `idle_decay` each AR round, so evidence from a stretch of
           unpredictable text does not keep the policy in AR rounds once the text changes.
+          Drafting must win by a margin: the best L > 0 is taken only when its predicted rate is
+          at least (1 + min_gain) times the AR round's. â_i is an estimate from a few dozen
+          rounds, and the plan drafts exactly when it runs high (on text where a drafted round
+          barely breaks even, the rounds it drafted delivered ~20% fewer extra tokens than â promised),
+          so a margin keeps break-even text on AR rounds instead of losing a few percent there.
           While AR wins, a drafted round still runs every `probe` rounds to keep â current (the
           interval doubles while probes keep losing, up to `max_probe`).
   choose  after drafting, per row, from the pool: p_i = the calibrated confidence of the chosen
@@ -88,6 +93,7 @@ class CostAwareLength:
     rate_decay: float = 0.97  # per drafted round, on the per-slot counts (≈ 33 rounds)
     rate_prior: float = 2.0  # κ: pseudo-counts pulling â_i towards â_{i−1}
     idle_decay: float = 0.99  # per AR round, on the per-slot counts (≈ 100 rounds)
+    min_gain: float = 0.05  # a drafted round must be predicted this much faster per token than AR
     slot_hits: list[float] = field(init=False)  # [H] accepted drafts per slot (decayed)
     slot_seen: list[float] = field(init=False)  # [H] verified drafts per slot (decayed)
     bin_hits: list[float] = field(init=False)  # [BINS] accepted drafts per q-bin
@@ -104,6 +110,8 @@ class CostAwareLength:
         for name in ("time_decay", "rate_decay", "idle_decay"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise DRelayError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0.0 <= self.min_gain < 1.0:
+            raise DRelayError(f"min_gain must be in [0, 1), got {self.min_gain}")
         if not self.rate_prior > 0:
             raise DRelayError(f"rate_prior must be > 0, got {self.rate_prior}")
         self.slot_hits, self.slot_seen = [0.0] * self.num_slots, [0.0] * self.num_slots
@@ -137,8 +145,8 @@ class CostAwareLength:
         e = expected_committed(self.slot_rates())  # [H + 1]
         H = self.num_slots
         t = [self.round_ms(L if partial or L == 0 else H, L, L + 1) for L in range(H + 1)]
-        best = _best(e, t)
-        if best > 0:
+        best = _best(e, t, start=1)
+        if e[best] / t[best] >= (1.0 + self.min_gain) * e[0] / t[0]:
             self._interval, self._since_probe = self.probe, 0
             return best
         self._since_probe += 1
@@ -146,7 +154,7 @@ class CostAwareLength:
         self.slot_seen = [self.idle_decay * n for n in self.slot_seen]
         if self._since_probe >= self._interval:  # probe: draft anyway to keep the estimates current
             self._since_probe, self._interval = 0, min(2 * self._interval, self.max_probe)
-            return _best(e, t, start=1)
+            return best
         return 0
 
     # ---- after drafting --------------------------------------------------------------------------

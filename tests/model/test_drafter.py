@@ -144,3 +144,48 @@ def test_interrupted_save_leaves_the_old_checkpoint(tmp_path, target, make_draft
 def test_bad_drafter_config_names_the_field(target, field, value):
     with pytest.raises(DRelayError, match=field):
         DrafterConfig.for_target(target, **{field: value})
+
+
+def test_a_short_block_drafts_only_its_slots(target, make_drafter):
+    """draft(slots=h) runs a block of the anchor and h masked positions (the cost-aware round's
+    partial draft): h slots in the pool, equal to block_hidden over a block of that size; h = H is
+    the whole block."""
+    drafter = make_drafter(target)
+    ids, feats = _context(target, drafter, 20)
+    cache = drafter.new_context_cache(1, 48)
+    drafter.extend_context(feats, cache)
+    H = drafter.config.num_slots
+    ctx = drafter.context_kv(feats, torch.arange(20)[None])
+    for h in (1, 3):
+        block = drafter.draft(ids[:, -1], cache, slots=h)
+        assert block.cand_ids.shape == (1, h, drafter.config.top_k)
+        short = drafter.block_hidden(ids[:, -1:], torch.tensor([[20]]), ctx, size=1 + h)
+        torch.testing.assert_close(block.hidden, short[:, 0, 1:], atol=1e-5, rtol=1e-5)
+    whole = drafter.draft(ids[:, -1], cache, slots=H)
+    torch.testing.assert_close(whole.hidden, drafter.draft(ids[:, -1], cache).hidden)
+
+
+def test_the_bf16_ranked_pool_keeps_float32_logits(target, make_drafter):
+    """Where the CPU runs bf16 natively, the pool is ranked by a bf16 head and its members get
+    float32 logits: the same argmax wherever the float32 top two are not within bf16 rounding,
+    log q within the normaliser's bf16 error, sorted; `set_bf16_enabled(False)` is the float32 pool."""
+    from drelay_model.kernels import cpu_linear
+
+    drafter = make_drafter(target)
+    with torch.no_grad():
+        native = cpu_linear.PackCache(torch.bfloat16).get(drafter.head_weight) is not None
+    if not native:
+        pytest.skip("no native bf16 oneDNN linear on this CPU")
+    hidden = torch.randn(2, 5, target.hidden_size, generator=torch.Generator().manual_seed(0)) * 4
+    with torch.inference_mode():
+        ranked = drafter.pool(hidden)
+        cpu_linear.set_bf16_enabled(False)
+        try:
+            exact = drafter.pool(hidden)
+        finally:
+            cpu_linear.set_bf16_enabled(True)
+        top2 = torch.log_softmax(drafter.logits(hidden), -1).topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 0.1
+    assert clear.any() and torch.equal(ranked.cand_ids[..., 0][clear], exact.cand_ids[..., 0][clear])
+    torch.testing.assert_close(ranked.cand_logq[..., 0], exact.cand_logq[..., 0], atol=0.05, rtol=0)
+    assert bool((ranked.cand_logq[..., :-1] >= ranked.cand_logq[..., 1:]).all()) and bool((ranked.cand_logq <= 0).all())

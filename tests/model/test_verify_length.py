@@ -128,6 +128,7 @@ def test_measure_costs_on_a_tiny_target(target, make_drafter):
     selector = default_registry().create("native", drafter=drafter)
     c = measure_costs(target, drafter, selector, context_len=16, reps=2)
     assert len(c.verify_ms) == drafter.config.num_slots + 1 and c.block_ms >= 0 and c.select_ms >= 0
+    assert len(c.draft_slots_ms) == drafter.config.num_slots and list(c.draft_slots_ms) == sorted(c.draft_slots_ms)
 
 
 def test_select_cost_grows_with_the_decided_slots_and_old_files_load(tmp_path):
@@ -193,6 +194,19 @@ def test_isotonic_fit_is_non_decreasing_and_pools_outliers():
     # have made every width cost 30)
     fit = isotonic([30.0, 20.0, 21.0, 22.0, 35.0, 36.0])
     assert fit == sorted(fit) and fit[-1] == 36.0 and fit[0] < 30.0
+
+
+def test_measured_drafting_by_slots_prices_a_partial_draft(tmp_path):
+    """draft_slots_ms[h − 1] prices drafting h slots (a block of that size); without it (older
+    files) drafting is block + h·head; the times are range-checked and survive save/load."""
+    c = VerifyCosts(verify_ms=(10.0, 11.0, 12.0), block_ms=2.0, head_ms=0.5, select_ms=1.0, draft_slots_ms=(1.5, 1.75))
+    assert c.draft_ms(1) == 1.5 + 1.0 and c.draft_ms(2) == 1.75 + 1.0
+    assert VerifyCosts(verify_ms=(10.0, 11.0, 12.0), block_ms=2.0, head_ms=0.5, select_ms=1.0).draft_ms(2) == 2.0 + 1.0 + 1.0
+    c.save(tmp_path / "c.json")
+    assert VerifyCosts.load(tmp_path / "c.json") == c
+    for bad in ((0.0,), (1.0, float("inf")), (1.0, 1.0, 1.0)):
+        with pytest.raises(DRelayError, match="draft_slots_ms"):
+            VerifyCosts(verify_ms=(10.0, 11.0, 12.0), block_ms=2.0, head_ms=0.5, select_ms=1.0, draft_slots_ms=bad)
 
 
 def test_extend_cost_counts_in_drafting_and_old_files_load(tmp_path):

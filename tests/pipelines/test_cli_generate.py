@@ -106,6 +106,12 @@ def test_costs_command_measures_caches_and_shows(capsys, tmp_path, monkeypatch):
     assert len(measured["verify_ms"]) == 16 and all(t > 0 for t in measured["verify_ms"])
     assert main(["costs", "--random-drafter", "--show", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == measured
+    assert len(measured["draft_slots_ms"]) == 15
+    (cached,) = tmp_path.glob("costs/*.json")  # a file written before draft(h) was measured is re-measured
+    cached.write_text(json.dumps({k: v for k, v in measured.items() if k != "draft_slots_ms"}))
+    assert main(["costs", "--random-drafter", "--show", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "predate" in err and len(json.loads(out)["draft_slots_ms"]) == 15
     assert main(["costs", "--method", "ar"]) == 2 and "no drafting costs" in capsys.readouterr().err
 
 
