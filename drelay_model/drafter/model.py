@@ -262,7 +262,7 @@ class BlockDrafter(nn.Module):
         if hidden.dtype == w.dtype == torch.float32 and not torch.is_grad_enabled():
             packed = self._rank_pack.get(w)
             if packed is not None:
-                coarse = cpu_linear.linear(hidden, w, None, packed)  # [B, H, V] bf16
+                coarse = cpu_linear.linear(hidden, w, None, packed)  # [B, H, V] bf16 logits, as float32
         if coarse is None:
             logq = torch.log_softmax(self.logits(hidden), dim=-1)  # [B, H, V]
             cand_logq, cand = logq.topk(K, dim=-1)  # [B, H, K]
@@ -271,6 +271,6 @@ class BlockDrafter(nn.Module):
             exact = (w[cand] @ hidden[..., None])[..., 0]  # [B, H, K] float32 member logits
             exact, order = exact.sort(dim=-1, descending=True)
             cand = cand.gather(-1, order)
-            z = coarse.float().scatter_(-1, cand, exact)  # [B, H, V]
+            z = coarse.scatter_(-1, cand, exact)  # [B, H, V]
             cand_logq = exact - torch.logsumexp(z, dim=-1, keepdim=True)
         return DraftBlock(hidden=hidden, cand_ids=self.to_target_ids(cand), cand_logq=cand_logq)

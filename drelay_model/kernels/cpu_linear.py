@@ -15,9 +15,14 @@ what runs off this path. `DRELAY_PACKED_LINEARS=0` (or `set_enabled(False)`) tur
 everywhere; `benchmarks/bench_packed.py` measures each phase of a round with it on and off.
 
 A weight can also be packed in bfloat16 (`pack(w, torch.bfloat16)`) where oneDNN runs bf16 natively
-(AVX512-BF16 / AMX): it reads half the bytes, and the output is bfloat16. The drafter uses it only
-to rank its draft vocabulary (`BlockDrafter.pool`), whose 16,384 × 576 head is the largest weight a
-draft reads: 0.43 → 0.14 ms for one slot on this machine's CPU. `DRELAY_BF16_POOL=0` turns it off.
+(AVX512-BF16 / AMX): it reads half the bytes, and its input and output are rounded to bf16. The
+drafter uses it only to rank its draft vocabulary (`BlockDrafter.pool`): its 16,384 × 576 head is
+the largest weight a draft reads, and in decoding it comes from memory every round (the target
+streams ~540 MB per step through a 32 MB L3). The pool's members then get float32 logits, so the
+drafter's hidden states, and replay's agreement with real decoding, stay exact. Rounding the
+drafter's layers as well saved 0.3 ms a draft but made replay diverge from real decoding (an
+ulp of float32 difference upstream becomes a bf16 rounding step). `DRELAY_BF16_POOL=0` (or
+`set_bf16_enabled(False)`) ranks in float32.
 """
 
 from __future__ import annotations
@@ -67,13 +72,14 @@ def pack(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias), through the packed weight when it applies. x [..., in] → [..., out]
-    (bfloat16 from a bfloat16-packed weight: x is rounded to bf16 first, and there is no bias)."""
+    (through a bfloat16-packed weight, x and the bias are rounded to bf16 and the output, rounded
+    to bf16 by oneDNN, comes back in x's dtype)."""
     if packed is None or not _enabled or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_autocast_enabled("cpu") or torch.is_grad_enabled():
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     if packed.dtype == torch.bfloat16:
         rows, bias = rows.to(torch.bfloat16), None if bias is None else bias.to(torch.bfloat16)
-    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "").to(x.dtype)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
