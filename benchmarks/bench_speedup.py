@@ -3,9 +3,9 @@
 Batch 1, greedy, the bundled drafter, one engine for AR and speculative decoding. Every prompt is
 decoded by each contender back to back, `--repeats` times in mirrored order (A B C … C B A: a
 machine speeding up or slowing down steadily shifts every contender's mean time alike; the first
-contender rotates per prompt), so a busy machine slows all of them alike; S per prompt = AR seconds ÷ method seconds (the outputs are
-identical — lossless — and the script checks it), and S per benchmark is the median of these paired
-ratios, with their min–max. The other processes' CPU share during the run is printed and logged.
+contender rotates per prompt), so a busy machine slows all of them alike. S per prompt = AR seconds
+÷ method seconds, summed over the repeats (the outputs are identical — lossless — and the script
+checks it), and S per benchmark is the median of these paired ratios, with their min–max. The other processes' CPU share during the run is printed and logged.
 
 The cost curve for cost-aware length is the one `drelay costs` measures and caches (per target,
 checkpoint, method, threads, device and packed linears: `pipelines.common.costs`); --remeasure redoes it.

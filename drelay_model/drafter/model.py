@@ -259,8 +259,8 @@ class BlockDrafter(nn.Module):
         K = self.config.top_k
         w = self.head_weight
         coarse = None
-        if hidden.dtype == w.dtype == torch.float32 and not torch.is_grad_enabled():
-            packed = self._rank_pack.get(w)
+        if hidden.dtype == w.dtype == torch.float32:
+            packed = self._rank_pack.get(w)  # None under autograd or without native bf16
             if packed is not None:
                 coarse = cpu_linear.linear(hidden, w, None, packed)  # [B, H, V] bf16 logits, as float32
         if coarse is None:
