@@ -27,7 +27,6 @@ import torch
 from drelay_model.decoding.engine import SpeculativeEngine, _BatchState
 from drelay_model.decoding.sampling import SamplingParams, accept_rows, pick_row
 from drelay_model.decoding.stats import DecodeStats, tau_of
-from drelay_model.decoding.verify_length import CostAwareLength
 from drelay_model.errors import DRelayError
 from drelay_model.kv_cache import KVCache
 
@@ -111,7 +110,7 @@ class ContinuousBatcher:
         self.max_batch = max_batch
         self.stats = DecodeStats(num_slots=engine.num_slots)  # batch-level phase times and totals
         # Cost-aware verification length when the engine has measured costs (verify_length.py).
-        self.policy = CostAwareLength(engine.costs, engine.num_slots) if engine.costs is not None else None
+        self.policy = engine.new_policy()
         self._lock = threading.Lock()
         self._pending: list[_Request] = []
         self._cancelled: set[int] = set()

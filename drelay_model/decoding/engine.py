@@ -121,7 +121,8 @@ class SpeculativeEngine:
         # it carries them from one generate() call to the next (as a server's traffic would), so a
         # short request does not pay for learning from scratch. Outputs never depend on it (lossless);
         # assign a fresh CostAwareLength to start cold.
-        self.policy = CostAwareLength(self.costs, self.num_slots) if self.costs is not None else None
+        self._native = NativeSelector()  # the path a two-armed policy's native-arm rounds keep
+        self.policy = self.new_policy()
         self.device = target.device
         for name, part in (("drafter", self.drafter), ("selector", self.selector)):
             where = {p.device for p in part.parameters()} | {b.device for b in part.buffers()} if part is not None else set()
@@ -129,6 +130,14 @@ class SpeculativeEngine:
                 raise DRelayError(f"{name} is on {sorted(map(str, where))} but the target is on {self.device}: move it with .to()")
 
     # ---- public --------------------------------------------------------------------------------
+    def new_policy(self) -> CostAwareLength | None:
+        """A cold cost-aware policy for this engine (None without measured costs). A selector other
+        than `native` gets a second arm: drafted rounds that keep the native path without it."""
+        if self.costs is None:
+            return None
+        return CostAwareLength(self.costs, self.num_slots, native_arm=not self.selector.capabilities.native_path)
+
+
     @torch.inference_mode()
     def generate(
         self, prompts: list[list[int]], config: GenerationConfig = GenerationConfig(), *, seeds: list[int] | None = None
@@ -165,8 +174,8 @@ class SpeculativeEngine:
             return accept_sampled(path, logits, length, *proposal, temperature=T, generator=state.generators)
 
         sampler = None
-        if T > 0 and config.draft_sampling and self.selector is not None and self.selector.capabilities.samples_path:
-            sampler = lambda block, ctx: self.selector.sample(block, ctx, temperature=T, generators=state.generators)  # noqa: E731
+        if T > 0 and config.draft_sampling:  # used with a selector that samples its path (capabilities)
+            sampler = lambda sel, block, ctx: sel.sample(block, ctx, temperature=T, generators=state.generators)  # noqa: E731
         while state.rows:
             accepted, next_tok, path = self._round(state, verify, stats, policy, sampler)
             committed = []
@@ -215,8 +224,10 @@ class SpeculativeEngine:
 
         `verify(path, target_logits, length[, proposal]) -> (accepted, next_token)` is the acceptance
         rule (`accept` with the call's temperature; the continuous batcher passes per-row settings);
-        `sampler(block, ctx) -> Selection` replaces the selector's choice with a sampled path, whose
-        proposal (pool ids, q) then goes to `verify`.
+        `sampler(selector, block, ctx) -> Selection` replaces the choice of a selector that samples
+        its path (`capabilities.samples_path`) with a sampled one, whose proposal (pool ids, q) then
+        goes to `verify`. With a two-armed policy a drafted round may keep the native path instead
+        of running the selector (`CostAwareLength.use_selector`).
 
         Timing: `draft` = drafter forwards (block + context extension), `select` = the selector,
         `verify` = the target forward; everything else (acceptance, cache crops, host bookkeeping)
@@ -230,19 +241,21 @@ class SpeculativeEngine:
         # planned: how many path tokens this round may verify (0 = an AR round); head: how many slots
         # get an LM head (= planned, or all H for a selector that reads the whole pool).
         planned = H if policy is None else policy.plan(partial=self.selector.capabilities.partial_block)
+        selector = self.selector if policy is None or policy.use_selector else self._native
         q = proposal = None
         head, drafting_ms = 0, 0.0
         if self.drafter is None or planned == 0:  # AR round: verify the anchor alone
             path = torch.empty(R, 0, dtype=torch.long, device=anchor.device)
             length = torch.zeros(R, dtype=torch.long, device=anchor.device)
         else:
-            head = planned if self.selector.capabilities.partial_block else H
+            head = planned if selector.capabilities.partial_block else H
             t0 = clock()
             state.sync_context(self.drafter)
             block = self.drafter.draft(anchor, state.ctx, slots=head if head < H else None)
             t1 = clock()
             ctx = state.selection_context(max_slots=planned if planned < H else None)
-            selection = sampler(block, ctx) if sampler is not None else self.selector.select(block, ctx)
+            samples = sampler is not None and selector.capabilities.samples_path
+            selection = sampler(selector, block, ctx) if samples else selector.select(block, ctx)
             path, length = selection.path_ids, selection.length
             if selection.proposal_q is not None:
                 proposal = (block.cand_ids, selection.proposal_q)
@@ -280,7 +293,7 @@ class SpeculativeEngine:
             state.history.push(res.features, accepted + 1)
         if policy is not None:  # rescale the cost curve by what this round measured
             policy.observe_times(verify_width=1 + path.shape[1], verify_ms=1e3 * verify_s, head_slots=head,
-                                 decided=planned, draft_ms=drafting_ms, round_ms=1e3 * (clock() - t_round))  # fmt: skip
+                                 decided=planned if selector is self.selector else 0, draft_ms=drafting_ms, round_ms=1e3 * (clock() - t_round))  # fmt: skip
         return accepted, next_tok, path
 
     # ---- host-side bookkeeping -----------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 A round that drafts h slots, decides d of them and verifies L costs
 
-    t(h, d, L) = draft(h) + select + (d − 1)·select_slot + extend + verify(1 + L)     (h > 0)
+    t(h, d, L) = draft(h) + select + (d − 1)·select_slot + extend + verify(1 + L)     (h > 0, d > 0)
+    t(h, 0, L) = draft(h) + extend + verify(1 + L)              (the native path, no selector call)
     t(0, 0, 0) = verify(1)                                                           (an AR round)
 
 draft(h) is the drafter over a block of the anchor and h masked positions, with an LM head on each
@@ -32,6 +33,11 @@ import torch
 from drelay_model.errors import DRelayError
 
 
+# What `measure_costs` measures, versioned: 2 = draft(h) per length (session 9), 3 = a partial-block
+# selector's select_ms on a one-slot block. A cached file of an older version is measured again.
+COSTS_VERSION = 3
+
+
 @dataclass(frozen=True)
 class VerifyCosts:
     """Measured costs in milliseconds (batch of one row).
@@ -41,7 +47,8 @@ class VerifyCosts:
     head_ms    LM head + top-K for one slot
     draft_slots_ms  [H] the drafter over a block of h = 1 .. H slots, heads included (empty in files
                written before it existed: then block_ms + h·head_ms)
-    select_ms  the selector over one block, deciding one slot (`SelectionContext.max_slots` = 1)
+    select_ms  the selector deciding one slot (`SelectionContext.max_slots` = 1) on a whole block, or on
+               a one-slot block for a partial-block selector
     select_slot_ms  each further decided slot (0 for a selector whose cost does not depend on it;
                files written before it existed hold the whole block's cost in select_ms)
     extend_ms  extending the drafter's context by a drafted round's verified positions (0 in files
@@ -55,6 +62,7 @@ class VerifyCosts:
     select_slot_ms: float = 0.0
     extend_ms: float = 0.0
     draft_slots_ms: tuple[float, ...] = ()
+    version: int = COSTS_VERSION  # of the measurement (files written before versions existed: 1)
 
     def __post_init__(self) -> None:
         if not self.verify_ms or any(not (t > 0 and math.isfinite(t)) for t in self.verify_ms):
@@ -70,12 +78,13 @@ class VerifyCosts:
         return len(self.verify_ms) - 1
 
     def draft_ms(self, head_slots: int, decided: int | None = None) -> float:
-        """Drafting `head_slots` slots, selecting `decided` of them (default: all of them) and
-        extending the drafter's context afterwards; 0 with no drafting."""
+        """Drafting `head_slots` slots, selecting `decided` of them (default: all of them; 0: the
+        native path, no selector call) and extending the drafter's context afterwards; 0 with no
+        drafting."""
         if head_slots == 0:
             return 0.0
         decided = head_slots if decided is None else decided
-        select = self.select_ms + max(decided - 1, 0) * self.select_slot_ms
+        select = self.select_ms + (decided - 1) * self.select_slot_ms if decided > 0 else 0.0  # 0: no selector ran
         if head_slots <= len(self.draft_slots_ms):
             drafting = self.draft_slots_ms[head_slots - 1]
         else:  # an older file: the whole block, heads on head_slots of it
@@ -97,7 +106,8 @@ class VerifyCosts:
                        head_ms=float(raw["head_ms"]), select_ms=float(raw["select_ms"]),
                        select_slot_ms=float(raw.get("select_slot_ms", 0.0)),
                        extend_ms=float(raw.get("extend_ms", 0.0)),
-                       draft_slots_ms=tuple(float(t) for t in raw.get("draft_slots_ms", ())))  # fmt: skip
+                       draft_slots_ms=tuple(float(t) for t in raw.get("draft_slots_ms", ())),
+                       version=int(raw.get("version", 1)))  # fmt: skip
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DRelayError(f"cannot read verification costs from {path}: {exc}") from exc
 
@@ -142,6 +152,8 @@ def measure_costs(target, drafter, selector, *, context_len: int = 200, reps: in
         sctx = SelectionContext(anchor_ids=anchor, anchor_pos=sctx.anchor_pos, row_ids=sctx.row_ids, history=hist,
                                 history_mask=torch.ones(hist.shape[:2], dtype=torch.bool, device=device))  # fmt: skip
     one_slot = dataclasses.replace(sctx, max_slots=1)
+    # a partial-block selector decides one slot on a one-slot block (what a 1-draft round runs)
+    one_block = drafter.draft(anchor, ctx, slots=1) if selector.capabilities.partial_block else block
     new_feats = res.features[:, -extend_tokens:]
 
     def verify(t: int) -> None:
@@ -155,7 +167,7 @@ def measure_costs(target, drafter, selector, *, context_len: int = 200, reps: in
     calls = {("verify", t): (lambda t=t: verify(t)) for t in range(1, H + 2)}
     calls |= {("draft", h): (lambda h=h: drafter.draft(anchor, ctx, slots=h)) for h in range(1, H + 1)}
     calls |= {"pool_all": lambda: drafter.pool(block.hidden), "pool_one": lambda: drafter.pool(block.hidden[:, :1]),
-              "select_one": lambda: selector.select(block, one_slot), "select_all": lambda: selector.select(block, sctx),
+              "select_one": lambda: selector.select(one_block, one_slot), "select_all": lambda: selector.select(block, sctx),
               "extend": extend}  # fmt: skip
     times: dict = defaultdict(list)
     for rep in range(reps + 1):  # repetition 0 warms up

@@ -11,22 +11,27 @@ that maximises committed tokens per millisecond, E(L) / t(L), in two steps:
 
   plan    before drafting, from running per-slot acceptance rates â_i (no pool yet): L_plan, the
           number of slots whose LM head the drafter evaluates; 0 skips the drafter (an AR round).
-          â_i = (hits_i + κ·â_{i−1}) / (seen_i + κ), decayed counts of drafts verified at slot i
-          (â_0 = ½): a slot rarely reached borrows its lower neighbour's rate instead of an
-          optimistic constant, which on low-acceptance text made drafting look worth it. The
-          counts also fade by `idle_decay` each AR round, so evidence from a stretch of
-          unpredictable text does not keep the policy in AR rounds once the text changes.
+          â_i: recent counts of drafts verified at slot i, shrunk towards their long-run rate
+          (`slot_rates.py`): after a stretch of AR rounds â returns to what this engine saw over
+          its last few dozen drafted rounds, not to an optimistic constant (which on chat text made
+          every faded estimate look worth a losing drafted round).
+          Arms: with a selector other than `native`, a drafted round either runs the selector
+          (arm 0) or keeps the native path without calling it (arm 1: no select cost). Each arm
+          has its own rates and cost curve, and the plan takes the best (arm, L); so a selector
+          whose repairs do not pay for their cost on this machine is run only where they do.
           Drafting must win by a margin: the best L > 0 is taken only when its predicted rate is
           at least (1 + min_gain) times the AR round's. â_i is an estimate from a few dozen
           rounds, and the plan drafts exactly when it runs high (on text where a drafted round
           barely breaks even, the rounds it drafted delivered ~20% fewer extra tokens than â promised),
           so a margin keeps break-even text on AR rounds instead of losing a few percent there.
           While AR wins, a drafted round still runs every `probe` rounds to keep â current (the
-          interval doubles while probes keep losing, up to `max_probe`).
+          interval doubles while probes keep losing, up to `max_probe`, and halves with each
+          round the plan drafts on its own); a probe tries the arm with the least long-run
+          evidence and verifies at least one draft, whatever `choose` says: its point is evidence.
   choose  after drafting, per row, from the pool: p_i = the calibrated confidence of the chosen
           candidate (its draft probability q, mapped through running acceptance counts per q-bin),
           L ≤ L_plan maximising E(L) / (t_sunk + s_v·t_verify(1 + L)) — drafting is already paid for.
-  observe after verification, the accepted counts update â_i and the calibration bins;
+  observe after verification, the accepted counts update the round's arm and the calibration bins;
           `observe_times` updates s_d and s_v, the running geometric means of measured ÷ modelled
           time of the drafting (draft + select + context extension) and verification phases (s_v
           apart for one token, mostly AR rounds, and for wider verifies, which only drafted rounds
@@ -51,6 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from drelay_model.decoding.slot_rates import SlotRates
 from drelay_model.decoding.verify_costs import VerifyCosts, isotonic, measure_costs
 from drelay_model.errors import DRelayError
 
@@ -91,11 +97,13 @@ class CostAwareLength:
     prior: float = 4.0  # pseudo-counts pulling a calibration bin towards its raw q
     time_decay: float = 0.9  # weight of the past in the running cost scales (≈ 10 rounds)
     rate_decay: float = 0.97  # per drafted round, on the per-slot counts (≈ 33 rounds)
-    rate_prior: float = 2.0  # κ: pseudo-counts pulling â_i towards â_{i−1}
-    idle_decay: float = 0.99  # per AR round, on the per-slot counts (≈ 100 rounds)
+    rate_prior: float = 2.0  # κ: pseudo-counts pulling â_i towards its long-run rate b_i
+    idle_decay: float = 0.99  # per round of another kind, on an arm's recent counts (≈ 100 rounds)
+    base_decay: float = 0.98  # per drafted round of its arm, on the long-run counts (≈ 50 rounds)
     min_gain: float = 0.05  # a drafted round must be predicted this much faster per token than AR
-    slot_hits: list[float] = field(init=False)  # [H] accepted drafts per slot (decayed)
-    slot_seen: list[float] = field(init=False)  # [H] verified drafts per slot (decayed)
+    native_arm: bool = False  # arm 1: drafted rounds that keep the native path without the selector
+    arms: list[SlotRates] = field(init=False)  # [0]: rounds that run the selector; [1]: the native arm
+    arm: int = 0  # the arm of the round just planned
     bin_hits: list[float] = field(init=False)  # [BINS] accepted drafts per q-bin
     bin_seen: list[float] = field(init=False)  # [BINS] verified drafts per q-bin
     log_draft_scale: float = 0.0  # log s_d
@@ -103,18 +111,19 @@ class CostAwareLength:
     other_ms: list[float] = field(default_factory=lambda: [0.0, 0.0])  # o: the rest of an AR / a drafted round
     _since_probe: int = 0
     _interval: int = 0
+    _probing: bool = False  # this round's plan is a probe
 
     def __post_init__(self) -> None:
         if self.num_slots > self.costs.max_slots:
             raise DRelayError(f"costs cover {self.costs.max_slots} slots, the drafter has {self.num_slots}: re-measure them")
-        for name in ("time_decay", "rate_decay", "idle_decay"):
+        for name in ("time_decay", "rate_decay", "idle_decay", "base_decay"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise DRelayError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not 0.0 <= self.min_gain < 1.0:
             raise DRelayError(f"min_gain must be in [0, 1), got {self.min_gain}")
         if not self.rate_prior > 0:
             raise DRelayError(f"rate_prior must be > 0, got {self.rate_prior}")
-        self.slot_hits, self.slot_seen = [0.0] * self.num_slots, [0.0] * self.num_slots
+        self.arms = [SlotRates(self.num_slots) for _ in range(1 + self.native_arm)]
         self.bin_hits, self.bin_seen = [0.0] * _BINS, [0.0] * _BINS
         self._interval = self.probe
 
@@ -130,32 +139,52 @@ class CostAwareLength:
         """A whole round: drafting (0 for an AR round) + verifying `width` tokens + the rest."""
         return self.draft_ms(head_slots, decided) + self.verify_ms(width) + self.other_ms[head_slots > 0]
 
-    def slot_rates(self) -> list[float]:
-        """[H] â_i, each slot's counts shrunk towards the slot before it (the module docstring)."""
-        rates, prev = [], 0.5
-        for hits, seen in zip(self.slot_hits, self.slot_seen):
-            prev = (hits + self.rate_prior * prev) / (seen + self.rate_prior)
-            rates.append(prev)
-        return rates
+    def slot_rates(self, arm: int = 0) -> list[float]:
+        """[H] â_i of an arm (the module docstring)."""
+        return self.arms[arm].rates(self.rate_prior)
+
+    @property
+    def use_selector(self) -> bool:
+        """Whether the round just planned runs the selector (arm 0) or keeps the native path."""
+        return self.arm == 0
 
     # ---- before drafting -------------------------------------------------------------------------
     def plan(self, *, partial: bool = True) -> int:
-        """How many slots to draft heads for this round (0: an AR round). partial=False: the
-        selector needs all H heads whatever is verified, so drafting always costs the full block."""
-        e = expected_committed(self.slot_rates())  # [H + 1]
+        """How many slots to draft heads for this round (0: an AR round); `arm` says which kind of
+        drafted round. partial=False: the selector needs all H heads whatever is verified, so a
+        round that runs it always pays for the full block."""
         H = self.num_slots
-        t = [self.round_ms(L if partial or L == 0 else H, L, L + 1) for L in range(H + 1)]
-        best = _best(e, t, start=1)
-        if e[best] / t[best] >= (1.0 + self.min_gain) * e[0] / t[0]:
-            self._interval, self._since_probe = self.probe, 0
+        t_ar = self.round_ms(0, 0, 1)
+        options = []  # (tokens per ms, L, arm) of each arm's best L > 0
+        for a in range(len(self.arms)):
+            e = expected_committed(self.slot_rates(a))  # [H + 1]
+            t = [t_ar] + [self.round_ms(L if partial or a == 1 else H, L if a == 0 else 0, L + 1) for L in range(1, H + 1)]
+            best = _best(e, t, start=1)
+            options.append((e[best] / t[best], best, a))
+        rate, best, arm = max(options, key=lambda o: (o[0], o[2]))  # a tie goes to the cheaper native arm
+        self._probing = False
+        if rate >= (1.0 + self.min_gain) / t_ar:
+            # drafting pays: probe sooner again once it stops (halving, not a reset, so that one
+            # lucky probe on unpredictable text does not restart probing every few rounds)
+            self._interval, self._since_probe = max(self.probe, self._interval // 2), 0
+            self._use(arm)
             return best
         self._since_probe += 1
-        self.slot_hits = [self.idle_decay * h for h in self.slot_hits]
-        self.slot_seen = [self.idle_decay * n for n in self.slot_seen]
+        self._use(None)
         if self._since_probe >= self._interval:  # probe: draft anyway to keep the estimates current
             self._since_probe, self._interval = 0, min(2 * self._interval, self.max_probe)
+            self._probing = True  # a probe verifies at least one draft: its point is the evidence
+            _, best, arm = min(options, key=lambda o: (self.arms[o[2]].base_seen[0], -o[0]))  # least-known arm
+            self.arm = arm
             return best
         return 0
+
+    def _use(self, arm: int | None) -> None:
+        """This round drafts with `arm` (None: an AR round); the other arms' recent counts fade."""
+        for a, rates in enumerate(self.arms):
+            if a != arm:
+                rates.fade(self.idle_decay)
+        self.arm = 0 if arm is None else arm
 
     # ---- after drafting --------------------------------------------------------------------------
     def confidence(self, q: float) -> float:
@@ -168,26 +197,24 @@ class CostAwareLength:
         → [B] int64 (on q's device). head_slots: the slots drafted with an LM head this round (≥ P),
         whose cost is already spent."""
         P = q.shape[1]
-        t = [self.round_ms(head_slots, P, L + 1) for L in range(P + 1)]  # drafting is sunk: the same in every t
-        rows = [_best(expected_committed([self.confidence(v) for v in row]), t) for row in q.detach().tolist()]
+        decided = P if self.arm == 0 else 0
+        t = [self.round_ms(head_slots, decided, L + 1) for L in range(P + 1)]  # drafting is sunk: the same in every t
+        start = int(self._probing and P > 0)
+        rows = [_best(expected_committed([self.confidence(v) for v in row]), t, start) for row in q.detach().tolist()]
         return torch.tensor(rows, dtype=torch.long, device=q.device)
 
     # ---- after verification ----------------------------------------------------------------------
     def observe(self, q: torch.Tensor, length: torch.Tensor, accepted: torch.Tensor) -> None:
-        """Update â_i and the calibration bins from one round: q [B, G], length/accepted [B]."""
-        H = self.num_slots
-        hits = [self.rate_decay * h for h in self.slot_hits]
-        seen = [self.rate_decay * n for n in self.slot_seen]
+        """Update the round's arm and the calibration bins from one round: q [B, G], length/accepted [B]."""
+        outcomes = []
         for row, n_len, n_acc in zip(q.detach().tolist(), length.tolist(), accepted.tolist()):
             for i in range(min(n_len, n_acc + 1)):  # draft i was verified with i − 1 accepted
                 b = _bin(row[i])
                 hit = i < n_acc
                 self.bin_seen[b] += 1.0
                 self.bin_hits[b] += hit
-                if i < H:
-                    seen[i] += 1.0
-                    hits[i] += hit
-        self.slot_hits, self.slot_seen = hits, seen
+                outcomes.append((i, hit))
+        self.arms[self.arm].observe(outcomes, rate_decay=self.rate_decay, base_decay=self.base_decay)
 
     def observe_times(
         self, *, verify_width: int, verify_ms: float, head_slots: int = 0, decided: int = 0, draft_ms: float = 0.0, round_ms: float | None = None

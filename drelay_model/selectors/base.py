@@ -24,6 +24,8 @@ class SelectorCapabilities:
                       drafter evaluates its LM head for those slots only); False: needs all H.
     samples_path      at T > 0 can draw its path from a distribution it reports (`sample`), so
                       verification may use the speculative-sampling rule (verify.accept_sampled).
+    native_path       its greedy path is always the drafter's own (pool index 0 at every slot): a
+                      cost-aware engine then has no cheaper "keep the native path" round to offer.
     """
 
     trainable: bool = False
@@ -33,6 +35,7 @@ class SelectorCapabilities:
     may_shorten: bool = False
     partial_block: bool = False
     samples_path: bool = False
+    native_path: bool = False
 
 
 @dataclass(frozen=True)

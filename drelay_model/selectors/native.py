@@ -14,7 +14,7 @@ from drelay_model.selectors.base import SelectionContext, Selection, Selector, S
 
 
 class NativeSelector(Selector):
-    capabilities = SelectorCapabilities(partial_block=True, samples_path=True)
+    capabilities = SelectorCapabilities(partial_block=True, samples_path=True, native_path=True)
 
     def select(self, block: DraftBlock, ctx: SelectionContext) -> Selection:
         B, H, _ = block.cand_ids.shape

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from drelay_model.decoding.verify_costs import VerifyCosts, measure_costs
+from drelay_model.decoding.verify_costs import COSTS_VERSION, VerifyCosts, measure_costs
 from drelay_model.target.loading import cache_root
 from pipelines.common.methods import MethodSpec
 
@@ -33,9 +33,9 @@ def verify_costs(target, drafter, selector, *, target_spec: str, spec: MethodSpe
     path = costs_path(target_spec, spec, device, packed=getattr(target, "packed", False))
     if path.exists() and not remeasure:
         costs = VerifyCosts.load(path)
-        if costs.draft_slots_ms:
+        if costs.version >= COSTS_VERSION:
             return costs
-        print(f"the cached costs at {path} predate per-length drafting times: re-measuring", file=sys.stderr)
+        print(f"the cached costs at {path} predate what is measured now (version {costs.version} < {COSTS_VERSION}): re-measuring", file=sys.stderr)
     print(f"measuring verification costs once for {target_spec}/{spec.name} (cached at {path})", file=sys.stderr)
     costs = measure_costs(target, drafter, selector)
     costs.save(path)

@@ -16,6 +16,12 @@ from drelay_model.selectors import default_registry
 H = 4
 
 
+def set_counts(policy: CostAwareLength, seen: list[float], hits: list[float], arm: int = 0) -> None:
+    """Give an arm these recent and long-run counts."""
+    rates = policy.arms[arm]
+    rates.seen, rates.hits, rates.base_seen, rates.base_hits = list(seen), list(hits), list(seen), list(hits)
+
+
 def costs(verify=(30.0, 32.0, 34.0, 36.0, 38.0), block=5.0, head=1.0, select=1.0) -> VerifyCosts:
     return VerifyCosts(verify_ms=tuple(verify), block_ms=block, head_ms=head, select_ms=select)
 
@@ -43,11 +49,11 @@ def test_choices_follow_the_costs():
     assert expensive.choose(sure * 0.6, H).tolist() == [0, 0]
     # plan: with low running acceptance an AR round wins, but every `probe` rounds it drafts anyway
     slow = CostAwareLength(costs(block=200.0), H, probe=3)
-    slow.slot_seen, slow.slot_hits = [100.0] * H, [5.0] * H
+    set_counts(slow, [100.0] * H, [5.0] * H)
     plans = [slow.plan() for _ in range(9)]
     assert plans.count(0) == 7 and plans[2] > 0  # probes at rounds 3 and 3 + 6 (the interval doubles)
     fast = CostAwareLength(costs(block=1.0), H)
-    fast.slot_seen, fast.slot_hits = [100.0] * H, [95.0] * H
+    set_counts(fast, [100.0] * H, [95.0] * H)
     assert fast.plan() == H
 
 
@@ -80,11 +86,12 @@ def test_bad_costs_are_clear_errors(tmp_path):
 class _Forced(CostAwareLength):
     """Verifies exactly `length` path tokens every round (0: an AR round), for the lossless test."""
 
-    def __init__(self, length: int, num_slots: int):
-        super().__init__(costs(verify=[1.0] * (num_slots + 1)), num_slots)
-        self.length = length
+    def __init__(self, length: int, num_slots: int, arm: int = 0):
+        super().__init__(costs(verify=[1.0] * (num_slots + 1)), num_slots, native_arm=arm == 1)
+        self.length, self.forced_arm = length, arm
 
     def plan(self, *, partial: bool = True) -> int:
+        self.arm = self.forced_arm
         return self.length
 
     def choose(self, q, head_slots):
@@ -100,11 +107,12 @@ def test_every_verification_length_is_lossless(target, make_drafter, prompts_of,
     cfg = GenerationConfig(max_new_tokens=24)
     greedy = SpeculativeEngine(target).generate(prompts, cfg).tokens
     H = drafter.config.num_slots
-    for L in sorted({0, 1, 2, H // 2, H}):
+    arms = (0,) if selector.capabilities.native_path else (0, 1)  # 1: rounds that keep the native path
+    for L, arm in itertools.product(sorted({0, 1, 2, H // 2, H}), arms):
         engine = SpeculativeEngine(target, drafter, selector, costs=costs(verify=[1.0] * (H + 1)))
-        engine.policy = _Forced(L, H)
+        engine.policy = _Forced(L, H, arm)
         out = engine.generate(prompts, cfg)
-        assert out.tokens == greedy, L
+        assert out.tokens == greedy, (L, arm)
         if L == 0:
             assert out.stats.tau == 1.0
 
@@ -227,14 +235,14 @@ def test_measured_times_rescale_the_curve_and_move_the_plan():
     scale by at most 2× (log-ratio clipped), and `time_decay` is range-checked."""
     base = costs(verify=(30.0, 30.5, 31.0, 31.5, 32.0), block=1.0, head=0.1, select=0.1)
     steady = CostAwareLength(base, H)
-    steady.slot_seen, steady.slot_hits = [100.0] * H, [30.0] * H
+    set_counts(steady, [100.0] * H, [30.0] * H)
     for _ in range(20):
         steady.observe_times(verify_width=3, verify_ms=31.0, head_slots=H, decided=H, draft_ms=base.draft_ms(H))
     assert steady.draft_ms(H) == pytest.approx(base.draft_ms(H)) and steady.verify_ms(3) == pytest.approx(31.0)
     assert steady.plan() > 0  # cheap drafting: worth it at â = 0.3
 
     slow = CostAwareLength(base, H)
-    slow.slot_seen, slow.slot_hits = [100.0] * H, [30.0] * H
+    set_counts(slow, [100.0] * H, [30.0] * H)
     slow.observe_times(verify_width=1, verify_ms=30.0, head_slots=H, decided=H, draft_ms=1e6)  # one spike
     assert slow.draft_ms(H) <= base.draft_ms(H) * 2 ** (1 - slow.time_decay) + 1e-9
     for _ in range(60):  # drafting really takes 12× the model
@@ -284,24 +292,49 @@ def test_the_policy_carries_what_it_learned_across_generate_calls(target, make_d
     engine = SpeculativeEngine(target, drafter, costs=c)
     policy = engine.policy
     first = engine.generate(prompts, GenerationConfig(max_new_tokens=12))
-    seen = sum(policy.slot_seen)
+    seen = sum(policy.arms[0].seen)
     assert seen > 0 and engine.policy is policy
     second = engine.generate(prompts, GenerationConfig(max_new_tokens=12))
-    assert second.tokens == first.tokens and sum(policy.slot_seen) != seen  # same output, state went on
+    assert second.tokens == first.tokens and sum(policy.arms[0].seen) != seen  # same output, state went on
 
 
-def test_evidence_fades_during_ar_rounds_so_drafting_resumes():
-    """After a run of rejections the plan turns to AR rounds; as the counts fade (`idle_decay`)
-    the rates drift back towards the prior and drafting resumes before the next scheduled probe."""
+def test_evidence_fades_towards_the_long_run_rate_not_an_optimistic_prior():
+    """During AR rounds an arm's recent counts fade (`idle_decay`) towards its long-run rate: text
+    that kept rejecting stays on AR rounds between probes (fading towards ½ made every faded estimate
+    look worth a losing drafted round), while a short bad stretch of text that usually accepts
+    gives way to drafting again before any probe."""
     c = costs(verify=(30.0, 30.5, 31.0, 31.5, 32.0), block=3.0, head=0.1, select=0.1)
     policy = CostAwareLength(c, H, max_probe=10_000, probe=10_000, idle_decay=0.9)
     q = torch.full((1, H), 0.5)
     for _ in range(10):
         policy.observe(q, torch.tensor([H]), torch.tensor([0]))
     plans = [policy.plan() for _ in range(200)]
+    assert plans == [0] * 200 and policy.slot_rates()[0] < 0.2
+    usual = CostAwareLength(c, H, max_probe=10_000, probe=10_000, idle_decay=0.9)
+    rates = usual.arms[0]
+    rates.base_seen, rates.base_hits = [50.0] * H, [45.0] * H  # the long run: 90% accepted
+    rates.seen, rates.hits = [10.0] * H, [0.0] * H  # the last few rounds: nothing accepted
+    plans = [usual.plan() for _ in range(200)]
     assert plans[0] == 0 and any(p > 0 for p in plans)
     with pytest.raises(DRelayError, match="idle_decay"):
         CostAwareLength(c, H, idle_decay=1.0)
+    with pytest.raises(DRelayError, match="base_decay"):
+        CostAwareLength(c, H, base_decay=-0.1)
+
+
+def test_a_probe_verifies_at_least_one_draft_and_a_hit_moves_the_estimate_at_once():
+    c = costs(verify=(30.0, 30.5, 31.0, 31.5, 32.0), block=8.0, head=0.1, select=0.1)
+    policy = CostAwareLength(c, H, probe=2)
+    set_counts(policy, [40.0] * H, [4.0] * H)
+    assert [policy.plan(), policy.plan()][0] == 0 and policy._probing  # the second plan is a probe
+    hopeless = torch.full((1, 1), 0.01)
+    assert policy.choose(hopeless, 1).tolist() == [1]  # a probe still verifies its draft
+    before = policy.slot_rates()[0]
+    for _ in range(300):  # fading during AR rounds: back to the long-run rate (~0.1), not ½
+        policy.plan()
+    assert policy.slot_rates()[0] == pytest.approx(before, abs=0.05)
+    policy.observe(torch.full((1, 1), 0.5), torch.tensor([1]), torch.tensor([1]))
+    assert policy.slot_rates()[0] > before + 0.1
 
 
 def test_the_rest_of_a_drafted_round_counts_against_drafting():
@@ -309,7 +342,7 @@ def test_the_rest_of_a_drafted_round_counts_against_drafting():
     the policy's own work) carry that rest o into the plan; with it drafting stops paying."""
     c = costs(verify=(30.0, 30.5, 31.0, 31.5, 32.0), block=1.0, head=0.1, select=0.1)
     policy = CostAwareLength(c, H)
-    policy.slot_seen, policy.slot_hits = [100.0] * H, [30.0] * H
+    set_counts(policy, [100.0] * H, [30.0] * H)
     assert policy.plan() > 0
     for _ in range(60):
         policy.observe_times(verify_width=1, verify_ms=30.0, round_ms=30.2)  # AR rounds: 0.2 ms of rest

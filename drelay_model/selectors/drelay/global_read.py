@@ -183,7 +183,7 @@ class GlobalRead(nn.Module):
         u = self.u_norm(x)  # [B, H, d] shared interpretation u_i of the block
         n = self.n_norm(u.unsqueeze(2) + self.n_proj(cand_emb))  # [B, H, K, d]
         read = self.candidate_read(n, cand_logq, key_mask)  # [B, H, K, d]
-        lam = self.fusion[:, None]  # [H, 1]
+        lam = self.fusion[: s.shape[1], None]  # [H, 1]
         z = s + lam * self.slot_out(u)
         c = cand_emb + lam[..., None] * read
         return GlobalFeatures(z=z, c=c, read=read)
@@ -197,10 +197,15 @@ class GlobalRead(nn.Module):
         if self.kernels == "triton":  # the same attention fused in one kernel (imported lazily)
             from drelay_model.kernels.candidate_read import candidate_attention
 
-            out = candidate_attention(q, k, v, cand_logq.to(n.dtype), self.rel_bias, key_mask)
+            out = candidate_attention(q, k, v, cand_logq.to(n.dtype), self.rel_bias_for(H), key_mask)
         else:
             out = self.attend(q, k, v, cand_logq, key_mask)
         return self.read_out(out.transpose(1, 2).reshape(B, H, K, r))
+
+    def rel_bias_for(self, H: int) -> torch.Tensor:
+        """b_{j−i} for a block of H ≤ num_slots slots → [nh, 2H − 1] (offset j − i + H − 1)."""
+        full = (self.rel_bias.shape[1] + 1) // 2
+        return self.rel_bias[:, full - H : full + H - 1]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cand_logq: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         """The PyTorch reference of Eq. 1's attention. q, k, v [B, nh, HK, d_g]; cand_logq [B, H, K];
@@ -209,7 +214,7 @@ class GlobalRead(nn.Module):
         H, K = cand_logq.shape[1:]
         # Query-major bias [B, nh, (i, k), (j, l)]: the prior log q_j(v_jl) plus b_{j−i}.
         prior = cand_logq.reshape(B, 1, 1, 1, H, K).to(q.dtype)
-        rel = self.rel_bias[:, self.rel_index.T][None, :, :, None, :, None].to(q.dtype)  # [1, nh, H(i), 1, H(j), 1]
+        rel = self.rel_bias[:, self.rel_index[:H, :H].T][None, :, :, None, :, None].to(q.dtype)  # [1, nh, H(i), 1, H(j), 1]
         bias = (prior + rel).expand(B, nh, H, K, H, K).reshape(B, nh, HK, HK)
         mask = key_mask.reshape(B, H * K) if key_mask is not None else None
         return null_read(q, k, v, bias=bias, key_mask=mask)  # [B, nh, HK, dg]

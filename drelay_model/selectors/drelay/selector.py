@@ -63,7 +63,7 @@ class DRelaySelector(Selector):
     """Global Read + Causal Selector; see the module docstring."""
 
     # Class-level for the registry (`trainable`); the instance's history_len follows its config.
-    capabilities = SelectorCapabilities(trainable=True, needs_hidden=True, history_len=64, supports_sampling=True)
+    capabilities = SelectorCapabilities(trainable=True, needs_hidden=True, history_len=64, supports_sampling=True, partial_block=True)
 
     def __init__(self, config: DRelayConfig, *, embed_weight: torch.Tensor, num_slots: int, top_k: int, feature_dim: int):
         super().__init__()
@@ -73,7 +73,7 @@ class DRelaySelector(Selector):
         self.config = config
         self.num_slots, self.top_k = num_slots, top_k
         self.capabilities = SelectorCapabilities(
-            trainable=True, needs_hidden=True, history_len=config.features_needed, supports_sampling=True
+            trainable=True, needs_hidden=True, history_len=config.features_needed, supports_sampling=True, partial_block=True
         )
         # Frozen, shared with the drafter/target; never saved in a checkpoint.
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
@@ -123,10 +123,10 @@ class DRelaySelector(Selector):
             (Evidence over P slots, cand_emb [B, P, K, d]).
         """
         B, H, K = block.cand_ids.shape
-        if (H, K) != (self.num_slots, self.top_k):
+        if K != self.top_k or not 1 <= H <= self.num_slots:
             raise DRelayError(f"drelay selector was built for H={self.num_slots}, K={self.top_k}; got a pool [{B}, {H}, {K}]")
         dtype = self.embed_in.weight.dtype
-        s = self.slot_norm(self.slot_in(block.hidden.to(dtype))) + self.slot_pos  # [B, H, d]
+        s = self.slot_norm(self.slot_in(block.hidden.to(dtype))) + self.slot_pos[:H]  # [B, H, d]
         cand_emb = self.embed(block.cand_ids)  # [B, H, K, d]
         if self.global_read is not None:
             g = self.global_read(s, cand_emb, block.cand_logq)

@@ -1,0 +1,109 @@
+"""The cost-aware policy's two arms (drafted rounds that run the selector, or keep the native path
+without it), and DRelay on the short blocks that cost-aware rounds draft."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drelay_model.decoding import GenerationConfig, SpeculativeEngine
+from drelay_model.decoding.verify_length import CostAwareLength, VerifyCosts
+from drelay_model.errors import DRelayError
+from drelay_model.selectors import SelectionContext, default_registry
+
+H = 4
+
+
+def costs(select: float = 1.0) -> VerifyCosts:
+    return VerifyCosts(verify_ms=(30.0, 30.5, 31.0, 31.5, 32.0), block_ms=1.0, head_ms=0.1, select_ms=select)
+
+
+def give(policy: CostAwareLength, arm: int, seen: float, hits: float) -> None:
+    rates = policy.arms[arm]
+    rates.seen, rates.hits = [seen] * H, [hits] * H
+    rates.base_seen, rates.base_hits = [seen] * H, [hits] * H
+
+
+def test_the_native_path_costs_no_selection():
+    c = costs(select=5.0)
+    assert c.draft_ms(2, decided=0) == pytest.approx(c.draft_ms(2, decided=2) - 5.0 - c.select_slot_ms)
+
+
+def test_the_plan_runs_the_selector_only_where_its_repairs_pay():
+    equal = CostAwareLength(costs(select=8.0), H, native_arm=True)
+    give(equal, 0, 100.0, 80.0)
+    give(equal, 1, 100.0, 80.0)
+    assert equal.plan() > 0 and not equal.use_selector  # the same acceptance, cheaper without it
+    better = CostAwareLength(costs(select=0.5), H, native_arm=True)
+    give(better, 0, 100.0, 90.0)
+    give(better, 1, 100.0, 40.0)
+    assert better.plan() > 0 and better.use_selector  # its repairs accept more than they cost
+    single = CostAwareLength(costs(), H)
+    assert len(single.arms) == 1 and single.use_selector
+
+
+def test_observations_go_to_the_arm_that_ran_and_probes_try_the_least_known_arm():
+    policy = CostAwareLength(costs(select=0.5), H, native_arm=True, probe=1)
+    for a in (0, 1):
+        give(policy, a, 100.0, 1.0)  # both arms hopeless: AR rounds, with a probe every round here
+    policy.arms[1].base_seen[0] = 200.0  # the native arm is the better known one
+    assert policy.plan() > 0 and policy._probing and policy.arm == 0
+    before = list(policy.arms[1].seen)
+    policy.observe(torch.full((1, 1), 0.5), torch.tensor([1]), torch.tensor([1]))
+    assert policy.arms[1].seen == before and policy.arms[0].hits[0] > 1.0 * policy.rate_decay
+
+
+def test_engines_get_the_arms_their_selector_allows(target, make_drafter):
+    drafter = make_drafter(target, top_k=16)
+    c = VerifyCosts(verify_ms=tuple(10.0 + i for i in range(drafter.config.num_slots + 1)), block_ms=1.0, head_ms=0.1, select_ms=0.1)
+    drelay = default_registry().create("drelay", drafter=drafter).eval()
+    assert len(SpeculativeEngine(target, drafter, drelay, costs=c).policy.arms) == 2
+    assert len(SpeculativeEngine(target, drafter, costs=c).policy.arms) == 1  # native: nothing cheaper to keep
+
+
+def test_native_arm_rounds_never_call_the_selector_and_stay_lossless(target, make_drafter, prompts_of, tiny_selector_config):
+    drafter = make_drafter(target, top_k=16)
+    selector = default_registry().create("drelay", drafter=drafter, config=tiny_selector_config("drelay")).eval()
+    calls = []
+    real_select = selector.select
+    selector.select = lambda block, ctx: calls.append(block.cand_ids.shape[1]) or real_select(block, ctx)
+    Hd = drafter.config.num_slots
+    c = VerifyCosts(verify_ms=tuple(10.0 + 0.01 * i for i in range(Hd + 1)), block_ms=0.1, head_ms=0.01, select_ms=1000.0)
+    prompts = prompts_of(target.vocab_size, (6, 9))
+    cfg = GenerationConfig(max_new_tokens=20)
+    greedy = SpeculativeEngine(target).generate(prompts, cfg).tokens
+    engine = SpeculativeEngine(target, drafter, selector, costs=c)
+    give_all = engine.policy
+    for a in (0, 1):
+        give_all.arms[a].seen, give_all.arms[a].hits = [100.0] * Hd, [99.0] * Hd
+    out = engine.generate(prompts, cfg)
+    assert out.tokens == greedy
+    assert calls == [] and out.stats.steps < sum(len(t) for t in out.tokens)  # drafted, never selected
+
+
+def test_drelay_selects_on_a_short_block(target, make_drafter, prompts_of, tiny_selector_config):
+    """Cost-aware rounds draft only the slots they may verify; DRelay's Global Read then reads that
+    shorter block (its slot parameters sliced to it). A longer or mis-shaped block is an error."""
+    drafter = make_drafter(target, top_k=16)
+    selector = default_registry().create("drelay", drafter=drafter, config=tiny_selector_config("drelay")).eval()
+    ids = torch.tensor(prompts_of(target.vocab_size, (9,)))
+    cache = target.new_cache(1, 40)
+    res = target(ids, cache, feature_layers=drafter.config.target_layer_ids)
+    ctx = drafter.new_context_cache(1, 40)
+    drafter.extend_context(res.features, ctx)
+    sctx = SelectionContext(anchor_ids=ids[:, -1], anchor_pos=ctx.lengths.clone(), row_ids=torch.zeros(1, dtype=torch.long))
+    for h in (1, 2, drafter.config.num_slots):
+        block = drafter.draft(ids[:, -1], ctx, slots=h)
+        sel = selector.select(block, sctx)
+        assert sel.pool_index.shape == (1, h) and sel.length.tolist() == [h]
+        assert torch.equal(sel.path_ids, block.cand_ids.gather(2, sel.pool_index[..., None])[..., 0])
+    gr = selector.global_read
+    full = gr.rel_bias.shape[1] // 2 + 1
+    for h in (1, 3):  # the offset j − i reads the same learned bias in a short block
+        short = gr.rel_bias_for(h)
+        assert short.shape == (gr.rel_bias.shape[0], 2 * h - 1)
+        assert torch.equal(short[:, h - 1], gr.rel_bias[:, full - 1])
+    too_long = drafter.draft(ids[:, -1], ctx)
+    bad = type(too_long)(hidden=too_long.hidden, cand_ids=too_long.cand_ids[:, :, :4], cand_logq=too_long.cand_logq[:, :, :4])
+    with pytest.raises(DRelayError, match="built for"):
+        selector.select(bad, sctx)
