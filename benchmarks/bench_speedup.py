@@ -114,12 +114,17 @@ def main(argv=None) -> int:
         print(f"{b:<14}" + "".join(f"{row[n]['S']:>9.2f} τ{row[n]['tau']:<5.2f}" for n in names[1:]))
     print(f"{'mean':<14}" + "".join(f"{mean[n]:>16.2f}" for n in names[1:]))
     phases = {n: DecodeStats.merged(parts) for n, parts in decodes.items()}
-    per_round = {n: st.breakdown_ms_per_step() | {"rounds_per_token": st.steps / max(st.generated, 1)} for n, st in phases.items()}
-    print("\nms per round by phase, all prompts (draft = drafter + context extension; other = the engine's own work)")
-    print(f"{'engine':<14}" + "".join(f"{k:>9}" for k in ("draft", "select", "verify", "other")) + f"{'ms/token':>10}")
+    per_round = {n: st.breakdown_ms_per_step() | {"rounds_per_token": st.steps / max(st.generated, 1),
+                                                   "drafted_share": st.drafted_steps / max(st.steps, 1),
+                                                   "selector_share": st.selector_steps / max(st.drafted_steps, 1)}
+                 for n, st in phases.items()}  # fmt: skip
+    print("\nms per round by phase, all prompts (draft = drafter + context extension; other = the engine's own work;"
+          " drafted = share of rounds that drafted, selector = share of those that ran the selector)")
+    print(f"{'engine':<14}" + "".join(f"{k:>9}" for k in ("draft", "select", "verify", "other")) + f"{'ms/token':>10}{'drafted':>9}{'selector':>9}")
     for n, row in per_round.items():
         ms_token = sum(row[k] for k in ("draft", "select", "verify", "other")) * row["rounds_per_token"]
-        print(f"{n:<14}" + "".join(f"{row[k]:>9.2f}" for k in ("draft", "select", "verify", "other")) + f"{ms_token:>10.2f}")
+        print(f"{n:<14}" + "".join(f"{row[k]:>9.2f}" for k in ("draft", "select", "verify", "other"))
+              + f"{ms_token:>10.2f}{row['drafted_share']:>9.0%}{row['selector_share']:>9.0%}")
     out = {"args": vars(args), "table": table, "mean_S": mean, "phases_ms_per_round": per_round,
            "other_processes_cpu_pct": other_pct, "wall_s": wall}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -268,6 +268,8 @@ class SpeculativeEngine:
             t2 = clock()
             stats.time_draft += t1 - t0
             stats.time_select += t2 - t1
+            stats.drafted_steps += 1
+            stats.selector_steps += int(selector is self.selector)
             drafting_ms = 1e3 * (t2 - t0)
         start = cache.lengths.clone()
         t0 = clock()

@@ -147,6 +147,8 @@ def _replay_batch(target, drafter, selector, prompts, conts, rows: list[int], or
             left[b] -= c
         stats.record_round(accepted, committed)
         stats.steps += len(live)  # one replayed round per row, as when rows are replayed alone
+        stats.drafted_steps += len(live)  # replay drafts and selects every round (fixed length)
+        stats.selector_steps += len(live)
     stats.generated += sum(len(c) for c in conts)
 
 

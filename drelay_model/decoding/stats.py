@@ -29,6 +29,9 @@ class DecodeStats:
     committed    tokens committed by rounds (excludes each row's prefill token).
     rounds       row-rounds (one per row per verification).
     steps        engine iterations (one batched draft → select → verify each).
+    drafted_steps   steps that drafted (the rest were AR rounds of a cost-aware policy);
+    selector_steps  drafted steps that ran the selector (the rest kept the native path: a
+                    two-armed cost-aware policy's native arm).
     requests     generate() rows, i.e. prefills.
     Times are wall seconds of the whole batch, by phase.
     """
@@ -38,6 +41,8 @@ class DecodeStats:
     committed: int = 0
     rounds: int = 0
     steps: int = 0
+    drafted_steps: int = 0
+    selector_steps: int = 0
     generated: int = 0
     requests: int = 0
     time_prefill: float = 0.0
@@ -49,7 +54,7 @@ class DecodeStats:
     def __post_init__(self) -> None:
         self.accept_hist = torch.zeros(self.num_slots + 1, dtype=torch.long)
 
-    _COUNTS = ("committed", "rounds", "steps", "generated", "requests")
+    _COUNTS = ("committed", "rounds", "steps", "drafted_steps", "selector_steps", "generated", "requests")
     _TIMES = ("time_prefill", "time_draft", "time_select", "time_verify", "time_total")
 
     def __add__(self, other: "DecodeStats") -> "DecodeStats":

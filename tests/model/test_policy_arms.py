@@ -3,6 +3,8 @@ without it), and DRelay on the short blocks that cost-aware rounds draft."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -79,6 +81,14 @@ def test_native_arm_rounds_never_call_the_selector_and_stay_lossless(target, mak
     out = engine.generate(prompts, cfg)
     assert out.tokens == greedy
     assert calls == [] and out.stats.steps < sum(len(t) for t in out.tokens)  # drafted, never selected
+    assert out.stats.drafted_steps > 0 and out.stats.selector_steps == 0
+    free = dataclasses.replace(c, select_ms=0.0)  # now selecting is free and its arm the one trusted
+    engine = SpeculativeEngine(target, drafter, selector, costs=free)
+    for a in (0, 1):
+        engine.policy.arms[a].seen, engine.policy.arms[a].hits = [100.0] * Hd, [99.0 - 90 * a] * Hd
+    out = engine.generate(prompts, cfg)
+    assert out.tokens == greedy and 0 < out.stats.selector_steps <= out.stats.drafted_steps <= out.stats.steps
+    assert len(calls) == out.stats.selector_steps
 
 
 def test_drelay_selects_on_a_short_block(target, make_drafter, prompts_of, tiny_selector_config):
