@@ -121,6 +121,8 @@ class CostAwareLength:
                 raise DRelayError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not 0.0 <= self.min_gain < 1.0:
             raise DRelayError(f"min_gain must be in [0, 1), got {self.min_gain}")
+        if not 1 <= self.probe <= self.max_probe:
+            raise DRelayError(f"probe and max_probe must satisfy 1 ≤ probe ≤ max_probe, got {self.probe} and {self.max_probe}")
         if not self.rate_prior > 0:
             raise DRelayError(f"rate_prior must be > 0, got {self.rate_prior}")
         self.arms = [SlotRates(self.num_slots) for _ in range(1 + self.native_arm)]

@@ -251,6 +251,9 @@ def test_measured_times_rescale_the_curve_and_move_the_plan():
     assert slow.plan() == 0
     with pytest.raises(DRelayError, match="time_decay"):
         CostAwareLength(base, H, time_decay=1.0)
+    for bad in ({"probe": 0}, {"probe": 8, "max_probe": 4}):  # the probe interval halves and doubles
+        with pytest.raises(DRelayError, match="probe and max_probe"):
+            CostAwareLength(base, H, **bad)
 
 
 def test_measure_costs_is_interleaved_and_monotone(target, make_drafter):
