@@ -1,13 +1,16 @@
 """Measured round costs for cost-aware verification length, cached per machine.
 
-One JSON file per (target, checkpoint, method, torch threads, device, packed linears or not) under
-$DRELAY_CACHE_DIR/costs/ (default ~/.cache/drelay/costs/): measuring takes a few seconds on the CPU
-default, and the costs belong to the machine, not to the repository. `drelay costs` re-measures.
+One JSON file per (target, checkpoint, method, torch threads, device and its processor model,
+packed linears or not) under $DRELAY_CACHE_DIR/costs/ (default ~/.cache/drelay/costs/): measuring
+takes a few seconds on the CPU default, and the costs belong to the machine, not to the repository
+(a home directory shared by cluster nodes of different CPU or GPU models keeps one file per model).
+`drelay costs` re-measures.
 """
 
 from __future__ import annotations
 
 import hashlib
+import platform
 import sys
 from pathlib import Path
 
@@ -20,10 +23,24 @@ from pipelines.common.methods import MethodSpec
 VERIFY_LENGTHS = ("cost", "fixed")  # cost-aware per round, or the selector's whole path (the paper's setting)
 
 
+def processor_model(device: str) -> str:
+    """The CPU's model name (Linux /proc/cpuinfo; `platform.processor()` elsewhere) or the GPU's."""
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def costs_path(target_spec: str, spec: MethodSpec, device: str = "cpu", *, packed: bool = False) -> Path:
     ckpt = str(Path(spec.checkpoint).resolve()) if spec.checkpoint else "random-drafter"
     digest = hashlib.sha1(ckpt.encode()).hexdigest()[:10]
-    name = f"{target_spec}__{digest}__{spec.name}__t{torch.get_num_threads()}__{device}{'-packed' if packed else ''}.json"
+    chip = hashlib.sha1(processor_model(device).encode()).hexdigest()[:6]
+    name = f"{target_spec}__{digest}__{spec.name}__t{torch.get_num_threads()}__{device}-{chip}{'-packed' if packed else ''}.json"
     return cache_root() / "costs" / name.replace("/", "_")
 
 

@@ -113,6 +113,11 @@ def test_costs_command_measures_caches_and_shows(capsys, tmp_path, monkeypatch):
     out, err = capsys.readouterr()
     assert "predate" in err and len(json.loads(out)["draft_slots_ms"]) == 15
     assert main(["costs", "--method", "ar"]) == 2 and "no drafting costs" in capsys.readouterr().err
+    # another CPU model (a home directory shared by cluster nodes) gets its own curve
+    monkeypatch.setattr("pipelines.common.costs.processor_model", lambda device: "Another CPU")
+    assert main(["costs", "--random-drafter", "--show"]) == 2 and "run without --show" in capsys.readouterr().err
+    assert main(["costs", "--random-drafter", "--json"]) == 0 and len(list(tmp_path.glob("costs/*.json"))) == 2
+    capsys.readouterr()
 
 
 def test_device_flag_cuda_without_cuda_is_one_line(capsys):
