@@ -137,7 +137,6 @@ class SpeculativeEngine:
             return None
         return CostAwareLength(self.costs, self.num_slots, native_arm=not self.selector.capabilities.native_path)
 
-
     @torch.inference_mode()
     def generate(
         self, prompts: list[list[int]], config: GenerationConfig = GenerationConfig(), *, seeds: list[int] | None = None
@@ -241,7 +240,8 @@ class SpeculativeEngine:
         # planned: how many path tokens this round may verify (0 = an AR round); head: how many slots
         # get an LM head (= planned, or all H for a selector that reads the whole pool).
         planned = H if policy is None else policy.plan(partial=self.selector.capabilities.partial_block)
-        selector = self.selector if policy is None or policy.use_selector else self._native
+        runs_selector = policy is None or policy.use_selector  # False: a native-arm round
+        selector = self.selector if runs_selector else self._native
         q = proposal = None
         head, drafting_ms = 0, 0.0
         if self.drafter is None or planned == 0:  # AR round: verify the anchor alone
@@ -269,7 +269,7 @@ class SpeculativeEngine:
             stats.time_draft += t1 - t0
             stats.time_select += t2 - t1
             stats.drafted_steps += 1
-            stats.selector_steps += int(selector is self.selector)
+            stats.selector_steps += int(runs_selector)
             drafting_ms = 1e3 * (t2 - t0)
         start = cache.lengths.clone()
         t0 = clock()
@@ -295,7 +295,7 @@ class SpeculativeEngine:
             state.history.push(res.features, accepted + 1)
         if policy is not None:  # rescale the cost curve by what this round measured
             policy.observe_times(verify_width=1 + path.shape[1], verify_ms=1e3 * verify_s, head_slots=head,
-                                 decided=planned if selector is self.selector else 0, draft_ms=drafting_ms, round_ms=1e3 * (clock() - t_round))  # fmt: skip
+                                 decided=planned if runs_selector else 0, draft_ms=drafting_ms, round_ms=1e3 * (clock() - t_round))  # fmt: skip
         return accepted, next_tok, path
 
     # ---- host-side bookkeeping -----------------------------------------------------------------

@@ -12,18 +12,13 @@ from drelay_model.decoding import GenerationConfig, SpeculativeEngine
 from drelay_model.decoding.verify_length import CostAwareLength, VerifyCosts
 from drelay_model.errors import DRelayError
 from drelay_model.selectors import SelectionContext, default_registry
+from tests.model.test_verify_length import set_counts
 
 H = 4
 
 
 def costs(select: float = 1.0) -> VerifyCosts:
     return VerifyCosts(verify_ms=(30.0, 30.5, 31.0, 31.5, 32.0), block_ms=1.0, head_ms=0.1, select_ms=select)
-
-
-def give(policy: CostAwareLength, arm: int, seen: float, hits: float) -> None:
-    rates = policy.arms[arm]
-    rates.seen, rates.hits = [seen] * H, [hits] * H
-    rates.base_seen, rates.base_hits = [seen] * H, [hits] * H
 
 
 def test_the_native_path_costs_no_selection():
@@ -33,12 +28,12 @@ def test_the_native_path_costs_no_selection():
 
 def test_the_plan_runs_the_selector_only_where_its_repairs_pay():
     equal = CostAwareLength(costs(select=8.0), H, native_arm=True)
-    give(equal, 0, 100.0, 80.0)
-    give(equal, 1, 100.0, 80.0)
+    set_counts(equal, [100.0] * H, [80.0] * H, 0)
+    set_counts(equal, [100.0] * H, [80.0] * H, 1)
     assert equal.plan() > 0 and not equal.use_selector  # the same acceptance, cheaper without it
     better = CostAwareLength(costs(select=0.5), H, native_arm=True)
-    give(better, 0, 100.0, 90.0)
-    give(better, 1, 100.0, 40.0)
+    set_counts(better, [100.0] * H, [90.0] * H, 0)
+    set_counts(better, [100.0] * H, [40.0] * H, 1)
     assert better.plan() > 0 and better.use_selector  # its repairs accept more than they cost
     single = CostAwareLength(costs(), H)
     assert len(single.arms) == 1 and single.use_selector
@@ -47,7 +42,7 @@ def test_the_plan_runs_the_selector_only_where_its_repairs_pay():
 def test_observations_go_to_the_arm_that_ran_and_probes_try_the_least_known_arm():
     policy = CostAwareLength(costs(select=0.5), H, native_arm=True, probe=1)
     for a in (0, 1):
-        give(policy, a, 100.0, 1.0)  # both arms hopeless: AR rounds, with a probe every round here
+        set_counts(policy, [100.0] * H, [1.0] * H, a)  # both arms hopeless: AR rounds, with a probe every round here
     policy.arms[1].base_seen[0] = 200.0  # the native arm is the better known one
     assert policy.plan() > 0 and policy._probing and policy.arm == 0
     before = list(policy.arms[1].seen)
@@ -75,9 +70,9 @@ def test_native_arm_rounds_never_call_the_selector_and_stay_lossless(target, mak
     cfg = GenerationConfig(max_new_tokens=20)
     greedy = SpeculativeEngine(target).generate(prompts, cfg).tokens
     engine = SpeculativeEngine(target, drafter, selector, costs=c)
-    give_all = engine.policy
+    policy = engine.policy
     for a in (0, 1):
-        give_all.arms[a].seen, give_all.arms[a].hits = [100.0] * Hd, [99.0] * Hd
+        policy.arms[a].seen, policy.arms[a].hits = [100.0] * Hd, [99.0] * Hd
     out = engine.generate(prompts, cfg)
     assert out.tokens == greedy
     assert calls == [] and out.stats.steps < sum(len(t) for t in out.tokens)  # drafted, never selected
