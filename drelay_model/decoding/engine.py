@@ -43,20 +43,37 @@ class _BatchState:
     ctx: KVCache | None = None  # drafter context keys/values
     history: VerifiedHistory | None = None
     anchor: torch.Tensor | None = None  # [R] int64
-    # Target features [R, 1, F] of AR rounds not yet in the drafter's context (`ctx`) nor in the
-    # verified history: an AR round does not draft, so both wait for the next drafted round, which
-    # extends them by all of them in one call each (`sync_context`) instead of one per token.
-    pending: list[torch.Tensor] = field(default_factory=list)
+    # Verified target features not yet in the drafter's context (`ctx`) nor in the verified history,
+    # one (features [R, T, F], counts [R] or None = all T) per round since the last drafted one:
+    # the round that verified them does not need them, so they wait for the next drafted round,
+    # which extends by all of them in one call each (`sync_context`) instead of one per round.
+    pending: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+
+    def defer(self, features: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+        """Queue a round's verified features: the first counts[r] of row r (None: all T, an AR round)."""
+        self.pending.append((features, counts))
 
     def sync_context(self, drafter: BlockDrafter) -> None:
-        """Extend the drafter's context and the history by the pending AR-round features (every
-        row has the same number: an AR round is batch-wide and commits exactly its anchor)."""
-        if self.pending:
-            feats = torch.cat(self.pending, dim=1)  # [R, n, F]
-            drafter.extend_context(feats, self.ctx)
-            if self.history is not None:
-                self.history.push(feats, torch.full_like(self.cache.lengths, feats.shape[1]))
-            self.pending = []
+        """Extend the drafter's context and the history by the pending features.
+
+        Every row's pending features go left-aligned into one [R, T, F] tensor (T = the most any row
+        has) at positions ctx.lengths + t, and each row is cropped to its own count: the context
+        keys/values are per position (row-independent linears, RoPE by position), so one call
+        yields what one call per round would."""
+        if not self.pending:
+            return
+        if all(counts is None for _, counts in self.pending):  # AR rounds only: the same count everywhere
+            feats = torch.cat([f for f, _ in self.pending], dim=1)  # [R, n, F]
+            total = torch.full_like(self.ctx.lengths, feats.shape[1])
+        else:
+            total = sum(f.shape[1] if c is None else c for f, c in self.pending)  # [R]
+            feats = _left_aligned(self.pending, total)
+        start = self.ctx.lengths.clone()
+        drafter.extend_context(feats, self.ctx)
+        self.ctx.crop(start + total)
+        if self.history is not None:
+            self.history.push(feats, total)
+        self.pending = []
 
     def selection_context(self, max_slots: int | None = None) -> SelectionContext:
         hist = self.history
@@ -81,9 +98,24 @@ class _BatchState:
         for part in (self.ctx, self.history):
             if part is not None:
                 part.select_rows(index)
-        self.pending = [f[index] for f in self.pending]
+        self.pending = [(f[index], None if c is None else c[index]) for f, c in self.pending]
         self.anchor = self.anchor[index]
         self.rows = rows
+
+
+def _left_aligned(chunks: list[tuple[torch.Tensor, torch.Tensor | None]], total: torch.Tensor) -> torch.Tensor:
+    """Chunks (features [R, T_i, F], counts [R] or None = T_i) → [R, max total, F]: row r holds the
+    first counts[r] of each chunk's row r, in order, then zeros."""
+    first = chunks[0][0]
+    R, F = first.shape[0], first.shape[2]
+    out = first.new_zeros(R, int(total.max()), F)  # one host sync
+    offset = torch.zeros_like(total)
+    for f, c in chunks:
+        n = torch.full_like(total, f.shape[1]) if c is None else c
+        rows, cols = (torch.arange(f.shape[1], device=f.device)[None] < n[:, None]).nonzero(as_tuple=True)
+        out[rows, offset[rows] + cols] = f[rows, cols]
+        offset = offset + n
+    return out
 
 
 @dataclass
@@ -281,18 +313,8 @@ class SpeculativeEngine:
             policy.observe(q, length, accepted)
         # Keep the anchor and the accepted drafts; the next token becomes the new (uncached) anchor.
         cache.crop(start + 1 + accepted)
-        ar_round = state.ctx is not None and path.shape[1] == 0  # every row committed its anchor
-        if ar_round:
-            state.pending.append(res.features)
-        elif state.ctx is not None:
-            t0 = clock()
-            self.drafter.extend_context(res.features, state.ctx)
-            extend_s = clock() - t0
-            stats.time_draft += extend_s
-            drafting_ms += 1e3 * extend_s
-            state.ctx.crop(start + 1 + accepted)
-        if state.history is not None and not ar_round:
-            state.history.push(res.features, accepted + 1)
+        if state.ctx is not None:  # the drafter's context catches up when it next drafts
+            state.defer(res.features, None if path.shape[1] == 0 else accepted + 1)
         if policy is not None:  # rescale the cost curve by what this round measured
             policy.observe_times(verify_width=1 + path.shape[1], verify_ms=1e3 * verify_s, head_slots=head,
                                  decided=planned if runs_selector else 0, draft_ms=drafting_ms, round_ms=1e3 * (clock() - t_round))  # fmt: skip

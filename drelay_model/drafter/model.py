@@ -59,16 +59,16 @@ class _Layer(nn.Module):
         D, hd = cfg.hidden_size, cfg.head_dim
         self.cfg = cfg
         self.in_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.q_proj = cpu_linear.PackedLinear(D, cfg.num_heads * hd, bias=False)
+        self.q_proj = cpu_linear.PackedLinear(D, cfg.num_heads * hd, bias=False, few_rows_int8=True)
         self.k_proj = cpu_linear.PackedLinear(D, cfg.num_kv_heads * hd, bias=False)
         self.v_proj = cpu_linear.PackedLinear(D, cfg.num_kv_heads * hd, bias=False)
-        self.o_proj = cpu_linear.PackedLinear(cfg.num_heads * hd, D, bias=False)
+        self.o_proj = cpu_linear.PackedLinear(cfg.num_heads * hd, D, bias=False, few_rows_int8=True)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.post_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.gate_proj = cpu_linear.PackedLinear(D, cfg.intermediate_size, bias=False)
-        self.up_proj = cpu_linear.PackedLinear(D, cfg.intermediate_size, bias=False)
-        self.down_proj = cpu_linear.PackedLinear(cfg.intermediate_size, D, bias=False)
+        self.gate_proj = cpu_linear.PackedLinear(D, cfg.intermediate_size, bias=False, few_rows_int8=True)
+        self.up_proj = cpu_linear.PackedLinear(D, cfg.intermediate_size, bias=False, few_rows_int8=True)
+        self.down_proj = cpu_linear.PackedLinear(cfg.intermediate_size, D, bias=False, few_rows_int8=True)
 
     def kv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [B, T, D] (already normalised) → k, v [B, n_kv, T, hd] with RoPE on k."""
@@ -130,7 +130,7 @@ class BlockDrafter(nn.Module):
             self.target_to_draft = None
         self.register_buffer("head_weight", head, persistent=False)
         self._head_pack = cpu_linear.PackCache()
-        self._rank_pack = cpu_linear.PackCache(torch.bfloat16)  # the head in bf16, to rank the pool
+        self._rank_pack = cpu_linear.PackCache(cpu_linear.RANK)  # the head in bf16 or int8, to rank the pool
 
     # ---- context -------------------------------------------------------------------------------
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,20 +248,21 @@ class BlockDrafter(nn.Module):
     def pool(self, hidden: torch.Tensor) -> DraftBlock:
         """Slot hidden states [B, H, D] → the top-K pool under the drafter's softmax.
 
-        Where the CPU runs bfloat16 natively (`cpu_linear.bf16_available`), the head is read once in
-        bf16 to rank the draft vocabulary, and only the K members get float32 logits:
-            members  = top-K of the bf16 logits                                   [B, H, K]
-            z_v      = h · w_v in float32 for members, the bf16 logit otherwise
+        Where the CPU can (`cpu_linear.rank_dtype`: bfloat16 where native, else int8 weights, for at
+        most `INT8_MAX_ROWS` rows), the head is read once in that precision to rank the draft
+        vocabulary, and only the K members get float32 logits:
+            members  = top-K of the coarse logits                                 [B, H, K]
+            z_v      = h · w_v in float32 for members, the coarse logit otherwise
             log q_v  = z_v − logsumexp(z)
-        so the pool's order and log q are float32 up to the bf16 part of the normaliser, and a pool
-        can differ from the float32 one only in a member tied at the K-th place.
+        so the pool's order and log q are float32 up to the coarse part of the normaliser, and a
+        pool can differ from the float32 one only in a member tied at the K-th place.
         """
         K = self.config.top_k
         w = self.head_weight
         coarse = None
         if hidden.dtype == w.dtype == torch.float32:
-            packed = self._rank_pack.get(w)  # None under autograd or without native bf16
-            if packed is not None:
+            packed = self._rank_pack.get(w)  # None under autograd or where no coarse precision runs
+            if cpu_linear.ranks_faster(packed, hidden[..., 0].numel()):
                 coarse = cpu_linear.linear(hidden, w, None, packed)  # [B, H, V] bf16 logits, as float32
         if coarse is None:
             logq = torch.log_softmax(self.logits(hidden), dim=-1)  # [B, H, V]

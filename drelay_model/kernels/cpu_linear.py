@@ -23,11 +23,19 @@ drafter's hidden states, and replay's agreement with real decoding, stay exact. 
 drafter's layers as well saved 0.3 ms a draft but made replay diverge from real decoding (an
 ulp of float32 difference upstream becomes a bf16 rounding step). `DRELAY_BF16_POOL=0` (or
 `set_bf16_enabled(False)`) ranks in float32.
+
+Where bf16 is not native (AVX2-only CPUs), the head can rank the pool with int8 weights instead
+(`pack(w, torch.int8)`, `Int8Weight`): one symmetric scale per output row, rounded to bf16 first so
+that w ≈ s_r · q_r holds exactly for the kernel's scale, and bf16 activations into ATen's weight-only
+int8 matmul (`_weight_int8pack_mm`). It reads a quarter of float32's bytes; rows stay independent
+of each other in a batch, as with oneDNN. `DRELAY_INT8_POOL=0` (or `set_int8_enabled(False)`)
+turns it off; `rank_dtype()` says which precision a pool is ranked in on this machine.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +44,12 @@ from torch import nn
 BATCH_HINT = 16  # rows the packed layout is tuned for: H + 1 = 16 for the CPU default's verify
 _enabled = os.environ.get("DRELAY_PACKED_LINEARS", "1") != "0"
 _bf16_enabled = os.environ.get("DRELAY_BF16_POOL", "1") != "0"
+_int8_enabled = os.environ.get("DRELAY_INT8_POOL", "1") != "0"
+RANK = "rank"  # PackCache dtype: whatever `rank_dtype()` says at the time of packing
+# ATen's int8 kernel reads the weight once per row: measured on the 16,384 × 576 draft head (2 cores,
+# AVX2), 1.6 / 1.9 / 2.0 / 4.5 / 8.7 ms for 1 / 2 / 4 / 8 / 15 rows against float32 oneDNN's
+# 2.9 / 3.2 / 3.7 / 4.5 / 5.7; above this many rows float32 is the faster ranking.
+INT8_MAX_ROWS = 4
 
 
 def set_enabled(on: bool) -> None:
@@ -50,6 +64,12 @@ def set_bf16_enabled(on: bool) -> None:
     _bf16_enabled = bool(on)
 
 
+def set_int8_enabled(on: bool) -> None:
+    """Allow int8-weight ranking where bf16 is not native (True) or never (False)."""
+    global _int8_enabled
+    _int8_enabled = bool(on)
+
+
 def available() -> bool:
     """oneDNN is built in and exposes the packed-linear ops."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -60,23 +80,66 @@ def bf16_available() -> bool:
     return _enabled and _bf16_enabled and available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def pack(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
-    """A packed copy in `dtype` (float32 or bfloat16) of a float32 CPU weight [out, in], or None
-    where packing does not apply."""
+def int8_available() -> bool:
+    """Int8-weight ranking is on and this build has ATen's weight-only int8 matmul."""
+    return _enabled and _int8_enabled and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def rank_dtype() -> torch.dtype | None:
+    """The precision a drafter's head ranks its vocabulary in here: bfloat16 where native, else int8
+    weights, else None (float32, no ranking pass)."""
+    if bf16_available():
+        return torch.bfloat16
+    return torch.int8 if int8_available() else None
+
+
+def ranks_faster(packed: "torch.Tensor | Int8Weight | None", rows: int) -> bool:
+    """Whether ranking `rows` rows through `packed` beats the float32 head (None: never)."""
+    return packed is not None and (not isinstance(packed, Int8Weight) or rows <= INT8_MAX_ROWS)
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A weight [out, in] as int8 rows and one bf16 scale per row: w[r] ≈ scales[r] · q[r]."""
+
+    q: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out] bfloat16
+
+    @staticmethod
+    def quantize(weight: torch.Tensor) -> "Int8Weight":
+        w = weight.detach().float()
+        scales = (w.abs().amax(dim=1).clamp_min(1e-12) / 127).to(torch.bfloat16)  # the kernel's exact scale
+        q = torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+        return Int8Weight(q=q.contiguous(), scales=scales)
+
+
+def pack(weight: torch.Tensor, dtype: torch.dtype | str = torch.float32) -> torch.Tensor | Int8Weight | None:
+    """A packed copy in `dtype` (float32, bfloat16, int8, or RANK: `rank_dtype()`) of a float32 CPU
+    weight [out, in], or None where packing does not apply."""
     if not _enabled or not available() or weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
+    if dtype == RANK:
+        dtype = rank_dtype()
+        if dtype is None:
+            return None
+    if dtype == torch.int8:
+        return Int8Weight.quantize(weight) if int8_available() else None
     if dtype == torch.bfloat16 and not bf16_available():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype), BATCH_HINT)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | Int8Weight | None) -> torch.Tensor:
     """F.linear(x, weight, bias), through the packed weight when it applies. x [..., in] → [..., out]
-    (through a bfloat16-packed weight, x and the bias are rounded to bf16 and the output, rounded
-    to bf16 by oneDNN, comes back in x's dtype)."""
+    (through a bfloat16-packed or int8 weight, x and the bias are rounded to bf16 and the output,
+    rounded to bf16 by the kernel, comes back in x's dtype)."""
     if packed is None or not _enabled or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_autocast_enabled("cpu") or torch.is_grad_enabled():
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
+    if isinstance(packed, Int8Weight):
+        out = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16), packed.q, packed.scales).to(x.dtype)
+        out = out if bias is None else out + bias
+        return out.view(*x.shape[:-1], out.shape[-1])
     if packed.dtype == torch.bfloat16:
         rows, bias = rows.to(torch.bfloat16), None if bias is None else bias.to(torch.bfloat16)
     out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "").to(x.dtype)
@@ -88,9 +151,10 @@ class PackCache:
     rebuilt whenever the weight does (new storage, an in-place update, another dtype or device), and
     consulted only outside autograd. A weight created under `torch.inference_mode()` has no version
     counter, so it is never packed (plain `F.linear`). Copies and pickles start empty. `dtype`: the
-    packed copy's (bfloat16: see the module docstring; None where the CPU lacks native bf16)."""
+    packed copy's (float32, bfloat16, int8 or RANK: see the module docstring; `get` is None where
+    this CPU cannot run it)."""
 
-    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, dtype: torch.dtype | str = torch.float32) -> None:
         self.dtype = dtype
         self._key: tuple | None = None
         self._packed: torch.Tensor | None = None
@@ -98,7 +162,7 @@ class PackCache:
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
         if torch.is_grad_enabled() or weight.is_inference():
             return None  # an inference tensor keeps no version counter: an in-place update would go unseen
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, tuple(weight.shape), _enabled, _bf16_enabled)
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, tuple(weight.shape), _enabled, _bf16_enabled, _int8_enabled)
         if key != self._key:
             self._packed, self._key = pack(weight, self.dtype), key
         return self._packed
@@ -109,13 +173,20 @@ class PackCache:
 
 class PackedLinear(nn.Linear):
     """`nn.Linear` (same parameters, same state dict) whose inference on CPU in float32 goes through
-    a packed copy of its weight (`PackCache`: repacked after each update); training is `F.linear`."""
+    a packed copy of its weight (`PackCache`: repacked after each update); training is `F.linear`.
+    `few_rows_int8`: inputs of at most INT8_MAX_ROWS rows go through int8 weights where
+    `int8_available()` (the drafter's short blocks; see `BlockDrafter.draft`)."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, few_rows_int8: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._pack = PackCache()
+        self._int8 = PackCache(torch.int8) if few_rows_int8 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight.dtype or torch.compiler.is_compiling():  # a traced graph stays plain aten
             return F.linear(x, self.weight, self.bias)
+        if self._int8 is not None and x[..., 0].numel() <= INT8_MAX_ROWS:
+            packed = self._int8.get(self.weight)
+            if packed is not None:
+                return linear(x, self.weight, self.bias, packed)
         return linear(x, self.weight, self.bias, self._pack.get(self.weight))

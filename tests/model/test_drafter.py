@@ -16,6 +16,7 @@ from drelay_model.drafter import (
     save_drafter,
 )
 from drelay_model.errors import DRelayError
+from drelay_model.kernels import cpu_linear
 from drelay_model.target import tiny_target
 
 
@@ -156,34 +157,57 @@ def test_a_short_block_drafts_only_its_slots(target, make_drafter):
     drafter.extend_context(feats, cache)
     H = drafter.config.num_slots
     ctx = drafter.context_kv(feats, torch.arange(20)[None])
-    for h in (1, 3):
-        block = drafter.draft(ids[:, -1], cache, slots=h)
-        assert block.cand_ids.shape == (1, h, drafter.config.top_k)
-        short = drafter.block_hidden(ids[:, -1:], torch.tensor([[20]]), ctx, size=1 + h)
-        torch.testing.assert_close(block.hidden, short[:, 0, 1:], atol=1e-5, rtol=1e-5)
-    whole = drafter.draft(ids[:, -1], cache, slots=H)
-    torch.testing.assert_close(whole.hidden, drafter.draft(ids[:, -1], cache).hidden)
+    cpu_linear.set_int8_enabled(False)  # float32 throughout (int8 short blocks: below)
+    try:
+        for h in (1, 3):
+            block = drafter.draft(ids[:, -1], cache, slots=h)
+            assert block.cand_ids.shape == (1, h, drafter.config.top_k)
+            short = drafter.block_hidden(ids[:, -1:], torch.tensor([[20]]), ctx, size=1 + h)
+            torch.testing.assert_close(block.hidden, short[:, 0, 1:], atol=1e-5, rtol=1e-5)
+        whole = drafter.draft(ids[:, -1], cache, slots=H)
+        torch.testing.assert_close(whole.hidden, drafter.draft(ids[:, -1], cache).hidden)
+    finally:
+        cpu_linear.set_int8_enabled(True)
+    if cpu_linear.int8_available():  # a block of ≤ INT8_MAX_ROWS positions: int8 layer weights, close to float32
+        quantized = drafter.draft(ids[:, -1], cache, slots=1).hidden
+        exact = drafter.block_hidden(ids[:, -1:], torch.tensor([[20]]), ctx, size=2)[:, 0, 1:]
+        assert not torch.equal(quantized, exact)
+        torch.testing.assert_close(quantized, exact, atol=0.05, rtol=0.05)
+        assert torch.equal(whole.hidden, drafter.draft(ids[:, -1], cache).hidden)  # 16 positions: float32
 
 
-def test_the_bf16_ranked_pool_keeps_float32_logits(target, make_drafter):
-    """Where the CPU runs bf16 natively, the pool is ranked by a bf16 head and its members get
-    float32 logits: the same argmax wherever the float32 top two are not within bf16 rounding,
-    log q within the normaliser's bf16 error, sorted; `set_bf16_enabled(False)` is the float32 pool."""
+@pytest.mark.parametrize("precision", ["bfloat16", "int8"])
+def test_the_coarsely_ranked_pool_keeps_float32_logits(target, make_drafter, precision):
+    """Where the CPU can, the pool is ranked by a bf16 head (native bf16) or an int8 one (elsewhere)
+    and its members get float32 logits: the same argmax wherever the float32 top two are not within
+    the coarse rounding, log q within the normaliser's coarse error, sorted; with both switched off
+    the pool is float32."""
     from drelay_model.kernels import cpu_linear
 
-    if not cpu_linear.bf16_available():
+    if precision == "bfloat16" and not cpu_linear.bf16_available():
         pytest.skip("no native bf16 oneDNN linear on this CPU")
+    if precision == "int8" and not cpu_linear.int8_available():
+        pytest.skip("this torch build has no weight-only int8 matmul")
     drafter = make_drafter(target)
-    hidden = torch.randn(2, 5, target.hidden_size, generator=torch.Generator().manual_seed(0)) * 4
+    hidden = torch.randn(3, 2, target.hidden_size, generator=torch.Generator().manual_seed(0)) * 4
+    few = hidden[:2]  # 4 rows: within INT8_MAX_ROWS
     with torch.inference_mode():
-        ranked = drafter.pool(hidden)
-        cpu_linear.set_bf16_enabled(False)
         try:
-            exact = drafter.pool(hidden)
+            cpu_linear.set_bf16_enabled(precision == "bfloat16")  # int8 ranks where bf16 is off
+            assert cpu_linear.rank_dtype() == getattr(torch, precision)
+            ranked, many = drafter.pool(few), drafter.pool(hidden)
+            cpu_linear.set_bf16_enabled(False)
+            cpu_linear.set_int8_enabled(False)
+            assert cpu_linear.rank_dtype() is None
+            exact, exact_many = drafter.pool(few), drafter.pool(hidden)
         finally:
             cpu_linear.set_bf16_enabled(True)
-        top2 = torch.log_softmax(drafter.logits(hidden), -1).topk(2, dim=-1).values
+            cpu_linear.set_int8_enabled(True)
+        top2 = torch.log_softmax(drafter.logits(few), -1).topk(2, dim=-1).values
+    if precision == "int8":  # more rows than INT8_MAX_ROWS: the float32 head is the faster ranking
+        assert torch.equal(many.cand_ids, exact_many.cand_ids) and torch.equal(many.cand_logq, exact_many.cand_logq)
     clear = (top2[..., 0] - top2[..., 1]) > 0.1
     assert clear.any() and torch.equal(ranked.cand_ids[..., 0][clear], exact.cand_ids[..., 0][clear])
     torch.testing.assert_close(ranked.cand_logq[..., 0], exact.cand_logq[..., 0], atol=0.05, rtol=0)
+    assert not torch.equal(ranked.cand_logq, exact.cand_logq)  # the coarse pass did run
     assert bool((ranked.cand_logq[..., :-1] >= ranked.cand_logq[..., 1:]).all()) and bool((ranked.cand_logq <= 0).all())

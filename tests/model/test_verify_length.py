@@ -156,35 +156,43 @@ def test_select_cost_grows_with_the_decided_slots_and_old_files_load(tmp_path):
     assert VerifyCosts.load(tmp_path / "new.json") == c
 
 
-def test_ar_rounds_extend_the_drafter_context_lazily_and_exactly(target, make_drafter):
-    """An AR round leaves its target features pending; the next drafted round extends the drafter's
-    context and the verified history by all of them in one call. Both then equal extending them once
-    per round, and dropping a row drops its pending features."""
+def test_rounds_extend_the_drafter_context_lazily_and_exactly(target, make_drafter):
+    """Every round leaves its verified target features pending (an AR round all of them, a drafted
+    round the first accepted + 1 of each row); the next drafted round extends the drafter's context
+    and the verified history by all of them in one call. Both then equal extending them once per
+    round, and dropping a row drops its pending features."""
     from drelay_model.decoding.engine import _BatchState
     from drelay_model.decoding.history import VerifiedHistory
 
     drafter = make_drafter(target)
     F = len(drafter.config.target_layer_ids) * target.hidden_size
     g = torch.Generator().manual_seed(0)
-    prefill, rounds = torch.randn(3, 5, F, generator=g), [torch.randn(3, 1, F, generator=g) for _ in range(4)]
-    eager, lazy = drafter.new_context_cache(3, 16), drafter.new_context_cache(3, 16)
+    prefill = torch.randn(3, 5, F, generator=g)
+    rounds = [(torch.randn(3, 1, F, generator=g), None), (torch.randn(3, 4, F, generator=g), torch.tensor([2, 4, 1])),
+              (torch.randn(3, 1, F, generator=g), None), (torch.randn(3, 3, F, generator=g), torch.tensor([3, 1, 2])),
+              (torch.randn(3, 1, F, generator=g), None)]  # fmt: skip
+    eager, lazy = drafter.new_context_cache(3, 24), drafter.new_context_cache(3, 24)
     hist_eager, hist_lazy = VerifiedHistory(3, 3, F), VerifiedHistory(3, 3, F)  # shorter than the pending run
     with torch.no_grad():
         for ctx in (eager, lazy):
             drafter.extend_context(prefill, ctx)
         for h in (hist_eager, hist_lazy):
             h.push(prefill, torch.tensor([5, 2, 4]))
-        for f in rounds:
+        for f, counts in rounds:  # one extension per round, cropped to what the round verified
+            counts = torch.ones(3, dtype=torch.long) if counts is None else counts
+            start = eager.lengths.clone()
             drafter.extend_context(f, eager)
-            hist_eager.push(f, torch.ones(3, dtype=torch.long))
-        cache = target.new_cache(3, 16)
+            eager.crop(start + counts)
+            hist_eager.push(f, counts)
+        cache = target.new_cache(3, 24)
         state = _BatchState(rows=[0, 1, 2], cache=cache, ctx=lazy, history=hist_lazy, anchor=torch.zeros(3, dtype=torch.long))
-        state.pending = list(rounds)
+        for f, counts in rounds:
+            state.defer(f, counts)
         state.keep([0, 2])  # row 1 finished: its pending features go with it
         eager.select_rows(torch.tensor([0, 2]))
         hist_eager.select_rows(torch.tensor([0, 2]))
         state.sync_context(drafter)
-    assert state.pending == [] and torch.equal(lazy.lengths, eager.lengths)
+    assert state.pending == [] and torch.equal(lazy.lengths, eager.lengths) and lazy.lengths.tolist() == [5 + 8, 5 + 6]
     assert torch.equal(hist_lazy.feats, hist_eager.feats) and torch.equal(hist_lazy.count, hist_eager.count)
     assert torch.equal(hist_lazy.mask(), hist_eager.mask())
     n = int(eager.lengths.max())
