@@ -24,12 +24,18 @@ drafter's layers as well saved 0.3 ms a draft but made replay diverge from real 
 ulp of float32 difference upstream becomes a bf16 rounding step). `DRELAY_BF16_POOL=0` (or
 `set_bf16_enabled(False)`) ranks in float32.
 
-Where bf16 is not native (AVX2-only CPUs), the head can rank the pool with int8 weights instead
+Small inputs can also go through int8 weights
 (`pack(w, torch.int8)`, `Int8Weight`): one symmetric scale per output row, rounded to bf16 first so
-that w ≈ s_r · q_r holds exactly for the kernel's scale, and bf16 activations into ATen's weight-only
-int8 matmul (`_weight_int8pack_mm`). It reads a quarter of float32's bytes; rows stay independent
-of each other in a batch, as with oneDNN. `DRELAY_INT8_POOL=0` (or `set_int8_enabled(False)`)
-turns it off; `rank_dtype()` says which precision a pool is ranked in on this machine.
+that w ≈ s_r · q_r holds exactly for the kernel's scale, and bf16 activations into ATen's
+weight-only int8 matmul (`_weight_int8pack_mm`). It reads a quarter of float32's bytes, rows stay
+independent of each other, and it loops over rows, so it pays only up to `INT8_MAX_ROWS` rows. The
+drafter uses it for the pool's ranking where bf16 is not native and, in a block of at most that many positions (the
+cost-aware round's short drafts), for its layers' q/o/MLP weights (`PackedLinear(few_rows_int8=True)`):
+measured on this 2-core AMD EPYC, draft(1) 13.4 → 8.6 ms, first-slot acceptance 0.334 → 0.335 on
+1,100 positions of six benchmarks (docs/benchmarks.md, session 12). Whole blocks (fixed length,
+replay, training) and the context keys/values stay float32, so replay still agrees exactly with
+real decoding at the fixed length. `DRELAY_INT8_DRAFT=0` (or `set_int8_enabled(False)`) turns it
+off; `rank_dtype()` says which precision a pool is ranked in on this machine.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from torch import nn
 BATCH_HINT = 16  # rows the packed layout is tuned for: H + 1 = 16 for the CPU default's verify
 _enabled = os.environ.get("DRELAY_PACKED_LINEARS", "1") != "0"
 _bf16_enabled = os.environ.get("DRELAY_BF16_POOL", "1") != "0"
-_int8_enabled = os.environ.get("DRELAY_INT8_POOL", "1") != "0"
+_int8_enabled = os.environ.get("DRELAY_INT8_DRAFT", "1") != "0"
 RANK = "rank"  # PackCache dtype: whatever `rank_dtype()` says at the time of packing
 # ATen's int8 kernel reads the weight once per row: measured on the 16,384 × 576 draft head (2 cores,
 # AVX2), 1.6 / 1.9 / 2.0 / 4.5 / 8.7 ms for 1 / 2 / 4 / 8 / 15 rows against float32 oneDNN's
@@ -65,7 +71,8 @@ def set_bf16_enabled(on: bool) -> None:
 
 
 def set_int8_enabled(on: bool) -> None:
-    """Allow int8-weight ranking where bf16 is not native (True) or never (False)."""
+    """Allow int8 weights for the drafter's short blocks (and its pool ranking where bf16 is not
+    native) (True) or never (False)."""
     global _int8_enabled
     _int8_enabled = bool(on)
 
@@ -81,7 +88,7 @@ def bf16_available() -> bool:
 
 
 def int8_available() -> bool:
-    """Int8-weight ranking is on and this build has ATen's weight-only int8 matmul."""
+    """Int8 weights are on and this build has ATen's weight-only int8 matmul."""
     return _enabled and _int8_enabled and hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
