@@ -18,6 +18,7 @@ def add_parser(sub) -> None:
     p.add_argument("--method", default=NATIVE, help=f"selector: {', '.join(method_names()[1:])}")
     p.add_argument("--checkpoint", help="drafter checkpoint directory (default: the one bundled for the target)")
     p.add_argument("--random-drafter", action="store_true", help="an untrained drafter (timing only: costs do not depend on training)")
+    p.add_argument("--reps", type=int, default=9, help="interleaved repetitions whose median each term is (1–99; default 9)")
     p.add_argument("--show", action="store_true", help="print the cached curve without measuring")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
@@ -27,11 +28,13 @@ def run(args: argparse.Namespace) -> int:
     spec = resolve_method(args.method, target_spec=args.target, checkpoint=args.checkpoint, random_drafter=args.random_drafter)
     if spec.is_ar:
         raise DRelayError("--method ar has no drafting costs; choose a selector")
+    if not 1 <= args.reps <= 99:
+        raise DRelayError(f"--reps must be in [1, 99], got {args.reps}")
     target = load_target_spec(args.target, device=args.device, dtype=args.dtype)
     if args.show and not costs_path(args.target, spec, target.embed_weight.device.type, packed=target.packed).exists():
         raise DRelayError(f"no cached costs for {args.target}/{args.method}; run without --show to measure them")
     drafter, selector = load_method(spec, target)
-    costs = verify_costs(target, drafter, selector, target_spec=args.target, spec=spec, remeasure=not args.show)
+    costs = verify_costs(target, drafter, selector, target_spec=args.target, spec=spec, remeasure=not args.show, reps=args.reps)
     if args.json:
         print(json.dumps(dataclasses.asdict(costs)))
         return 0

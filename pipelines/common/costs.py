@@ -47,8 +47,9 @@ def costs_path(target_spec: str, spec: MethodSpec, device: str = "cpu", *, packe
     return cache_root() / "costs" / name.replace("/", "_")
 
 
-def verify_costs(target, drafter, selector, *, target_spec: str, spec: MethodSpec, remeasure: bool = False) -> VerifyCosts:
-    """The cached cost curve, measured (and cached) on first use or when `remeasure`."""
+def verify_costs(target, drafter, selector, *, target_spec: str, spec: MethodSpec, remeasure: bool = False, reps: int = 9) -> VerifyCosts:
+    """The cached cost curve, measured (and cached) on first use or when `remeasure` (the median of
+    `reps` interleaved repetitions per term)."""
     device = str(target.embed_weight.device.type)
     path = costs_path(target_spec, spec, device, packed=getattr(target, "packed", False))
     if path.exists() and not remeasure:
@@ -57,6 +58,6 @@ def verify_costs(target, drafter, selector, *, target_spec: str, spec: MethodSpe
             return costs
         print(f"the cached costs at {path} predate what is measured now (version {costs.version} < {COSTS_VERSION}): re-measuring", file=sys.stderr)
     print(f"measuring verification costs once for {target_spec}/{spec.name} (cached at {path})", file=sys.stderr)
-    costs = measure_costs(target, drafter, selector)
+    costs = measure_costs(target, drafter, selector, reps=reps)
     costs.save(path)
     return costs

@@ -101,7 +101,7 @@ def test_console_script_never_prints_a_traceback(tmp_path):
 def test_costs_command_measures_caches_and_shows(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr("pipelines.common.costs.cache_root", lambda: tmp_path)
     assert main(["costs", "--random-drafter", "--show"]) == 2 and "run without --show" in capsys.readouterr().err
-    assert main(["costs", "--random-drafter", "--json"]) == 0
+    assert main(["costs", "--random-drafter", "--json", "--reps", "1"]) == 0
     measured = json.loads(capsys.readouterr().out)
     assert len(measured["verify_ms"]) == 16 and all(t > 0 for t in measured["verify_ms"])
     assert main(["costs", "--random-drafter", "--show", "--json"]) == 0
@@ -109,14 +109,15 @@ def test_costs_command_measures_caches_and_shows(capsys, tmp_path, monkeypatch):
     assert len(measured["draft_slots_ms"]) == 15
     (cached,) = tmp_path.glob("costs/*.json")  # a file written before draft(h) was measured is re-measured
     cached.write_text(json.dumps({k: v for k, v in measured.items() if k not in ("draft_slots_ms", "version")}))
-    assert main(["costs", "--random-drafter", "--show", "--json"]) == 0
+    assert main(["costs", "--random-drafter", "--show", "--json", "--reps", "1"]) == 0
     out, err = capsys.readouterr()
     assert "predate" in err and len(json.loads(out)["draft_slots_ms"]) == 15
     assert main(["costs", "--method", "ar"]) == 2 and "no drafting costs" in capsys.readouterr().err
+    assert main(["costs", "--random-drafter", "--reps", "0"]) == 2 and "--reps" in capsys.readouterr().err
     # another CPU model (a home directory shared by cluster nodes) gets its own curve
     monkeypatch.setattr("pipelines.common.costs.processor_model", lambda device: "Another CPU")
     assert main(["costs", "--random-drafter", "--show"]) == 2 and "run without --show" in capsys.readouterr().err
-    assert main(["costs", "--random-drafter", "--json"]) == 0 and len(list(tmp_path.glob("costs/*.json"))) == 2
+    assert main(["costs", "--random-drafter", "--json", "--reps", "1"]) == 0 and len(list(tmp_path.glob("costs/*.json"))) == 2
     capsys.readouterr()
 
 

@@ -53,6 +53,7 @@ def _config(tmp_path, data, **over):
     return load_config(None, [f"{k}={v}" for k, v in base.items()])
 
 
+@pytest.mark.heavy  # a fault test (~2 min here): `make test-heavy`
 def test_killed_worker_resumes_from_checkpoint_and_history_is_whole(tmp_path, tiny_data, ray_session, monkeypatch):
     from pipelines.common.tracking import get_client
     from pipelines.train.driver import run_training
