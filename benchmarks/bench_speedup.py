@@ -8,8 +8,8 @@ contender rotates per prompt), so a busy machine slows all of them alike. S per 
 checks it), and S per benchmark is the median of these paired ratios, with their min–max. The other processes' CPU share during the run is printed and logged.
 
 The cost curve for cost-aware length is the one `drelay costs` measures and caches (per target,
-checkpoint, method, threads, device and its processor model, packed linears and the pool's ranking
-precision: `pipelines.common.costs`); --remeasure redoes it.
+checkpoint, method, threads, device and its processor model, packed linears and what the drafter runs
+below float32: `pipelines.common.costs`); --remeasure redoes it.
 
 Run:  .venv/bin/python benchmarks/bench_speedup.py                         # 2 prompts × 8 benchmarks × 128 tokens
       .venv/bin/python benchmarks/bench_speedup.py --limit 1 --max-new-tokens 64 --benchmarks gsm8k,mt_bench

@@ -100,9 +100,21 @@ def rank_dtype() -> torch.dtype | None:
     return torch.int8 if int8_available() else None
 
 
+def draft_precisions() -> tuple[str, ...]:
+    """What a drafter runs in below float32 here, for keys of what depends on it (cached cost
+    curves): its pool's ranking ("rank-bfloat16" / "rank-int8") and int8 short blocks ("int8-blocks")."""
+    rank = rank_dtype()
+    return (() if rank is None else (f"rank-{str(rank).removeprefix('torch.')}",)) + (("int8-blocks",) if int8_available() else ())
+
+
+def int8_pays(rows: int) -> bool:
+    """Whether an input of `rows` rows is faster through int8 weights than through float32 oneDNN."""
+    return rows <= INT8_MAX_ROWS
+
+
 def ranks_faster(packed: "torch.Tensor | Int8Weight | None", rows: int) -> bool:
     """Whether ranking `rows` rows through `packed` beats the float32 head (None: never)."""
-    return packed is not None and (not isinstance(packed, Int8Weight) or rows <= INT8_MAX_ROWS)
+    return packed is not None and (not isinstance(packed, Int8Weight) or int8_pays(rows))
 
 
 @dataclass(frozen=True)
@@ -138,8 +150,9 @@ def pack(weight: torch.Tensor, dtype: torch.dtype | str = torch.float32) -> torc
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | Int8Weight | None) -> torch.Tensor:
     """F.linear(x, weight, bias), through the packed weight when it applies. x [..., in] → [..., out]
-    (through a bfloat16-packed or int8 weight, x and the bias are rounded to bf16 and the output,
-    rounded to bf16 by the kernel, comes back in x's dtype)."""
+    (through a bfloat16-packed or int8 weight, x is rounded to bf16 and the output, rounded to
+    bf16 by the kernel, comes back in x's dtype; a bfloat16-packed weight's bias is rounded too, an
+    int8 weight's is added in x's dtype)."""
     if packed is None or not _enabled or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_autocast_enabled("cpu") or torch.is_grad_enabled():
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
@@ -192,7 +205,7 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight.dtype or torch.compiler.is_compiling():  # a traced graph stays plain aten
             return F.linear(x, self.weight, self.bias)
-        if self._int8 is not None and x[..., 0].numel() <= INT8_MAX_ROWS:
+        if self._int8 is not None and int8_pays(x[..., 0].numel()):
             packed = self._int8.get(self.weight)
             if packed is not None:
                 return linear(x, self.weight, self.bias, packed)

@@ -1,10 +1,11 @@
 """Measured round costs for cost-aware verification length, cached per machine.
 
 One JSON file per (target, checkpoint, method, torch threads, device and its processor model,
-packed linears or not, the precision the drafter ranks its pool in on CPU) under $DRELAY_CACHE_DIR/costs/ (default ~/.cache/drelay/costs/): measuring
-takes a few seconds on the CPU default, and the costs belong to the machine, not to the repository
-(a home directory shared by cluster nodes of different CPU or GPU models keeps one file per model).
-`drelay costs` re-measures.
+packed linears or not, and on CPU what the drafter runs below float32: `cpu_linear.draft_precisions`)
+under $DRELAY_CACHE_DIR/costs/ (default ~/.cache/drelay/costs/): measuring takes a few seconds on
+the CPU default, and the costs belong to the machine, not to the repository (a home directory
+shared by cluster nodes of different CPU or GPU models keeps one file per model). `drelay costs`
+re-measures.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from drelay_model.kernels import cpu_linear
 from drelay_model.decoding.verify_costs import COSTS_VERSION, VerifyCosts, measure_costs
+from drelay_model.kernels import cpu_linear
 from drelay_model.target.loading import cache_root
 from pipelines.common.methods import MethodSpec
 
@@ -41,9 +42,8 @@ def costs_path(target_spec: str, spec: MethodSpec, device: str = "cpu", *, packe
     ckpt = str(Path(spec.checkpoint).resolve()) if spec.checkpoint else "random-drafter"
     digest = hashlib.sha1(ckpt.encode()).hexdigest()[:10]
     chip = hashlib.sha1(processor_model(device).encode()).hexdigest()[:6]
-    rank = cpu_linear.rank_dtype() if device == "cpu" else None  # the drafter's pool costs differ by it
-    pool = f"-pool-{str(rank).removeprefix('torch.')}" if rank is not None else ""
-    name = f"{target_spec}__{digest}__{spec.name}__t{torch.get_num_threads()}__{device}-{chip}{'-packed' if packed else ''}{pool}.json"
+    low = "".join(f"-{p}" for p in cpu_linear.draft_precisions()) if device == "cpu" else ""  # drafting costs differ by it
+    name = f"{target_spec}__{digest}__{spec.name}__t{torch.get_num_threads()}__{device}-{chip}{'-packed' if packed else ''}{low}.json"
     return cache_root() / "costs" / name.replace("/", "_")
 
 

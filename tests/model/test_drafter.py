@@ -182,8 +182,6 @@ def test_the_coarsely_ranked_pool_keeps_float32_logits(target, make_drafter, pre
     and its members get float32 logits: the same argmax wherever the float32 top two are not within
     the coarse rounding, log q within the normaliser's coarse error, sorted; with both switched off
     the pool is float32."""
-    from drelay_model.kernels import cpu_linear
-
     if precision == "bfloat16" and not cpu_linear.bf16_available():
         pytest.skip("no native bf16 oneDNN linear on this CPU")
     if precision == "int8" and not cpu_linear.int8_available():

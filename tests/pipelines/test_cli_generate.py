@@ -121,6 +121,24 @@ def test_costs_command_measures_caches_and_shows(capsys, tmp_path, monkeypatch):
     capsys.readouterr()
 
 
+def test_cost_curves_are_kept_apart_by_what_the_drafter_runs_below_float32():
+    """Turning the int8 short blocks off (DRELAY_INT8_DRAFT=0) changes drafting costs: another file."""
+    from drelay_model.kernels import cpu_linear
+    from pipelines.common.costs import costs_path
+    from pipelines.common.methods import resolve_method
+
+    if not cpu_linear.int8_available():
+        pytest.skip("this torch build has no weight-only int8 matmul")
+    spec = resolve_method("native", target_spec="smollm2-135m", random_drafter=True)
+    on = costs_path("smollm2-135m", spec)
+    cpu_linear.set_int8_enabled(False)
+    try:
+        off = costs_path("smollm2-135m", spec)
+    finally:
+        cpu_linear.set_int8_enabled(True)
+    assert "int8-blocks" in on.name and "int8-blocks" not in off.name and on.parent == off.parent
+
+
 def test_device_flag_cuda_without_cuda_is_one_line(capsys):
     import torch
 
