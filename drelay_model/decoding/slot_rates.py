@@ -13,7 +13,7 @@ Two sets of decayed counts of the drafts verified at slot i (`seen_i`) and accep
                                                                         towards the long-run rate
 
 So while other rounds run, â returns to the long-run rate and not to an optimistic constant, and one
-probe that hits moves it at once. Plain Python floats: a round asks a few dozen questions of it.
+probe that hits moves it by about (1 − â)/(κ + 1) (κ = 16 by default: `CostAwareLength.rate_prior`). Plain Python floats: a round asks a few dozen questions of it.
 """
 
 from __future__ import annotations

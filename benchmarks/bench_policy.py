@@ -1,0 +1,138 @@
+"""The cost-aware policy's settings, replayed offline against recorded one-draft outcomes.
+
+Deciding whether a round drafts is a bandit problem: a round that stays AR learns nothing about the
+drafts it skipped. This script measures how well `CostAwareLength` (the real class, not a copy)
+plays it for a few settings of its shrinkage κ (`rate_prior`) and margin (`min_gain`):
+
+  record    the bundled drafter's first draft at every round of one-draft decoding (greedy replay:
+            each round verifies one draft, so rounds advance by 1 or 2 tokens, as in cost-aware
+            decoding on this CPU), on held-out prompts of the training corpora (Alpaca 4,500+ and
+            GSM8K train 7,000+, past what the bundled drafter was trained on) and, as a check, on
+            the eight benchmarks: (accepted?, q of the draft) per round, in order.
+  simulate  a fresh policy per prompt, with one slot and this machine's cached cost curve: each
+            round `plan` says draft or AR; a drafted round pays draft(1) (+ the sunk verify(2) if
+            `choose` keeps the draft) and commits 1 + hit tokens, an AR round pays verify(1) and
+            commits 1; the policy observes only the rounds it drafted.
+
+It prints S = (tokens per ms) ÷ (AR's tokens per ms) per setting, pooled over prompts, beside
+"always draft" and the oracle that drafts exactly the rounds that hit. Cost scales stay at 1 (no
+timing noise), so the numbers isolate the decision rule.
+
+Run:  .venv/bin/python benchmarks/bench_policy.py            # ~2 min on the CPU default
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from drelay_model.decoding import GenerationConfig, SpeculativeEngine  # noqa: E402
+from drelay_model.decoding.replay import replay  # noqa: E402
+from drelay_model.decoding.verify_length import CostAwareLength, VerifyCosts  # noqa: E402
+from drelay_model.selectors.native import NativeSelector  # noqa: E402
+
+SETTINGS = [(2.0, 0.05), (2.0, 0.0), (8.0, 0.0), (16.0, 0.05), (16.0, 0.0), (32.0, 0.0)]  # (κ, min_gain)
+
+
+class OneDraft(NativeSelector):
+    """The native path cut to one draft: replay then advances as one-draft decoding does."""
+
+    def select(self, block, ctx):
+        s = super().select(block, ctx)
+        return type(s)(pool_index=s.pool_index, path_ids=s.path_ids, length=torch.ones_like(s.length), proposal_q=s.proposal_q)
+
+
+def corpus_prompts(n: int) -> dict[str, list[str]]:
+    alpaca = json.loads((REPO / "data/train/alpaca/alpaca_data_5000_subset_pr152.json").read_text())[4500::40][:n]
+    lines = (REPO / "data/train/gsm8k/train.jsonl").read_text().splitlines()
+    gsm8k = [json.loads(line) for line in lines[7000::30][:n]]
+    return {"alpaca (train corpus)": [a["instruction"] + ("\n" + a["input"] if a["input"] else "") for a in alpaca],
+            "gsm8k (train corpus)": [g["question"] for g in gsm8k]}  # fmt: skip
+
+
+def record(target, drafter, messages: list[str], max_new: int) -> list[list[tuple[bool, float]]]:
+    """[(hit, q)] per round of one-draft greedy decoding, per prompt."""
+    from pipelines.common.chat import user_prompt
+
+    prompts = [user_prompt(target.tokenizer, m) for m in messages]
+    conts = SpeculativeEngine(target).generate(prompts, GenerationConfig(max_new_tokens=max_new)).tokens
+    seqs: list[list[tuple[bool, float]]] = [[] for _ in prompts]
+
+    def hook(r):
+        if len(r.ref):
+            seqs[r.row].append((bool(r.path[0] == r.ref[0]), float(r.block.cand_logq[0, 0, 0].exp())))
+
+    replay(target, drafter, prompts, conts, selector=OneDraft(), on_round=hook)
+    return seqs
+
+
+def simulate(seqs, costs: VerifyCosts, kappa: float | None, min_gain: float) -> float:
+    """S of a policy setting over the recorded rounds (kappa None: always draft; -1: the oracle)."""
+    t_ar, t_draft, t_wide = costs.verify_ms[0], costs.draft_ms(1, 0), costs.verify_ms[1]
+    tokens = ms = ar_ms = 0.0
+    for seq in seqs:
+        policy = None if kappa is None or kappa < 0 else CostAwareLength(costs, 1, rate_prior=kappa, min_gain=min_gain)
+        for hit, q in seq:
+            ar_ms += t_ar
+            if kappa is None or (kappa < 0 and hit) or (policy is not None and policy.plan() > 0):
+                kept = 1 if policy is None else int(policy.choose(torch.tensor([[q]]), 1)[0])
+                if policy is not None:
+                    policy.observe(torch.tensor([[q]]), torch.tensor([kept]), torch.tensor([int(hit and kept)]))
+                tokens += 1 + (hit and kept)
+                ms += t_draft + (t_wide if kept else t_ar)
+            else:
+                tokens, ms = tokens + 1, ms + t_ar
+    # per round AR commits 1 token in t_ar; the rounds' tokens differ, so compare rates
+    rounds = sum(map(len, seqs))
+    return (tokens / ms) / (rounds / ar_ms)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=int, default=12, help="held-out corpus prompts per corpus")
+    p.add_argument("--bench-prompts", type=int, default=3, help="prompts per benchmark (0: skip)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--out", default=str(REPO / "outputs" / "bench_policy.json"))
+    args = p.parse_args(argv)
+    from pipelines.cli.options import DEFAULT_TARGET
+    from pipelines.common.costs import verify_costs
+    from pipelines.common.methods import load_method, load_target_spec, resolve_method
+    from pipelines.data.eval_sets import BENCHMARKS, load_benchmark
+
+    target = load_target_spec(DEFAULT_TARGET)
+    spec = resolve_method("native", target_spec=DEFAULT_TARGET)
+    drafter, selector = load_method(spec, target)
+    costs = verify_costs(target, drafter, selector, target_spec=DEFAULT_TARGET, spec=spec)
+    sets = corpus_prompts(args.prompts)
+    if args.bench_prompts:
+        sets |= {b: [x.turns[0] for x in load_benchmark(b, limit=args.bench_prompts, seed=7)] for b in BENCHMARKS}
+    seqs = {name: record(target, drafter, msgs, args.max_new_tokens) for name, msgs in sets.items()}
+    print(f"costs: verify(1) {costs.verify_ms[0]:.1f} ms, verify(2) {costs.verify_ms[1]:.1f} ms, draft(1) + extension {costs.draft_ms(1, 0):.1f} ms")
+    header = ["always draft", "oracle"] + [f"κ {k:g}, margin {m:g}" for k, m in SETTINGS]
+    runs = [(None, 0.0), (-1.0, 0.0), *SETTINGS]
+    table = {name: [simulate(s, costs, k, m) for k, m in runs] for name, s in seqs.items()}
+    corpus = [n for n in table if "corpus" in n]
+    table["train corpora (pooled)"] = [simulate([x for n in corpus for x in seqs[n]], costs, k, m) for k, m in runs]
+    bench = [n for n in table if n in BENCHMARKS]
+    if bench:
+        table["mean of the benchmarks"] = [statistics.mean(table[n][i] for n in bench) for i in range(len(runs))]
+    print("| prompts | first-draft hit rate | " + " | ".join(header) + " |")
+    print("|---|---|" + "---|" * len(header))
+    for name, row in table.items():
+        pool = [h for n in ([name] if name in seqs else corpus if "corpora" in name else bench) for s in seqs[n] for h, _ in s]
+        print(f"| {name} | {statistics.mean(pool):.3f} | " + " | ".join(f"{x:.3f}" for x in row) + " |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"header": header, "table": table, "seqs": seqs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
