@@ -2,7 +2,8 @@
 
 Deciding whether a round drafts is a bandit problem: a round that stays AR learns nothing about the
 drafts it skipped. This script measures how well `CostAwareLength` (the real class, not a copy)
-plays it for a few settings of its shrinkage κ (`rate_prior`) and margin (`min_gain`):
+plays it for a few settings of its shrinkages κ (`rate_prior`) and κ_b (`base_prior`) and its margin
+(`min_gain`):
 
   record    the bundled drafter's first draft at every round of one-draft decoding (greedy replay:
             each round verifies one draft, so rounds advance by 1 or 2 tokens, as in cost-aware
@@ -39,7 +40,7 @@ from drelay_model.decoding.replay import replay  # noqa: E402
 from drelay_model.decoding.verify_length import CostAwareLength, VerifyCosts  # noqa: E402
 from drelay_model.selectors.native import NativeSelector  # noqa: E402
 
-SETTINGS = [(2.0, 0.05), (2.0, 0.0), (8.0, 0.0), (16.0, 0.05), (16.0, 0.0), (32.0, 0.0)]  # (κ, min_gain)
+SETTINGS = [(2.0, 2.0, 0.05), (16.0, 16.0, 0.0), (16.0, 2.0, 0.05), (16.0, 2.0, 0.0), (8.0, 2.0, 0.0), (32.0, 2.0, 0.0)]  # (κ, κ_b, min_gain)
 
 
 class OneDraft(NativeSelector):
@@ -74,12 +75,12 @@ def record(target, drafter, messages: list[str], max_new: int) -> list[list[tupl
     return seqs
 
 
-def simulate(seqs, costs: VerifyCosts, kappa: float | None, min_gain: float) -> float:
+def simulate(seqs, costs: VerifyCosts, kappa: float | None, base_kappa: float, min_gain: float) -> float:
     """S of a policy setting over the recorded rounds (kappa None: always draft; -1: the oracle)."""
     t_ar, t_draft, t_wide = costs.verify_ms[0], costs.draft_ms(1, 0), costs.verify_ms[1]
     tokens = ms = ar_ms = 0.0
     for seq in seqs:
-        policy = None if kappa is None or kappa < 0 else CostAwareLength(costs, 1, rate_prior=kappa, min_gain=min_gain)
+        policy = None if kappa is None or kappa < 0 else CostAwareLength(costs, 1, rate_prior=kappa, base_prior=base_kappa, min_gain=min_gain)
         for hit, q in seq:
             ar_ms += t_ar
             if kappa is None or (kappa < 0 and hit) or (policy is not None and policy.plan() > 0):
@@ -116,11 +117,11 @@ def main(argv=None) -> int:
         sets |= {b: [x.turns[0] for x in load_benchmark(b, limit=args.bench_prompts, seed=7)] for b in BENCHMARKS}
     seqs = {name: record(target, drafter, msgs, args.max_new_tokens) for name, msgs in sets.items()}
     print(f"costs: verify(1) {costs.verify_ms[0]:.1f} ms, verify(2) {costs.verify_ms[1]:.1f} ms, draft(1) + extension {costs.draft_ms(1, 0):.1f} ms")
-    header = ["always draft", "oracle"] + [f"κ {k:g}, margin {m:g}" for k, m in SETTINGS]
-    runs = [(None, 0.0), (-1.0, 0.0), *SETTINGS]
-    table = {name: [simulate(s, costs, k, m) for k, m in runs] for name, s in seqs.items()}
+    header = ["always draft", "oracle"] + [f"κ {k:g}, κ_b {b:g}, margin {m:g}" for k, b, m in SETTINGS]
+    runs = [(None, 2.0, 0.0), (-1.0, 2.0, 0.0), *SETTINGS]
+    table = {name: [simulate(s, costs, *run) for run in runs] for name, s in seqs.items()}
     corpus = [n for n in table if "corpus" in n]
-    table["train corpora (pooled)"] = [simulate([x for n in corpus for x in seqs[n]], costs, k, m) for k, m in runs]
+    table["train corpora (pooled)"] = [simulate([x for n in corpus for x in seqs[n]], costs, *run) for run in runs]
     bench = [n for n in table if n in BENCHMARKS]
     if bench:
         table["mean of the benchmarks"] = [statistics.mean(table[n][i] for n in bench) for i in range(len(runs))]

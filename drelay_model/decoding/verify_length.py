@@ -23,7 +23,8 @@ that maximises committed tokens per millisecond, E(L) / t(L), in two steps:
           follows the last few rounds (κ = 2 until session 13) dips below break-even by chance
           (first-draft hits are Bernoulli(≈ 0.3)), the plan stops drafting, and only probes can
           lift it again; its rounds also draft exactly when â runs high, and deliver less than it
-          promised. κ = 16 pseudo-counts make â follow the text over ~16 drafted rounds instead.
+          promised. κ = 16 pseudo-counts make â follow the text over ~16 drafted rounds instead
+          (the long-run rates keep κ_b = 2: `slot_rates.py`).
           Replayed against recorded one-draft outcomes (`benchmarks/bench_policy.py`: the real
           policy, the cached cost curve), κ 16 reaches what always drafting reaches where that
           pays and stays near AR where it does not: S 1.096 → 1.146 on held-out training-corpus
@@ -103,6 +104,7 @@ class CostAwareLength:
     time_decay: float = 0.9  # weight of the past in the running cost scales (≈ 10 rounds)
     rate_decay: float = 0.97  # per drafted round, on the per-slot counts (≈ 33 rounds)
     rate_prior: float = 16.0  # κ: pseudo-counts pulling â_i towards its long-run rate b_i
+    base_prior: float = 2.0  # κ_b: pseudo-counts pulling a long-run rate b_i towards b_{i−1} (b_0 = ½)
     idle_decay: float = 0.99  # per round of another kind, on an arm's recent counts (≈ 100 rounds)
     base_decay: float = 0.98  # per drafted round of its arm, on the long-run counts (≈ 50 rounds)
     min_gain: float = 0.0  # a drafted round must be predicted this much faster per token than AR
@@ -128,8 +130,9 @@ class CostAwareLength:
             raise DRelayError(f"min_gain must be in [0, 1), got {self.min_gain}")
         if not 1 <= self.probe <= self.max_probe:
             raise DRelayError(f"probe and max_probe must satisfy 1 ≤ probe ≤ max_probe, got {self.probe} and {self.max_probe}")
-        if not self.rate_prior > 0:
-            raise DRelayError(f"rate_prior must be > 0, got {self.rate_prior}")
+        for name in ("rate_prior", "base_prior"):
+            if not getattr(self, name) > 0:
+                raise DRelayError(f"{name} must be > 0, got {getattr(self, name)}")
         self.arms = [SlotRates(self.num_slots) for _ in range(1 + self.native_arm)]
         self.bin_hits, self.bin_seen = [0.0] * _BINS, [0.0] * _BINS
         self._interval = self.probe
@@ -148,7 +151,7 @@ class CostAwareLength:
 
     def slot_rates(self, arm: int = 0) -> list[float]:
         """[H] â_i of an arm (the module docstring)."""
-        return self.arms[arm].rates(self.rate_prior)
+        return self.arms[arm].rates(self.rate_prior, self.base_prior)
 
     @property
     def use_selector(self) -> bool:

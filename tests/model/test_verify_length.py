@@ -324,7 +324,7 @@ def test_evidence_fades_towards_the_long_run_rate_not_an_optimistic_prior():
     usual = CostAwareLength(c, H, max_probe=10_000, probe=10_000, idle_decay=0.9)
     rates = usual.arms[0]
     rates.base_seen, rates.base_hits = [50.0] * H, [45.0] * H  # the long run: 90% accepted
-    rates.seen, rates.hits = [40.0] * H, [0.0] * H  # the last few dozen rounds: nothing accepted
+    rates.seen, rates.hits = [60.0] * H, [0.0] * H  # the last few dozen rounds: nothing accepted
     plans = [usual.plan() for _ in range(200)]
     assert plans[0] == 0 and any(p > 0 for p in plans)
     with pytest.raises(DRelayError, match="idle_decay"):
@@ -344,7 +344,7 @@ def test_a_probe_verifies_at_least_one_draft_and_a_hit_moves_the_estimate_at_onc
     for _ in range(300):  # fading during AR rounds: back to the long-run rate (~0.2), not ½
         policy.plan()
     faded = policy.slot_rates()[0]
-    assert faded == pytest.approx(policy.arms[0].base_rates(policy.rate_prior)[0], abs=0.02) and before < faded < 0.3
+    assert faded == pytest.approx(policy.arms[0].base_rates(policy.base_prior)[0], abs=0.02) and before < faded < 0.3
     policy.observe(torch.full((1, 1), 0.5), torch.tensor([1]), torch.tensor([1]))
     assert policy.slot_rates()[0] > faded + 0.03  # one hit: about (1 − â) / (κ + 1)
 
