@@ -275,7 +275,7 @@ class SpeculativeEngine:
         runs_selector = policy is None or policy.use_selector  # False: a native-arm round
         selector = self.selector if runs_selector else self._native
         q = proposal = None
-        head, drafting_ms = 0, 0.0
+        head, drafting_ms, catch_up_ms = 0, 0.0, 0.0
         if self.drafter is None or planned == 0:  # AR round: verify the anchor alone
             path = torch.empty(R, 0, dtype=torch.long, device=anchor.device)
             length = torch.zeros(R, dtype=torch.long, device=anchor.device)
@@ -283,6 +283,7 @@ class SpeculativeEngine:
             head = planned if selector.capabilities.partial_block else H
             t0 = clock()
             state.sync_context(self.drafter)
+            t_synced = clock()
             block = self.drafter.draft(anchor, state.ctx, slots=head if head < H else None)
             t1 = clock()
             ctx = state.selection_context(max_slots=planned if planned < H else None)
@@ -302,7 +303,11 @@ class SpeculativeEngine:
             stats.time_select += t2 - t1
             stats.drafted_steps += 1
             stats.selector_steps += int(runs_selector)
-            drafting_ms = 1e3 * (t2 - t0)
+            # The policy prices a drafted round's own extension (the curve's extend_ms), not the
+            # catch-up over the AR rounds before it: those positions are extended whenever drafting
+            # resumes, and charging them to this round made drafting look dearer the longer it paused.
+            catch_up_ms = 1e3 * (t_synced - t0) - (self.costs.extend_ms if self.costs is not None else 0.0)
+            drafting_ms = 1e3 * (t2 - t0) - catch_up_ms
         start = cache.lengths.clone()
         t0 = clock()
         res = self.target(torch.cat([anchor[:, None], path], dim=1), cache, feature_layers=self.feature_layers)
@@ -317,7 +322,7 @@ class SpeculativeEngine:
             state.defer(res.features, None if path.shape[1] == 0 else accepted + 1)
         if policy is not None:  # rescale the cost curve by what this round measured
             policy.observe_times(verify_width=1 + path.shape[1], verify_ms=1e3 * verify_s, head_slots=head,
-                                 decided=planned if runs_selector else 0, draft_ms=drafting_ms, round_ms=1e3 * (clock() - t_round))  # fmt: skip
+                                 decided=planned if runs_selector else 0, draft_ms=drafting_ms, round_ms=1e3 * (clock() - t_round) - catch_up_ms)  # fmt: skip
         return accepted, next_tok, path
 
     # ---- host-side bookkeeping -----------------------------------------------------------------

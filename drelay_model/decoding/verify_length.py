@@ -39,7 +39,8 @@ that maximises committed tokens per millisecond, E(L) / t(L), in two steps:
           L ≤ L_plan maximising E(L) / (t_sunk + s_v·t_verify(1 + L)) — drafting is already paid for.
   observe after verification, the accepted counts update the round's arm and the calibration bins;
           `observe_times` updates s_d and s_v, the running geometric means of measured ÷ modelled
-          time of the drafting (draft + select + context extension) and verification phases (s_v
+          time of the drafting (draft + select + the round's own context extension: the catch-up over
+          the AR rounds before it is left out, `engine.py`) and verification phases (s_v
           apart for one token, mostly AR rounds, and for wider verifies, which only drafted rounds
           measure, so the curve's slope is learned too and not only its level), and o, the
           running mean of the rest of an AR and of a drafted round (acceptance, cache crops, the

@@ -112,3 +112,49 @@ def test_drelay_selects_on_a_short_block(target, make_drafter, prompts_of, tiny_
     bad = type(too_long)(hidden=too_long.hidden, cand_ids=too_long.cand_ids[:, :, :4], cand_logq=too_long.cand_logq[:, :, :4])
     with pytest.raises(DRelayError, match="built for"):
         selector.select(bad, sctx)
+
+
+class _ArThenDraft(CostAwareLength):
+    """AR rounds for `ar_rounds` rounds, then one-draft rounds; records what `observe_times` is told."""
+
+    def __init__(self, c: VerifyCosts, num_slots: int, ar_rounds: int):
+        super().__init__(c, num_slots)
+        self.ar_rounds, self.rounds, self.told = ar_rounds, 0, []
+
+    def plan(self, *, partial: bool = True) -> int:
+        self.rounds += 1
+        self.arm = 0
+        return 0 if self.rounds <= self.ar_rounds else 1
+
+    def observe_times(self, **kw) -> None:
+        self.told.append(kw)
+        super().observe_times(**kw)
+
+
+def test_the_catch_up_after_ar_rounds_is_not_charged_to_drafting(target, make_drafter, prompts_of):
+    """The first drafted round after a stretch of AR rounds extends the drafter's context by all of
+    their positions. That catch-up is paid whenever drafting resumes, so the policy is told the
+    round's drafting and whole time with the curve's one-round extension in its place; the stats
+    still count all of it as drafting. (The extension is slowed here by a sleep on catch-ups only.)"""
+    import time as _time
+
+    drafter = make_drafter(target, top_k=16)
+    n = drafter.config.num_slots
+    c = VerifyCosts(verify_ms=tuple(30.0 + 0.5 * i for i in range(n + 1)), block_ms=1.0, head_ms=0.1, select_ms=1.0, extend_ms=0.5)
+    engine = SpeculativeEngine(target, drafter, costs=c)
+    engine.policy = policy = _ArThenDraft(c, drafter.config.num_slots, ar_rounds=6)
+    real = drafter.extend_context
+
+    def slow_on_catch_up(feats, ctx):
+        if feats.shape[1] >= 6:  # the six AR rounds' positions, not a prefill (it runs before any round)
+            _time.sleep(0.2)
+        return real(feats, ctx)
+
+    drafter.extend_context = slow_on_catch_up
+    try:
+        out = engine.generate(prompts_of(target.vocab_size, (5,)), GenerationConfig(max_new_tokens=10))
+    finally:
+        drafter.extend_context = real
+    assert out.stats.drafted_steps >= 1 and out.stats.time_draft >= 0.2  # the stats keep it
+    drafted = [kw for kw in policy.told if kw.get("head_slots", 0) > 0]
+    assert drafted[0]["draft_ms"] < 150 and drafted[0]["round_ms"] < 150 + drafted[0]["verify_ms"]
