@@ -23,9 +23,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	@if [ -d checkpoints/smollm2-135m ]; then \
 	  echo "== native (DFlash) selection, bundled drafter checkpoints/smollm2-135m =="; \
-	  $(VENV)/bin/drelay generate --chat "$(DEMO_MESSAGE)" --method native --compare-ar --max-new-tokens 128 && \
+	  $(VENV)/bin/drelay generate --chat "$(DEMO_MESSAGE)" --method native --compare-ar --repeats 5 --max-new-tokens 128 && \
 	  echo "== DRelay selector, same drafter ==" && \
-	  $(VENV)/bin/drelay generate --chat "$(DEMO_MESSAGE)" --method drelay --compare-ar --max-new-tokens 128; \
+	  $(VENV)/bin/drelay generate --chat "$(DEMO_MESSAGE)" --method drelay --compare-ar --repeats 5 --max-new-tokens 128; \
 	else \
 	  echo "No trained drafter is bundled yet: running the full pipeline with an UNTRAINED drafter"; \
 	  echo "(tau ~ 1, so speculative decoding is slower than AR here; the output must still equal AR's)."; \
