@@ -26,10 +26,11 @@ that maximises committed tokens per millisecond, E(L) / t(L), in two steps:
           promised. κ = 16 pseudo-counts make â follow the text over ~16 drafted rounds instead
           (the long-run rates keep κ_b = 2: `slot_rates.py`).
           Replayed against recorded one-draft outcomes (`benchmarks/bench_policy.py`: the real
-          policy, the cached cost curve), κ 16 reaches what always drafting reaches where that
-          pays and stays near AR where it does not: S 1.096 → 1.146 on held-out training-corpus
-          prompts against κ 2 with a 5% margin. `min_gain` (default 0) is a margin the best L > 0
-          must beat: it is taken only when its predicted rate is ≥ (1 + min_gain) × the AR round's.
+          policy, the cached cost curve), κ 16 comes close to always drafting where that pays and
+          stays near AR where it does not: S 1.041 (κ 2, 5% margin) → 1.067 on held-out
+          training-corpus prompts, always drafting 1.079 (docs/benchmarks.md, session 13).
+          `min_gain` (default 0) is a margin the best L > 0 must beat: it is taken only when its
+          predicted rate is ≥ (1 + min_gain) × the AR round's.
           While AR wins, a drafted round still runs every `probe` rounds to keep â current (the
           interval doubles while probes keep losing, up to `max_probe`, and halves with each
           round the plan drafts on its own); a probe tries the arm with the least long-run
