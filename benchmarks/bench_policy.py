@@ -40,6 +40,7 @@ from drelay_model.decoding.replay import replay  # noqa: E402
 from drelay_model.decoding.verify_length import CostAwareLength, VerifyCosts  # noqa: E402
 from drelay_model.selectors.native import NativeSelector  # noqa: E402
 
+MAX_CORPUS_PROMPTS = 13  # Alpaca from index 4,500 in steps of 40: 13 prompts in the 5,000-row subset
 SETTINGS = [(2.0, 2.0, 0.05), (16.0, 16.0, 0.0), (16.0, 2.0, 0.05), (16.0, 2.0, 0.0), (8.0, 2.0, 0.0), (32.0, 2.0, 0.0)]  # (κ, κ_b, min_gain)
 
 
@@ -75,25 +76,30 @@ def record(target, drafter, messages: list[str], max_new: int) -> list[list[tupl
     return seqs
 
 
-def simulate(seqs, costs: VerifyCosts, kappa: float | None, base_kappa: float, min_gain: float) -> float:
-    """S of a policy setting over the recorded rounds (kappa None: always draft; -1: the oracle)."""
+def simulate(seqs, costs: VerifyCosts, rule: str | tuple[float, float, float]) -> float:
+    """S over the recorded rounds of `rule`: "always" (draft and verify every round), "oracle" (draft
+    exactly the rounds that hit) or a policy setting (κ, κ_b, min_gain), fresh for each prompt."""
     t_ar, t_draft, t_wide = costs.verify_ms[0], costs.draft_ms(1, 0), costs.verify_ms[1]
-    tokens = ms = ar_ms = 0.0
+    tokens = ms = 0.0
     for seq in seqs:
-        policy = None if kappa is None or kappa < 0 else CostAwareLength(costs, 1, rate_prior=kappa, base_prior=base_kappa, min_gain=min_gain)
+        policy = None
+        if isinstance(rule, tuple):
+            kappa, base_kappa, min_gain = rule
+            policy = CostAwareLength(costs, 1, rate_prior=kappa, base_prior=base_kappa, min_gain=min_gain)
         for hit, q in seq:
-            ar_ms += t_ar
-            if kappa is None or (kappa < 0 and hit) or (policy is not None and policy.plan() > 0):
-                kept = 1 if policy is None else int(policy.choose(torch.tensor([[q]]), 1)[0])
-                if policy is not None:
-                    policy.observe(torch.tensor([[q]]), torch.tensor([kept]), torch.tensor([int(hit and kept)]))
+            if policy is None:
+                drafts = rule == "always" or hit
+                kept = int(drafts)
+            elif drafts := policy.plan() > 0:
+                kept = int(policy.choose(torch.tensor([[q]]), 1)[0])
+                policy.observe(torch.tensor([[q]]), torch.tensor([kept]), torch.tensor([int(hit and kept)]))
+            if drafts:
                 tokens += 1 + (hit and kept)
                 ms += t_draft + (t_wide if kept else t_ar)
             else:
                 tokens, ms = tokens + 1, ms + t_ar
-    # per round AR commits 1 token in t_ar; the rounds' tokens differ, so compare rates
-    rounds = sum(map(len, seqs))
-    return (tokens / ms) / (rounds / ar_ms)
+    # AR commits one token per round in t_ar; compare rates, since the rounds' tokens differ
+    return (tokens / ms) / (1.0 / t_ar)
 
 
 def main(argv=None) -> int:
@@ -103,6 +109,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--out", default=str(REPO / "outputs" / "bench_policy.json"))
     args = p.parse_args(argv)
+    if not 1 <= args.prompts <= MAX_CORPUS_PROMPTS or args.bench_prompts < 0 or args.max_new_tokens < 1:
+        p.error(f"--prompts must be in 1..{MAX_CORPUS_PROMPTS}, --bench-prompts ≥ 0 and --max-new-tokens ≥ 1")
     from pipelines.cli.options import DEFAULT_TARGET
     from pipelines.common.costs import verify_costs
     from pipelines.common.methods import load_method, load_target_spec, resolve_method
@@ -113,23 +121,25 @@ def main(argv=None) -> int:
     drafter, selector = load_method(spec, target)
     costs = verify_costs(target, drafter, selector, target_spec=DEFAULT_TARGET, spec=spec)
     sets = corpus_prompts(args.prompts)
-    if args.bench_prompts:
-        sets |= {b: [x.turns[0] for x in load_benchmark(b, limit=args.bench_prompts, seed=7)] for b in BENCHMARKS}
+    corpus = list(sets)
+    bench = list(BENCHMARKS) if args.bench_prompts else []
+    sets |= {b: [x.turns[0] for x in load_benchmark(b, limit=args.bench_prompts, seed=7)] for b in bench}
     seqs = {name: record(target, drafter, msgs, args.max_new_tokens) for name, msgs in sets.items()}
     print(f"costs: verify(1) {costs.verify_ms[0]:.1f} ms, verify(2) {costs.verify_ms[1]:.1f} ms, draft(1) + extension {costs.draft_ms(1, 0):.1f} ms")
+    rules = ["always", "oracle", *SETTINGS]
     header = ["always draft", "oracle"] + [f"κ {k:g}, κ_b {b:g}, margin {m:g}" for k, b, m in SETTINGS]
-    runs = [(None, 2.0, 0.0), (-1.0, 2.0, 0.0), *SETTINGS]
-    table = {name: [simulate(s, costs, *run) for run in runs] for name, s in seqs.items()}
-    corpus = [n for n in table if "corpus" in n]
-    table["train corpora (pooled)"] = [simulate([x for n in corpus for x in seqs[n]], costs, *run) for run in runs]
-    bench = [n for n in table if n in BENCHMARKS]
+    table = {name: [simulate(s, costs, rule) for rule in rules] for name, s in seqs.items()}
+    groups = {name: [name] for name in seqs}  # the rows' prompt sets, for their hit rates
+    groups["train corpora (pooled)"] = corpus
+    table["train corpora (pooled)"] = [simulate([x for n in corpus for x in seqs[n]], costs, rule) for rule in rules]
     if bench:
-        table["mean of the benchmarks"] = [statistics.mean(table[n][i] for n in bench) for i in range(len(runs))]
+        groups["mean of the benchmarks"] = bench
+        table["mean of the benchmarks"] = [statistics.mean(table[n][i] for n in bench) for i in range(len(rules))]
     print("| prompts | first-draft hit rate | " + " | ".join(header) + " |")
     print("|---|---|" + "---|" * len(header))
     for name, row in table.items():
-        pool = [h for n in ([name] if name in seqs else corpus if "corpora" in name else bench) for s in seqs[n] for h, _ in s]
-        print(f"| {name} | {statistics.mean(pool):.3f} | " + " | ".join(f"{x:.3f}" for x in row) + " |")
+        hits = [h for n in groups[name] for s in seqs[n] for h, _ in s]
+        print(f"| {name} | {statistics.mean(hits):.3f} | " + " | ".join(f"{x:.3f}" for x in row) + " |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"header": header, "table": table, "seqs": seqs}, indent=1))
     return 0

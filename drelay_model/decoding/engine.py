@@ -303,11 +303,12 @@ class SpeculativeEngine:
             stats.time_select += t2 - t1
             stats.drafted_steps += 1
             stats.selector_steps += int(runs_selector)
-            # The policy prices a drafted round's own extension (the curve's extend_ms), not the
-            # catch-up over the AR rounds before it: those positions are extended whenever drafting
-            # resumes, and charging them to this round made drafting look dearer the longer it paused.
-            catch_up_ms = 1e3 * (t_synced - t0) - (self.costs.extend_ms if self.costs is not None else 0.0)
-            drafting_ms = 1e3 * (t2 - t0) - catch_up_ms
+            if policy is not None:
+                # The policy prices a drafted round's own extension (its curve's extend_ms), not the
+                # catch-up over the AR rounds before it: those positions are extended whenever drafting
+                # resumes, and charging them to this round made drafting look dearer the longer it paused.
+                catch_up_ms = 1e3 * (t_synced - t0) - policy.costs.extend_ms
+                drafting_ms = 1e3 * (t2 - t0) - catch_up_ms
         start = cache.lengths.clone()
         t0 = clock()
         res = self.target(torch.cat([anchor[:, None], path], dim=1), cache, feature_layers=self.feature_layers)

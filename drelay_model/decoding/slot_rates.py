@@ -16,7 +16,8 @@ Two sets of decayed counts of the drafts verified at slot i (`seen_i`) and accep
 good (with κ_b = 16, text accepting 20% of first drafts read 27%, above break-even on a 2-core CPU).
 
 So while other rounds run, â returns to the long-run rate and not to an optimistic constant, and one
-probe that hits moves it by about (1 − â)/(κ + 1) (κ = 16 by default: `CostAwareLength.rate_prior`). Plain Python floats: a round asks a few dozen questions of it.
+probe that hits moves it by about (1 − â)/(κ + 1) (κ = 16 by default: `CostAwareLength.rate_prior`).
+Plain Python floats: a round asks a few dozen questions of it.
 """
 
 from __future__ import annotations
