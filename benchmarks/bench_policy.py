@@ -2,15 +2,17 @@
 
 Deciding whether a round drafts is a bandit problem: a round that stays AR learns nothing about the
 drafts it skipped. This script measures how well `CostAwareLength` (the real class, not a copy)
-plays it for a few settings of its shrinkages κ (`rate_prior`) and κ_b (`base_prior`) and its margin
-(`min_gain`):
+plays it for a few settings of its shrinkages κ (`rate_prior`) and κ_b (`base_prior`), its margin
+(`min_gain`) and its optimism z (`optimism`):
 
   record    the bundled drafter's first draft at every round of one-draft decoding (greedy replay:
             each round verifies one draft, so rounds advance by 1 or 2 tokens, as in cost-aware
             decoding on this CPU), on held-out prompts of the training corpora (Alpaca 4,500+ and
             GSM8K train 7,000+, past what the bundled drafter was trained on) and, as a check, on
             the eight benchmarks: (accepted?, q of the draft) per round, in order.
-  simulate  a fresh policy per prompt, with one slot and this machine's cached cost curve: each
+  simulate  a fresh policy per prompt (and, in one row, one policy across all the corpus prompts,
+            as an engine or endpoint keeps it across requests), with one slot and this machine's
+            cached cost curve: each
             round `plan` says draft or AR; a drafted round pays draft(1) (+ the sunk verify(2) if
             `choose` keeps the draft) and commits 1 + hit tokens, an AR round pays verify(1) and
             commits 1; the policy observes only the rounds it drafted.
@@ -19,7 +21,8 @@ It prints S = (tokens per ms) ÷ (AR's tokens per ms) per setting, pooled over p
 "always draft" and the oracle that drafts exactly the rounds that hit. Cost scales stay at 1 (no
 timing noise), so the numbers isolate the decision rule.
 
-Run:  .venv/bin/python benchmarks/bench_policy.py            # ~2 min on the CPU default
+Run:  .venv/bin/python benchmarks/bench_policy.py            # ~3 min on the CPU default
+      .venv/bin/python benchmarks/bench_policy.py --seqs outputs/bench_policy.json   # re-simulate a recording
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ from drelay_model.decoding.verify_length import CostAwareLength, VerifyCosts  # 
 from drelay_model.selectors.native import NativeSelector  # noqa: E402
 
 MAX_CORPUS_PROMPTS = 13  # Alpaca from index 4,500 in steps of 40: 13 prompts in the 5,000-row subset
-SETTINGS = [(2.0, 2.0, 0.05), (16.0, 16.0, 0.0), (16.0, 2.0, 0.05), (16.0, 2.0, 0.0), (8.0, 2.0, 0.0), (32.0, 2.0, 0.0)]  # (κ, κ_b, min_gain)
+# (κ, κ_b, min_gain, z): session 12's default, session 13's, then optimism
+SETTINGS = [(2.0, 2.0, 0.05, 0.0), (16.0, 16.0, 0.0, 0.0), (16.0, 2.0, 0.0, 0.0), (16.0, 2.0, 0.0, 0.5), (16.0, 2.0, 0.0, 1.0), (16.0, 2.0, 0.0, 2.0)]
 
 
 class OneDraft(NativeSelector):
@@ -76,16 +80,17 @@ def record(target, drafter, messages: list[str], max_new: int) -> list[list[tupl
     return seqs
 
 
-def simulate(seqs, costs: VerifyCosts, rule: str | tuple[float, float, float]) -> float:
+def simulate(seqs, costs: VerifyCosts, rule: str | tuple[float, ...], *, one_policy: bool = False) -> float:
     """S over the recorded rounds of `rule`: "always" (draft and verify every round), "oracle" (draft
-    exactly the rounds that hit) or a policy setting (κ, κ_b, min_gain), fresh for each prompt."""
+    exactly the rounds that hit) or a policy setting (κ, κ_b, min_gain, z), fresh for each prompt
+    unless `one_policy`."""
     t_ar, t_draft, t_wide = costs.verify_ms[0], costs.draft_ms(1, 0), costs.verify_ms[1]
     tokens = ms = 0.0
+    policy = None
     for seq in seqs:
-        policy = None
-        if isinstance(rule, tuple):
-            kappa, base_kappa, min_gain = rule
-            policy = CostAwareLength(costs, 1, rate_prior=kappa, base_prior=base_kappa, min_gain=min_gain)
+        if isinstance(rule, tuple) and (policy is None or not one_policy):
+            kappa, base_kappa, min_gain, z = rule
+            policy = CostAwareLength(costs, 1, rate_prior=kappa, base_prior=base_kappa, min_gain=min_gain, optimism=z)
         for hit, q in seq:
             if policy is None:
                 drafts = rule == "always" or hit
@@ -102,15 +107,28 @@ def simulate(seqs, costs: VerifyCosts, rule: str | tuple[float, float, float]) -
     return (tokens / ms) / (1.0 / t_ar)
 
 
+def load_seqs(path: Path, parser: argparse.ArgumentParser):
+    """(seqs, corpus names, benchmark names) from an earlier run's JSON; a bad file is a usage error."""
+    try:
+        data = json.loads(path.read_text())
+        seqs = {name: [[(bool(h), float(q)) for h, q in seq] for seq in sets] for name, sets in data["seqs"].items()}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        parser.error(f"--seqs {path}: not a bench_policy recording ({type(e).__name__}: {e})")
+    corpus = data.get("corpus") or [n for n in seqs if n.endswith("(train corpus)")]  # files before session 14
+    return seqs, corpus, data.get("bench") or [n for n in seqs if n not in corpus]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", type=int, default=12, help="held-out corpus prompts per corpus")
     p.add_argument("--bench-prompts", type=int, default=3, help="prompts per benchmark (0: skip)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--out", default=str(REPO / "outputs" / "bench_policy.json"))
+    p.add_argument("--seqs", type=Path, help="simulate the outcomes recorded in this earlier --out JSON instead of recording")
     args = p.parse_args(argv)
     if not 1 <= args.prompts <= MAX_CORPUS_PROMPTS or args.bench_prompts < 0 or args.max_new_tokens < 1:
         p.error(f"--prompts must be in 1..{MAX_CORPUS_PROMPTS}, --bench-prompts ≥ 0 and --max-new-tokens ≥ 1")
+    recorded = load_seqs(args.seqs, p) if args.seqs else None
     from pipelines.cli.options import DEFAULT_TARGET
     from pipelines.common.costs import verify_costs
     from pipelines.common.methods import load_method, load_target_spec, resolve_method
@@ -120,18 +138,23 @@ def main(argv=None) -> int:
     spec = resolve_method("native", target_spec=DEFAULT_TARGET)
     drafter, selector = load_method(spec, target)
     costs = verify_costs(target, drafter, selector, target_spec=DEFAULT_TARGET, spec=spec)
-    sets = corpus_prompts(args.prompts)
-    corpus = list(sets)
-    bench = list(BENCHMARKS) if args.bench_prompts else []
-    sets |= {b: [x.turns[0] for x in load_benchmark(b, limit=args.bench_prompts, seed=7)] for b in bench}
-    seqs = {name: record(target, drafter, msgs, args.max_new_tokens) for name, msgs in sets.items()}
+    if recorded is None:
+        sets = corpus_prompts(args.prompts)
+        corpus = list(sets)
+        bench = list(BENCHMARKS) if args.bench_prompts else []
+        sets |= {b: [x.turns[0] for x in load_benchmark(b, limit=args.bench_prompts, seed=7)] for b in bench}
+        seqs = {name: record(target, drafter, msgs, args.max_new_tokens) for name, msgs in sets.items()}
+    else:
+        seqs, corpus, bench = recorded
     print(f"costs: verify(1) {costs.verify_ms[0]:.1f} ms, verify(2) {costs.verify_ms[1]:.1f} ms, draft(1) + extension {costs.draft_ms(1, 0):.1f} ms")
     rules = ["always", "oracle", *SETTINGS]
-    header = ["always draft", "oracle"] + [f"κ {k:g}, κ_b {b:g}, margin {m:g}" for k, b, m in SETTINGS]
+    header = ["always draft", "oracle"] + [f"κ {k:g}, κ_b {b:g}, margin {m:g}, z {z:g}" for k, b, m, z in SETTINGS]
     table = {name: [simulate(s, costs, rule) for rule in rules] for name, s in seqs.items()}
     groups = {name: [name] for name in seqs}  # the rows' prompt sets, for their hit rates
-    groups["train corpora (pooled)"] = corpus
-    table["train corpora (pooled)"] = [simulate([x for n in corpus for x in seqs[n]], costs, rule) for rule in rules]
+    pooled = [x for n in corpus for x in seqs[n]]
+    groups["train corpora (pooled)"] = groups["train corpora, one policy for all"] = corpus
+    table["train corpora (pooled)"] = [simulate(pooled, costs, rule) for rule in rules]
+    table["train corpora, one policy for all"] = [simulate(pooled, costs, rule, one_policy=True) for rule in rules]
     if bench:
         groups["mean of the benchmarks"] = bench
         table["mean of the benchmarks"] = [statistics.mean(table[n][i] for n in bench) for i in range(len(rules))]
@@ -140,8 +163,9 @@ def main(argv=None) -> int:
     for name, row in table.items():
         hits = [h for n in groups[name] for s in seqs[n] for h, _ in s]
         print(f"| {name} | {statistics.mean(hits):.3f} | " + " | ".join(f"{x:.3f}" for x in row) + " |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"header": header, "table": table, "seqs": seqs}, indent=1))
+    if recorded is None:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"header": header, "table": table, "corpus": corpus, "bench": bench, "seqs": seqs}, indent=1))
     return 0
 
 

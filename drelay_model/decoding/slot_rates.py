@@ -7,21 +7,36 @@ Two sets of decayed counts of the drafts verified at slot i (`seen_i`) and accep
     long-run  decay `base_decay` per drafted round of this kind only: what it showed over its last
               few dozen such rounds, whatever ran in between
 
-    b_i = (base_hits_i + κ_b·b_{i−1}) / (base_seen_i + κ_b),   b_0 = ½   a slot rarely reached
-                                                                        borrows the rate below it
+    b_i = (base_hits_i + κ_b·π_i) / (base_seen_i + κ_b)                 long-run rate, with prior π:
+          π_i = b_{i−1} (b_0 = ½)                                       a slot rarely reached borrows
+                                                                        the rate below it, or
+          π_i = another kind's b_i (`rates(prior=…)`)                   a selector's rounds start
+                                                                        from the native path's rates
     â_i = (hits_i + κ·b_i) / (seen_i + κ)                               recent evidence, shrunk
                                                                         towards the long-run rate
+    â⁺_1 = â_1 + z·√(â_1(1 − â_1) / (1 + base_seen_1)), â⁺_i = â_i (i ≥ 2)   an upper estimate,
+                                                                        for the plan (`upper_rates`)
 
 κ_b stays small (2): the long-run counts hold ~50 rounds, and a large κ_b would keep ½ in b_1 for
 good (with κ_b = 16, text accepting 20% of first drafts read 27%, above break-even on a 2-core CPU).
 
 So while other rounds run, â returns to the long-run rate and not to an optimistic constant, and one
 probe that hits moves it by about (1 − â)/(κ + 1) (κ = 16 by default: `CostAwareLength.rate_prior`).
+
+â⁺ is optimism in the face of uncertainty (as in UCB bandits): a kind of round that has run only a
+few times gets the benefit of the doubt, z standard errors of its long-run evidence (z = 1 by
+default: `CostAwareLength.optimism`), so a few early misses (first drafts are Bernoulli(≈ 0.3)) do
+not stop drafting before the text has shown what it accepts; the bonus shrinks as evidence
+accumulates (to ≈ z·0.06 with the ~50 rounds the long-run counts hold).
+Only the first slot gets it: whether to draft at all is decided there, and a deeper slot is verified
+only after hits below it, so its bonus would hardly shrink and would keep buying LM heads that are
+not verified (a scratch run of the demo: 4–15 heads planned per round instead of 3, at the same τ).
 Plain Python floats: a round asks a few dozen questions of it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -39,17 +54,22 @@ class SlotRates:
         H = self.num_slots
         self.hits, self.seen, self.base_hits, self.base_seen = [0.0] * H, [0.0] * H, [0.0] * H, [0.0] * H
 
-    def base_rates(self, kappa: float) -> list[float]:
-        """[H] b_i, with κ_b = kappa."""
+    def base_rates(self, kappa: float, prior: list[float] | None = None) -> list[float]:
+        """[H] b_i, with κ_b = kappa and prior π = `prior` [H] (None: the chain from b_0 = ½)."""
         rates, prev = [], 0.5
-        for hits, seen in zip(self.base_hits, self.base_seen):
-            prev = (hits + kappa * prev) / (seen + kappa)
+        for i, (hits, seen) in enumerate(zip(self.base_hits, self.base_seen)):
+            prev = (hits + kappa * (prev if prior is None else prior[i])) / (seen + kappa)
             rates.append(prev)
         return rates
 
-    def rates(self, kappa: float, base_kappa: float) -> list[float]:
-        """[H] â_i with κ = kappa, κ_b = base_kappa."""
-        return [(h + kappa * b) / (n + kappa) for h, n, b in zip(self.hits, self.seen, self.base_rates(base_kappa))]
+    def rates(self, kappa: float, base_kappa: float, prior: list[float] | None = None) -> list[float]:
+        """[H] â_i with κ = kappa, κ_b = base_kappa (and b's prior `prior`, as in `base_rates`)."""
+        return [(h + kappa * b) / (n + kappa) for h, n, b in zip(self.hits, self.seen, self.base_rates(base_kappa, prior))]
+
+    def upper_rates(self, rates: list[float], z: float) -> list[float]:
+        """[H] â⁺ from this kind's â `rates`: slot 1 raised by z standard errors of its long-run evidence."""
+        a = rates[0]
+        return [min(a + z * math.sqrt(a * (1.0 - a) / (1.0 + self.base_seen[0])), 1.0), *rates[1:]]
 
     def fade(self, idle_decay: float) -> None:
         """A round of another kind ran: the recent counts fade."""

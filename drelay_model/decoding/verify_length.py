@@ -18,23 +18,28 @@ that maximises committed tokens per millisecond, E(L) / t(L), in two steps:
           Arms: with a selector other than `native`, a drafted round either runs the selector
           (arm 0) or keeps the native path without calling it (arm 1: no select cost). Each arm
           has its own rates and cost curve, and the plan takes the best (arm, L); so a selector
-          whose repairs do not pay for their cost on this machine is run only where they do.
+          whose repairs do not pay for their cost on this machine is run only where they do. The
+          selector's long-run rates start from the native arm's (not from ½): it keeps the native
+          path unless it repairs it, and an arm with no evidence of its own looked 50% accepted.
           This is a bandit: an AR round learns nothing about the drafts it skipped, so an â that
           follows the last few rounds (κ = 2 until session 13) dips below break-even by chance
           (first-draft hits are Bernoulli(≈ 0.3)), the plan stops drafting, and only probes can
           lift it again; its rounds also draft exactly when â runs high, and deliver less than it
           promised. κ = 16 pseudo-counts make â follow the text over ~16 drafted rounds instead
-          (the long-run rates keep κ_b = 2: `slot_rates.py`).
+          (the long-run rates keep κ_b = 2: `slot_rates.py`). And the plan prices drafting at an
+          upper estimate â⁺ (`optimism` z = 1 standard error of the first slot's long-run
+          evidence, UCB-style): a cold policy whose first few drafts miss keeps drafting until
+          the text has shown what it accepts (the demo prompt opens with 2 hits in 16 rounds,
+          then accepts 40%: with z = 0 the plan stayed AR through four repetitions of it).
           Replayed against recorded one-draft outcomes (`benchmarks/bench_policy.py`: the real
-          policy, the cached cost curve), κ 16 comes close to always drafting where that pays and
-          stays near AR where it does not: S 1.041 (κ 2, 5% margin) → 1.067 on held-out
-          training-corpus prompts, always drafting 1.079 (docs/benchmarks.md, session 13).
+          policy, the cached cost curve) on held-out training-corpus prompts: S 1.041 (κ 2, 5%
+          margin) → 1.067 (κ 16) → 1.088 (κ 16, z 1), always drafting 1.079 (docs/benchmarks.md).
           `min_gain` (default 0) is a margin the best L > 0 must beat: it is taken only when its
           predicted rate is ≥ (1 + min_gain) × the AR round's.
           While AR wins, a drafted round still runs every `probe` rounds to keep â current (the
           interval doubles while probes keep losing, up to `max_probe`, and halves with each
-          round the plan drafts on its own); a probe tries the arm with the least long-run
-          evidence and verifies at least one draft, whatever `choose` says: its point is evidence.
+          round the plan drafts on its own); a probe takes the best (arm, L) under â⁺ and
+          verifies at least one draft, whatever `choose` says: its point is evidence.
   choose  after drafting, per row, from the pool: p_i = the calibrated confidence of the chosen
           candidate (its draft probability q, mapped through running acceptance counts per q-bin),
           L ≤ L_plan maximising E(L) / (t_sunk + s_v·t_verify(1 + L)) — drafting is already paid for.
@@ -110,6 +115,7 @@ class CostAwareLength:
     idle_decay: float = 0.99  # per round of another kind, on an arm's recent counts (≈ 100 rounds)
     base_decay: float = 0.98  # per drafted round of its arm, on the long-run counts (≈ 50 rounds)
     min_gain: float = 0.0  # a drafted round must be predicted this much faster per token than AR
+    optimism: float = 1.0  # z: the plan prices drafting at â⁺ = â + z standard errors (0: at â)
     native_arm: bool = False  # arm 1: drafted rounds that keep the native path without the selector
     arms: list[SlotRates] = field(init=False)  # [0]: rounds that run the selector; [1]: the native arm
     arm: int = 0  # the arm of the round just planned
@@ -135,6 +141,8 @@ class CostAwareLength:
         for name in ("rate_prior", "base_prior"):
             if not getattr(self, name) > 0:
                 raise DRelayError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0.0 <= self.optimism <= 4.0:
+            raise DRelayError(f"optimism must be in [0, 4], got {self.optimism}")
         self.arms = [SlotRates(self.num_slots) for _ in range(1 + self.native_arm)]
         self.bin_hits, self.bin_seen = [0.0] * _BINS, [0.0] * _BINS
         self._interval = self.probe
@@ -152,8 +160,14 @@ class CostAwareLength:
         return self.draft_ms(head_slots, decided) + self.verify_ms(width) + self.other_ms[head_slots > 0]
 
     def slot_rates(self, arm: int = 0) -> list[float]:
-        """[H] â_i of an arm (the module docstring)."""
-        return self.arms[arm].rates(self.rate_prior, self.base_prior)
+        """[H] â_i of an arm (the module docstring). The selector's arm starts from the native arm's
+        long-run rates, not from ½: it keeps the native path unless it repairs it."""
+        prior = self.arms[1].base_rates(self.base_prior) if arm == 0 and len(self.arms) > 1 else None
+        return self.arms[arm].rates(self.rate_prior, self.base_prior, prior)
+
+    def upper_rates(self, arm: int = 0) -> list[float]:
+        """[H] â⁺_i of an arm, what the plan prices drafting at (`slot_rates.py`)."""
+        return self.arms[arm].upper_rates(self.slot_rates(arm), self.optimism)
 
     @property
     def use_selector(self) -> bool:
@@ -169,7 +183,7 @@ class CostAwareLength:
         t_ar = self.round_ms(0, 0, 1)
         options = []  # (tokens per ms, L, arm) of each arm's best L > 0
         for a in range(len(self.arms)):
-            e = expected_committed(self.slot_rates(a))  # [H + 1]
+            e = expected_committed(self.upper_rates(a))  # [H + 1]
             t = [t_ar] + [self.round_ms(L if partial or a == 1 else H, L if a == 0 else 0, L + 1) for L in range(1, H + 1)]
             best = _best(e, t, start=1)
             options.append((e[best] / t[best], best, a))
@@ -186,8 +200,7 @@ class CostAwareLength:
         if self._since_probe >= self._interval:  # probe: draft anyway to keep the estimates current
             self._since_probe, self._interval = 0, min(2 * self._interval, self.max_probe)
             self._probing = True  # a probe verifies at least one draft: its point is the evidence
-            _, best, arm = min(options, key=lambda o: (self.arms[o[2]].base_seen[0], -o[0]))  # least-known arm
-            self.arm = arm
+            self.arm = arm  # the best arm: â⁺ already favours the one with less evidence
             return best
         return 0
 

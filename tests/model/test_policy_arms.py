@@ -39,12 +39,24 @@ def test_the_plan_runs_the_selector_only_where_its_repairs_pay():
     assert len(single.arms) == 1 and single.use_selector
 
 
-def test_observations_go_to_the_arm_that_ran_and_probes_try_the_least_known_arm():
+def test_the_selector_arm_starts_from_the_native_arms_rates():
+    """An arm with no evidence of its own read ½ per slot (and ran in a third of the demo's drafted
+    rounds); the selector keeps the native path unless it repairs it, so it starts from that path's."""
+    policy = CostAwareLength(costs(select=0.5), H, native_arm=True)
+    set_counts(policy, [100.0] * H, [10.0] * H, 1)
+    assert policy.slot_rates(0) == pytest.approx(policy.arms[1].base_rates(policy.base_prior)) and policy.slot_rates(0)[0] < 0.12
+    priced = CostAwareLength(VerifyCosts(verify_ms=(30.0, 30.5, 31.0, 31.5, 32.0), block_ms=8.0, head_ms=0.1, select_ms=0.5), H, native_arm=True)
+    set_counts(priced, [100.0] * H, [10.0] * H, 1)
+    set_counts(priced, [30.0] * H, [3.0] * H, 0)
+    assert priced.plan() == 0  # break-even ≈ 29%: 10% does not pay on either arm once both have shown it
+
+
+def test_observations_go_to_the_arm_that_ran_and_probes_take_the_best_upper_estimate():
     policy = CostAwareLength(costs(select=0.5), H, native_arm=True, probe=1)
-    for a in (0, 1):
-        set_counts(policy, [100.0] * H, [1.0] * H, a)  # both arms hopeless: AR rounds, with a probe every round here
-    policy.arms[1].base_seen[0] = 200.0  # the native arm is the better known one
-    assert policy.plan() > 0 and policy._probing and policy.arm == 0
+    set_counts(policy, [200.0] * H, [2.0] * H, 1)  # the native arm: well known and hopeless
+    set_counts(policy, [2.0] * H, [0.0] * H, 0)  # the selector's: two misses, little evidence
+    assert policy.plan() > 0 and policy._probing and policy.arm == 0  # AR wins; the probe goes where â⁺ is highest
+    assert policy.upper_rates(0)[0] > policy.upper_rates(1)[0] + 0.03
     before = list(policy.arms[1].seen)
     policy.observe(torch.full((1, 1), 0.5), torch.tensor([1]), torch.tensor([1]))
     assert policy.arms[1].seen == before and policy.arms[0].hits[0] > 1.0 * policy.rate_decay

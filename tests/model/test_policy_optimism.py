@@ -1,0 +1,76 @@
+"""The cost-aware plan's optimism (`CostAwareLength.optimism`, `SlotRates.upper_rates`): drafting is
+priced at â⁺ = â + z standard errors of the first slot's long-run evidence, so a cold policy is not
+talked out of drafting by a few early misses, and a policy that has seen enough still stops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drelay_model.decoding.verify_length import CostAwareLength
+from drelay_model.errors import DRelayError
+from tests.model.test_verify_length import costs, set_counts
+
+H = 4
+BREAK_EVEN_COSTS = dict(verify=(30.0, 30.5, 31.0, 31.5, 32.0), block=8.0, head=0.1, select=0.1)  # first draft ≈ 29%
+
+
+def cold(optimism: float) -> CostAwareLength:
+    return CostAwareLength(costs(**BREAK_EVEN_COSTS), H, optimism=optimism, probe=10_000, max_probe=10_000)
+
+
+def miss(policy: CostAwareLength, rounds: int) -> None:
+    for _ in range(rounds):
+        policy.observe(torch.full((1, H), 0.5), torch.tensor([H]), torch.tensor([0]))
+
+
+def test_three_early_misses_do_not_stop_drafting_thirty_do():
+    for z, plans_after_3 in ((0.0, False), (1.0, True)):
+        policy = cold(z)
+        miss(policy, 3)
+        assert (policy.plan() > 0) == plans_after_3, z
+    policy = cold(1.0)
+    miss(policy, 30)
+    assert policy.plan() == 0 and policy.upper_rates()[0] < 0.15
+
+
+def test_optimism_raises_only_the_first_slot_and_shrinks_with_evidence():
+    """Deeper slots are verified only after hits below them: a bonus there would hardly shrink and
+    would keep buying LM heads that are not verified."""
+    policy = cold(1.0)
+    set_counts(policy, [4.0] * H, [1.0] * H)
+    few = [u - a for u, a in zip(policy.upper_rates(), policy.slot_rates())]
+    assert few[0] > 0.1 and few[1:] == [0.0] * (H - 1)
+    set_counts(policy, [400.0] * H, [100.0] * H)
+    assert policy.upper_rates()[0] - policy.slot_rates()[0] == pytest.approx((0.25 * 0.75 / 401) ** 0.5, rel=0.02)
+
+
+def _replay(policy: CostAwareLength, hits: list[int]) -> float:
+    """Committed tokens per ms of one-draft rounds against recorded first-draft outcomes (as
+    benchmarks/bench_policy.py does): a drafted round pays draft(1) + verify(2) when it keeps the draft."""
+    c = policy.costs
+    tokens = ms = 0.0
+    for hit in hits:
+        q = torch.tensor([[0.5]])
+        if policy.plan() > 0:
+            kept = int(policy.choose(q, 1)[0])
+            policy.observe(q, torch.tensor([kept]), torch.tensor([hit * kept]))
+            tokens, ms = tokens + 1 + hit * kept, ms + c.draft_ms(1, 0) + c.verify_ms[kept]
+        else:
+            tokens, ms = tokens + 1, ms + c.verify_ms[0]
+    return tokens / ms
+
+
+def test_a_text_that_opens_badly_and_then_accepts_is_drafted():
+    """The demo prompt's shape: 2 first drafts accepted in the first 16 rounds, then 40%. Without
+    optimism the plan stays on AR rounds (probes double their interval while they lose)."""
+    hits = [0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0] + [1, 0, 1, 0, 0] * 40
+    rates = {z: _replay(CostAwareLength(costs(**BREAK_EVEN_COSTS), 1, optimism=z), hits) for z in (0.0, 1.0)}
+    ar = 1 / 30.0
+    assert rates[1.0] > 1.05 * ar and rates[1.0] > 1.05 * rates[0.0]
+
+
+def test_optimism_has_a_range():
+    for bad in (-0.5, 5.0):
+        with pytest.raises(DRelayError, match="optimism"):
+            cold(bad)
