@@ -14,8 +14,10 @@ Two sets of decayed counts of the drafts verified at slot i (`seen_i`) and accep
                                                                         from the native path's rates
     â_i = (hits_i + κ·b_i) / (seen_i + κ)                               recent evidence, shrunk
                                                                         towards the long-run rate
-    â⁺_1 = â_1 + z·√(â_1(1 − â_1) / (1 + base_seen_1)), â⁺_i = â_i (i ≥ 2)   an upper estimate,
-                                                                        for the plan (`upper_rates`)
+    â⁺_1 = â_1 + z·√(â_1(1 − â_1) / (1 + N)), â⁺_i = â_i (i ≥ 2)       an upper estimate, for the
+                                                                        plan (`upper_rates`); N = the
+                                                                        first drafts this kind has
+                                                                        had verified, ever
 
 κ_b stays small (2): the long-run counts hold ~50 rounds, and a large κ_b would keep ½ in b_1 for
 good (with κ_b = 16, text accepting 20% of first drafts read 27%, above break-even on a 2-core CPU).
@@ -24,10 +26,13 @@ So while other rounds run, â returns to the long-run rate and not to an optimis
 probe that hits moves it by about (1 − â)/(κ + 1) (κ = 16 by default: `CostAwareLength.rate_prior`).
 
 â⁺ is optimism in the face of uncertainty (as in UCB bandits): a kind of round that has run only a
-few times gets the benefit of the doubt, z standard errors of its long-run evidence (z = 1 by
+few times gets the benefit of the doubt, z standard errors of a rate seen N times (z = 1 by
 default: `CostAwareLength.optimism`), so a few early misses (first drafts are Bernoulli(≈ 0.3)) do
-not stop drafting before the text has shown what it accepts; the bonus shrinks as evidence
-accumulates (to ≈ z·0.06 with the ~50 rounds the long-run counts hold).
+not stop drafting before the text has shown what it accepts. N is not decayed: the bonus is for a
+cold start and vanishes as the engine runs (0.04 after 100 drafted rounds at â = 0.2; with the
+decayed long-run count, which holds ~50, it stayed ≥ 0.056 for good, and near break-even that kept
+drafting where it lost: Alpaca S 0.93–0.95 in a scratch run). A text that changes later is what the
+decays and the probes are for.
 Only the first slot gets it: whether to draft at all is decided there, and a deeper slot is verified
 only after hits below it, so its bonus would hardly shrink and would keep buying LM heads that are
 not verified (a scratch run of the demo: 4–15 heads planned per round instead of 3, at the same τ).
@@ -49,6 +54,7 @@ class SlotRates:
     seen: list[float] = field(init=False)  # [H] recent verified drafts per slot
     base_hits: list[float] = field(init=False)  # [H] long-run
     base_seen: list[float] = field(init=False)
+    first_verified: int = 0  # N: first drafts verified by rounds of this kind, ever (not decayed)
 
     def __post_init__(self) -> None:
         H = self.num_slots
@@ -67,9 +73,9 @@ class SlotRates:
         return [(h + kappa * b) / (n + kappa) for h, n, b in zip(self.hits, self.seen, self.base_rates(base_kappa, prior))]
 
     def upper_rates(self, rates: list[float], z: float) -> list[float]:
-        """[H] â⁺ from this kind's â `rates`: slot 1 raised by z standard errors of its long-run evidence."""
+        """[H] â⁺ from this kind's â `rates`: slot 1 raised by z standard errors of a rate seen N times."""
         a = rates[0]
-        return [min(a + z * math.sqrt(a * (1.0 - a) / (1.0 + self.base_seen[0])), 1.0), *rates[1:]]
+        return [min(a + z * math.sqrt(a * (1.0 - a) / (1.0 + self.first_verified)), 1.0), *rates[1:]]
 
     def fade(self, idle_decay: float) -> None:
         """A round of another kind ran: the recent counts fade."""
@@ -83,6 +89,7 @@ class SlotRates:
         self.base_hits = [base_decay * h for h in self.base_hits]
         self.base_seen = [base_decay * n for n in self.base_seen]
         for i, hit in outcomes:
+            self.first_verified += i == 0
             if i < self.num_slots:
                 self.seen[i] += 1.0
                 self.hits[i] += hit

@@ -27,9 +27,9 @@ that maximises committed tokens per millisecond, E(L) / t(L), in two steps:
           lift it again; its rounds also draft exactly when â runs high, and deliver less than it
           promised. κ = 16 pseudo-counts make â follow the text over ~16 drafted rounds instead
           (the long-run rates keep κ_b = 2: `slot_rates.py`). And the plan prices drafting at an
-          upper estimate â⁺ (`optimism` z = 1 standard error of the first slot's long-run
-          evidence, UCB-style): a cold policy whose first few drafts miss keeps drafting until
-          the text has shown what it accepts (the demo prompt opens with 2 hits in 16 rounds,
+          upper estimate â⁺ (`optimism`: z = 1 standard error of a first-slot rate seen N times,
+          N the first drafts verified so far, UCB-style): a cold policy whose first few drafts
+          miss keeps drafting until the text has shown what it accepts (the demo prompt opens with 2 hits in 16 rounds,
           then accepts 40%: with z = 0 the plan stayed AR through four repetitions of it).
           Replayed against recorded one-draft outcomes (`benchmarks/bench_policy.py`: the real
           policy, the cached cost curve) on held-out training-corpus prompts: S 1.041 (κ 2, 5%

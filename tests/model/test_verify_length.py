@@ -17,9 +17,10 @@ H = 4
 
 
 def set_counts(policy: CostAwareLength, seen: list[float], hits: list[float], arm: int = 0) -> None:
-    """Give an arm these recent and long-run counts."""
+    """Give an arm these recent and long-run counts (and as many first drafts verified in all)."""
     rates = policy.arms[arm]
     rates.seen, rates.hits, rates.base_seen, rates.base_hits = list(seen), list(hits), list(seen), list(hits)
+    rates.first_verified = int(seen[0])
 
 
 def costs(verify=(30.0, 32.0, 34.0, 36.0, 38.0), block=5.0, head=1.0, select=1.0) -> VerifyCosts:
@@ -325,6 +326,7 @@ def test_evidence_fades_towards_the_long_run_rate_not_an_optimistic_prior():
     rates = usual.arms[0]
     rates.base_seen, rates.base_hits = [50.0] * H, [45.0] * H  # the long run: 90% accepted
     rates.seen, rates.hits = [60.0] * H, [0.0] * H  # the last few dozen rounds: nothing accepted
+    rates.first_verified = 200  # a warm policy: no cold-start optimism left to speak of
     plans = [usual.plan() for _ in range(200)]
     assert plans[0] == 0 and any(p > 0 for p in plans)
     with pytest.raises(DRelayError, match="idle_decay"):
