@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.bench_policy import simulate
 from drelay_model.decoding.verify_length import CostAwareLength
 from drelay_model.errors import DRelayError
 from tests.model.test_verify_length import costs
@@ -50,29 +51,13 @@ def test_optimism_raises_only_the_first_slot_and_vanishes_with_evidence():
     assert policy.upper_rates()[0] - a == pytest.approx((a * (1 - a) / 1001) ** 0.5, rel=1e-6)
 
 
-def _replay(policy: CostAwareLength, hits: list[int]) -> float:
-    """Committed tokens per ms of one-draft rounds against recorded first-draft outcomes (as
-    benchmarks/bench_policy.py does): a drafted round pays draft(1) + verify(2) when it keeps the draft."""
-    c = policy.costs
-    tokens = ms = 0.0
-    for hit in hits:
-        q = torch.tensor([[0.5]])
-        if policy.plan() > 0:
-            kept = int(policy.choose(q, 1)[0])
-            policy.observe(q, torch.tensor([kept]), torch.tensor([hit * kept]))
-            tokens, ms = tokens + 1 + hit * kept, ms + c.draft_ms(1, 0) + c.verify_ms[kept]
-        else:
-            tokens, ms = tokens + 1, ms + c.verify_ms[0]
-    return tokens / ms
-
-
 def test_a_text_that_opens_badly_and_then_accepts_is_drafted():
     """The demo prompt's shape: 2 first drafts accepted in the first 16 rounds, then 40%. Without
     optimism the plan stays on AR rounds (probes double their interval while they lose)."""
     hits = [0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0] + [1, 0, 1, 0, 0] * 40
-    rates = {z: _replay(CostAwareLength(costs(**BREAK_EVEN_COSTS), 1, optimism=z), hits) for z in (0.0, 1.0)}
-    ar = 1 / 30.0
-    assert rates[1.0] > 1.05 * ar and rates[1.0] > 1.05 * rates[0.0]
+    rounds = [[(bool(h), 0.5) for h in hits]]  # (hit, q) per one-draft round, as bench_policy records them
+    speedup = {z: simulate(rounds, costs(**BREAK_EVEN_COSTS), (16.0, 2.0, 0.0, z)) for z in (0.0, 1.0)}  # the defaults but z
+    assert speedup[1.0] > 1.05 and speedup[1.0] > 1.05 * speedup[0.0]
 
 
 def test_optimism_has_a_range():
