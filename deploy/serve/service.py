@@ -13,6 +13,7 @@ from deploy.serve.backends.base import Backend, GenChunk, GenRequest, Overloaded
 from deploy.serve.config import ServeConfig
 from deploy.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse_body
 from drelay_model.errors import DRelayError
+from pipelines.common.chat import render_chat
 
 
 class _Text:
@@ -101,9 +102,7 @@ class Service:
         tok = self.backend.tokenizer
         if route == "chat":
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            enc = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = enc["input_ids"] if hasattr(enc, "keys") else enc
-            return list(ids), "messages"
+            return render_chat(tok, messages), "messages"
         if isinstance(body.prompt, str):
             if not body.prompt:
                 raise ApiError(400, "prompt: must not be empty", param="prompt")
