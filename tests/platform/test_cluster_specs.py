@@ -14,9 +14,6 @@ from pipelines.cluster.specs import check_spec_file, referenced_paths
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = sorted((REPO / "platform" / "cluster").glob("*.yaml"))
-# Paths other issues ship (tune: platform/sweeps/, serve: deploy/serve/app.py + platform/serve/):
-# checked as soon as they exist in the tree.
-PENDING = {"platform/sweeps/": "issue 14 (tune)", "platform/serve/": "issue 13 (serve)", "deploy/serve/app.py": "issue 13 (serve)"}
 
 
 def test_every_kind_of_spec_is_there():
@@ -28,11 +25,6 @@ def test_every_kind_of_spec_is_there():
 
 @pytest.mark.parametrize("path", SPECS, ids=lambda p: p.name)
 def test_spec_validates_and_its_references_exist(path):
-    refs = set().union(*(referenced_paths(d) for d in yaml.safe_load_all(path.read_text()) if d))
-    waiting = {r: who for r in refs for prefix, who in PENDING.items() if r.startswith(prefix) and not (REPO / r).exists()}
-    if waiting:
-        assert check_spec_file(path, check_refs=False)  # the schema is checked regardless
-        pytest.skip(f"references {', '.join(sorted(waiting))} — shipped by {', '.join(sorted(set(waiting.values())))}")
     assert check_spec_file(path)
 
 
