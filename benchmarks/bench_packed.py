@@ -1,4 +1,4 @@
-"""Each phase of a speculative round with oneDNN-packed linears on and off (issue 18: a leaner round).
+"""Each phase of a speculative round with oneDNN-packed linears on and off.
 
 On the bundled drafter and the SmolLM2 target, batch 1, fp32, a ~200-token cached context: the AR
 step (target forward of 1 token), verification of 2, 4 and 16 tokens, the draft (drafter block

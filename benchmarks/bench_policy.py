@@ -44,7 +44,7 @@ from drelay_model.decoding.verify_length import CostAwareLength, VerifyCosts  # 
 from drelay_model.selectors.native import NativeSelector  # noqa: E402
 
 MAX_CORPUS_PROMPTS = 13  # Alpaca from index 4,500 in steps of 40: 13 prompts in the 5,000-row subset
-# (κ, κ_b, min_gain, z): session 12's default, session 13's, then optimism
+# (κ, κ_b, min_gain, z): little shrinkage with a 5% margin, equal κ and κ_b, then the shipped κ/κ_b with z from 0 to 2
 SETTINGS = [(2.0, 2.0, 0.05, 0.0), (16.0, 16.0, 0.0, 0.0), (16.0, 2.0, 0.0, 0.0), (16.0, 2.0, 0.0, 0.5), (16.0, 2.0, 0.0, 1.0), (16.0, 2.0, 0.0, 2.0)]
 
 
@@ -114,7 +114,7 @@ def load_seqs(path: Path, parser: argparse.ArgumentParser):
         seqs = {name: [[(bool(h), float(q)) for h, q in seq] for seq in sets] for name, sets in data["seqs"].items()}
     except (OSError, ValueError, KeyError, TypeError) as e:
         parser.error(f"--seqs {path}: not a bench_policy recording ({type(e).__name__}: {e})")
-    corpus = data.get("corpus") or [n for n in seqs if n.endswith("(train corpus)")]  # files before session 14
+    corpus = data.get("corpus") or [n for n in seqs if n.endswith("(train corpus)")]  # recordings without a "corpus" key
     return seqs, corpus, data.get("bench") or [n for n in seqs if n not in corpus]
 
 

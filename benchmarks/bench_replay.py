@@ -2,8 +2,8 @@
 
 Replay (drelay_model/decoding/replay.py) is what `drelay eval`, `drelay compare` and training's
 validation spend their time in. This script decodes the target's greedy continuations once (AR, the
-project's engine, batched), then replays them with each method at `--batch-sizes` (1 = the old
-one-prompt-at-a-time loop), checks that every batch size gives the same counters as batch size 1,
+project's engine, batched), then replays them with each method at `--batch-sizes` (1 = one prompt
+at a time), checks that every batch size gives the same counters as batch size 1,
 and prints prompts/minute and the speed-up over batch size 1, measured in this one run.
 
 Run:  .venv/bin/python benchmarks/bench_replay.py                       # 16 MT-Bench prompts × 128 tokens

@@ -24,7 +24,7 @@ echo "## timing (Qwen3-shaped random target)" >> "$REPORT"
 PYTHONPATH=$PWD $PY benchmarks/gpu_timing.py --out "$OUT/timing.txt" 2>&1 | tail -8
 echo '```' >> "$REPORT"; cat "$OUT/timing.txt" >> "$REPORT" 2>/dev/null; echo '```' >> "$REPORT"
 
-# ---- SGLang (issue 16): Triton kernels vs PyTorch at Qwen3-4B shapes, then a DRELAY server vs AR ---
+# ---- SGLang: Triton kernels vs PyTorch at Qwen3-4B shapes, then a DRELAY server vs AR ---
 # Needs SGLang's own environment (docs/sglang.md: `pip install "sglang==0.5.23"` then
 # `pip install -e . --no-deps`, so the plugin's entry point exists); point SGLANG_PYTHON at it.
 SGPY="${SGLANG_PYTHON:-$PY}"

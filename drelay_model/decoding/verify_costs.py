@@ -33,7 +33,7 @@ import torch
 from drelay_model.errors import DRelayError
 
 
-# What `measure_costs` measures, versioned: 2 = draft(h) per length (session 9), 3 = a partial-block
+# What `measure_costs` measures, versioned: 2 = draft(h) per length, 3 = a partial-block
 # selector's select_ms on a one-slot block. A cached file of an older version is measured again.
 COSTS_VERSION = 3
 

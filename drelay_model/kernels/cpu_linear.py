@@ -32,7 +32,7 @@ independent of each other, and it loops over rows, so it pays only up to `INT8_M
 drafter uses it for the pool's ranking where bf16 is not native and, in a block of at most that many positions (the
 cost-aware round's short drafts), for its layers' q/o/MLP weights (`PackedLinear(few_rows_int8=True)`):
 measured on this 2-core AMD EPYC, draft(1) 13.4 → 8.6 ms, first-slot acceptance 0.334 → 0.335 on
-1,100 positions of six benchmarks (docs/benchmarks.md, session 12). Whole blocks (fixed length,
+1,100 positions of six benchmarks. Whole blocks (fixed length,
 replay, training) and the context keys/values stay float32, so replay still agrees exactly with
 real decoding at the fixed length. `DRELAY_INT8_DRAFT=0` (or `set_int8_enabled(False)`) turns it
 off; `rank_dtype()` says which precision a pool is ranked in on this machine.

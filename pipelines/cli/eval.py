@@ -38,8 +38,8 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (with replay diagnostics); 1 = sampling")
     p.add_argument("--seeds", default="0", help="comma list; at T > 0 results are mean ± std over seeds")
     p.add_argument("--match-rule", action="store_true",
-                   help="T > 0: verify the argmax path and accept drafts equal to the target's samples (the old rule) "
-                        "instead of sampling the path and accepting with min(1, p/q)")  # fmt: skip
+                   help="T > 0: verify the argmax path and accept drafts equal to the target's samples "
+                        "(the match rule), not sample the path and accept with min(1, p/q)")  # fmt: skip
     add_max_new_tokens(p)
     p.add_argument("--concurrency", default="1", help="comma list of simultaneous requests; the first gives τ and S")
     p.add_argument("--no-diagnostics", action="store_true", help="skip greedy replay (replay τ, oracle τ, coverage)")

@@ -6,7 +6,7 @@ shipped checkpoints.
 A relative path whose first component is `outputs` (`outputs/train`, `outputs/ray`, the defaults of
 every config) is re-anchored under the output root; other relative paths stay relative to the
 repository (configs, data, bundled checkpoints); absolute paths and URIs (`s3://…`, `gs://…`) pass
-through untouched. With no root configured this is exactly the old behaviour of a local checkout.
+through untouched. With no root configured everything lands in the checkout's `outputs/`.
 A submitted Ray job gets `$DRELAY_OUTPUT_ROOT` from `drelay submit`, so it writes to shared storage,
 never into the temporary working directory Ray unpacks it into.
 """

@@ -111,11 +111,11 @@ class EvalConfig:
 
     @property
     def match_rule(self) -> bool:
-        """T > 0 with the old acceptance rule (argmax path, drafts accepted while equal to samples)."""
+        """T > 0 with the match rule (argmax path, drafts accepted while equal to samples)."""
         return not self.greedy and not self.decode.draft_sampling
 
     def as_params(self) -> dict[str, str]:
-        """Flat MLflow params (the names the evaluation has always logged)."""
+        """Flat MLflow params (stable names: runs stay comparable across versions)."""
         d = {"target": self.target, "methods": self.methods, "benchmarks": self.benchmarks, "temperature": self.temperature,
              "seeds": self.seeds, "max_new_tokens": self.max_new_tokens, "concurrency": self.concurrency, "limit": self.limit,
              "subset_seed": self.subset_seed, "checkpoints": self.checkpoints, "random_drafter": self.random_drafter,

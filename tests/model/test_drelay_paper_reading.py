@@ -1,4 +1,4 @@
-"""DRelay's pieces against independent references (issue 19, item 2): the soft candidate summary and
+"""DRelay's pieces against independent references: the soft candidate summary and
 slot mixing, the λ fusion, what goes into a prefix-memory entry (the anchor's feature projection
 included), what the history read sees, what the gate sees (`gate_evidence`), and how checkpoints
 that predate these switches load."""

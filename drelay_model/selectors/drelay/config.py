@@ -35,11 +35,11 @@ class DRelayConfig:
                    evidence supports) = the slot query's δ_iK plus the alternatives' own gate
                    evidence weighted by the rank distribution, minus the native candidate's:
                    Δg_i = δ_iK + Σ_{k>0} r_ik δ_ik − δ_i0;
-                   "slot" (checkpoints before session 6) = Δg_i = δ_iK, the slot query alone.
+                   "slot" (checkpoints saved without this key) = Δg_i = δ_iK, the slot query alone.
     anchor_feature True (Fig. 3's "anchor-feature projection"): the anchor's prefix-memory entry adds
                    LN(W_F f_a), f_a = the target feature that produced the anchor (the newest
                    verified feature), projected by the history read's own W_F and LN; False
-                   (checkpoints before session 6): g_a + p_0 + W_x E(x_0) only.
+                   (checkpoints saved without this key): g_a + p_0 + W_x E(x_0) only.
     ln_eps         LayerNorm epsilon.
     decisions      how inference finds the H causal decisions (same decisions either way):
                    "walk" = the graph-safe walk (walk.py: fixed work, no host syncs),
