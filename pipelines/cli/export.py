@@ -1,25 +1,36 @@
-"""`drelay export --format sglang CHECKPOINT OUT`: a drafter checkpoint as an HF-style draft-model
-directory that the SGLang plugin loads (`deploy/sglang/export.py`; see docs/sglang.md)."""
+"""`drelay export --format {sglang,vllm} CHECKPOINT OUT`: a drafter checkpoint as a draft-model
+directory for a serving framework: `sglang`, loaded by the SGLang plugin (`deploy/sglang/export.py`,
+docs/sglang.md); `vllm`, vLLM's own DFlash format (`deploy/vllm/export.py`, docs/vllm.md)."""
 
 from __future__ import annotations
 
 import argparse
 
-FORMATS = ("sglang",)
+FORMATS = ("sglang", "vllm")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("export", help="export a drafter checkpoint for a serving framework", description=__doc__)
     p.add_argument("--format", required=True, choices=FORMATS, help="output format")
+    p.add_argument("--target", default="smollm2-135m",
+                   help="vllm: the target the drafter runs on (checked; its LM-head rows become a draft vocabulary's head)")  # fmt: skip
     p.add_argument("checkpoint", help="drafter checkpoint directory, or models:/<name>@<alias>")
     p.add_argument("out", help="new (or empty) output directory")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from deploy.sglang.export import ARCHITECTURE, export_sglang
     from pipelines.common.registry import resolve_checkpoint
 
-    path = export_sglang(resolve_checkpoint(args.checkpoint), args.out)
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    if args.format == "vllm":
+        from deploy.vllm.export import ARCHITECTURE, export_vllm
+        from drelay_model.target import load_target
+
+        path = export_vllm(checkpoint, args.out, target=load_target(args.target, pack=False))
+    else:
+        from deploy.sglang.export import ARCHITECTURE, export_sglang
+
+        path = export_sglang(checkpoint, args.out)
     print(f"exported {args.checkpoint} → {path} ({ARCHITECTURE})")
     return 0
