@@ -22,7 +22,7 @@ that maximises committed tokens per millisecond, E(L) / t(L), in two steps:
           selector's long-run rates start from the native arm's (not from ½): it keeps the native
           path unless it repairs it, and an arm with no evidence of its own looked 50% accepted.
           This is a bandit: an AR round learns nothing about the drafts it skipped, so an â that
-          follows the last few rounds (κ = 2 until session 13) dips below break-even by chance
+          follows the last few rounds (a small κ) dips below break-even by chance
           (first-draft hits are Bernoulli(≈ 0.3)), the plan stops drafting, and only probes can
           lift it again; its rounds also draft exactly when â runs high, and deliver less than it
           promised. κ = 16 pseudo-counts make â follow the text over ~16 drafted rounds instead
