@@ -11,17 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-from drelay_model.errors import DRelayError
+from pipelines.common.config_base import StrictConfig, validate_config
 from pipelines.common.yaml_file import read_mapping
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class EngineSection(_Strict):
+class EngineSection(StrictConfig):
     """The project's own engine (CPU or GPU) with any registered selector, or `ar`."""
 
     target: str = "smollm2-135m"
@@ -37,7 +33,7 @@ class EngineSection(_Strict):
     verify_length: Literal["fixed", "cost"] = "fixed"
 
 
-class SGLangSection(_Strict):
+class SGLangSection(StrictConfig):
     """An SGLang server subprocess with the DRelay algorithm (GPU hosts; the sglang extra)."""
 
     model_path: str
@@ -50,7 +46,7 @@ class SGLangSection(_Strict):
     startup_timeout_s: float = Field(900.0, gt=0)
 
 
-class LimitsSection(_Strict):
+class LimitsSection(StrictConfig):
     """Per-request limits: a request over them gets a 400 naming the field."""
 
     max_tokens: int = Field(1024, ge=1)  # largest max_tokens a request may ask for
@@ -67,7 +63,7 @@ class LimitsSection(_Strict):
         return self
 
 
-class AutoscalingSection(_Strict):
+class AutoscalingSection(StrictConfig):
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(1, ge=1)
     target_ongoing_requests: float = Field(4.0, gt=0)
@@ -81,11 +77,11 @@ class AutoscalingSection(_Strict):
         return self
 
 
-class AuthSection(_Strict):
+class AuthSection(StrictConfig):
     api_key_env: str | None = None  # when set (and the variable is non-empty), requests need `Bearer <key>`
 
 
-class ServeConfig(_Strict):
+class ServeConfig(StrictConfig):
     model_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/+-]{0,127}$")  # the name clients send as `model`
     backend: Literal["engine", "sglang"] = "engine"
     engine: EngineSection = EngineSection()
@@ -117,12 +113,7 @@ class ServeConfig(_Strict):
 
 
 def parse_config(doc: dict, *, source: str = "serve config") -> ServeConfig:
-    try:
-        return ServeConfig.model_validate(doc)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        raise DRelayError(f"{source}: {where}: {err['msg']}") from None
+    return validate_config(ServeConfig, doc, source=source, top="(top level)")
 
 
 def load_serve_config(path: str | Path, overrides: dict | None = None) -> ServeConfig:

@@ -26,27 +26,24 @@ import re
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from drelay_model.errors import DRelayError
 from drelay_model.decoding import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
+from pipelines.common.config_base import StrictConfig, validate_config
 from pipelines.common.paths import NAME_PATTERN
 from pipelines.train.config import RunConfig, load_config
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z0-9._+-]+)\}")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class StageSpec(_Strict):
+class StageSpec(StrictConfig):
     config: str  # a run config YAML (repository-relative or absolute)
     overrides: list[str] = Field(default_factory=list)
     runs: dict[str, list[str]] = Field(min_length=1)
 
 
-class CompareSpec(_Strict):
+class CompareSpec(StrictConfig):
     baseline: str | None = None  # default: the first run of the last stage
     variants: dict[str, str] = Field(default_factory=dict)  # extra columns: label → "<run>" or "<run>:<selector>"
     runs: list[str] | None = None  # runs to compare (default: every run of the last stage)
@@ -73,7 +70,7 @@ class CompareSpec(_Strict):
         return GenerationConfig(max_new_tokens=self.max_new_tokens)
 
 
-class StudySpec(_Strict):
+class StudySpec(StrictConfig):
     name: str = Field(pattern=NAME_PATTERN)
     stages: list[StageSpec] = Field(min_length=1)
     compare: CompareSpec | None = CompareSpec()
@@ -125,12 +122,7 @@ def load_study(path: str | Path) -> StudySpec:
         doc = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise DRelayError(f"study spec '{path}' is not valid YAML: {str(exc).splitlines()[0]}") from exc
-    try:
-        return StudySpec.model_validate(doc if doc is not None else {})
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "spec"
-        raise DRelayError(f"study spec '{path}': {where}: {err['msg'].removeprefix('Value error, ')}") from exc
+    return validate_config(StudySpec, doc if doc is not None else {}, source=f"study spec '{path}'", top="spec")
 
 
 def run_configs(spec: StudySpec, repo_path) -> dict[str, RunConfig]:

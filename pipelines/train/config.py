@@ -12,24 +12,21 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from drelay_model.errors import DRelayError
+from pipelines.common.config_base import StrictConfig, validate_config
 from pipelines.common.methods import NATIVE, training_selector
 from pipelines.common.yaml_file import read_mapping
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class TargetSection(_Strict):
+class TargetSection(StrictConfig):
     spec: str = "smollm2-135m"
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: each worker's Ray Train device (CUDA with ray.use_gpu)
 
 
-class DrafterSection(_Strict):
+class DrafterSection(StrictConfig):
     num_layers: int = Field(2, ge=1, le=64)
     target_layer_ids: tuple[int, ...] | None = None  # default: early, middle and late layers
     intermediate_size: int | None = Field(None, ge=1)
@@ -40,7 +37,7 @@ class DrafterSection(_Strict):
     freeze: bool = False  # keep the drafter (backbone) fixed: train only the selector (needs init_checkpoint)
 
 
-class SelectorSection(_Strict):
+class SelectorSection(StrictConfig):
     """`native`: train the drafter alone; else a trainable registered selector, trained jointly."""
 
     name: str = NATIVE
@@ -57,7 +54,7 @@ class SelectorSection(_Strict):
         return self.name != NATIVE
 
 
-class DataSection(_Strict):
+class DataSection(StrictConfig):
     regenerated: str = "data/regenerated/smollm2-135m*.jsonl"  # a file or a glob (parallel shards)
     fallback_reference_answers: bool = False  # teacher-forced argmax over reference answers (weaker)
     sources: tuple[str, ...] = ("gsm8k_train", "alpaca5k", "mbpp_train", "fastchat")
@@ -67,7 +64,7 @@ class DataSection(_Strict):
     feature_cache_dir: str = "outputs/feature_cache"
 
 
-class Schedule(_Strict):
+class Schedule(StrictConfig):
     """A value ramped linearly from `start` to `end` over the first `ramp_fraction` ∈ (0, 1] of
     training (the ramp divides progress, so it must be > 0). Start and end must be finite."""
 
@@ -94,7 +91,7 @@ class CoefficientSchedule(Schedule):
     end: float = Field(ge=0.0, allow_inf_nan=False)
 
 
-class TrainSection(_Strict):
+class TrainSection(StrictConfig):
     max_steps: int = Field(2000, ge=1)
     seqs_per_step: int = Field(4, ge=1)  # per worker
     anchors_per_seq: int = Field(16, ge=1, le=512)
@@ -132,7 +129,7 @@ class TrainSection(_Strict):
     chunk_tokens: int = Field(2048, ge=16)  # anchor slots per vocabulary-head chunk (peak ∝ chunk_tokens · V)
 
 
-class RaySection(_Strict):
+class RaySection(StrictConfig):
     num_workers: int = Field(1, ge=1)
     cpus_per_worker: int = Field(1, ge=1)
     use_gpu: bool = False
@@ -146,13 +143,13 @@ class RaySection(_Strict):
     address: str | None = None  # None: start a local cluster
 
 
-class MlflowSection(_Strict):
+class MlflowSection(StrictConfig):
     tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI or the project's SQLite store
     experiment: str = "drelay-train"
     registered_model: str | None = Field(None, pattern=r"^[A-Za-z0-9][\w.+-]{0,99}$")  # register the drafter, alias `champion`
 
 
-class RunConfig(_Strict):
+class RunConfig(StrictConfig):
     target: TargetSection = TargetSection()
     drafter: DrafterSection = DrafterSection()
     selector: SelectorSection = SelectorSection()
@@ -190,9 +187,4 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
         if not eq or not key:
             raise DRelayError(f"bad override '{item}': expected section.key=value")
         _set_dotted(doc, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
-    try:
-        return RunConfig.model_validate(doc)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "config"
-        raise DRelayError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from exc
+    return validate_config(RunConfig, doc)

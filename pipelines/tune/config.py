@@ -21,17 +21,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from drelay_model.errors import DRelayError
 from pipelines.common.paths import NAME_PATTERN
-from pipelines.train.config import RunConfig, _set_dotted, _Strict
+from pipelines.common.config_base import StrictConfig, validate_config
+from pipelines.train.config import RunConfig, _set_dotted
 from pipelines.common.paths import REPO_ROOT
 from pipelines.train.worker import HEADLINE_METRIC
 from pipelines.common.yaml_file import read_mapping
 
 
-class ParamSpace(_Strict):
+class ParamSpace(StrictConfig):
     """One swept value: a range `[low, high]` (uniform, or log-uniform with `log`) or a list of `values`."""
 
     low: float | None = None
@@ -64,7 +65,7 @@ class ParamSpace(_Strict):
         return self.values if self.values is not None else (self.low, self.high)
 
 
-class SchedulerSection(_Strict):
+class SchedulerSection(StrictConfig):
     """ASHA stops a trial at a rung (grace_period · reduction_factor^k steps) when its metric falls
     outside the top 1/reduction_factor of trials that reached that rung; fifo runs every trial out."""
 
@@ -74,7 +75,7 @@ class SchedulerSection(_Strict):
     max_steps: int | None = Field(None, ge=1)  # each trial's budget; None: the base config's train.max_steps
 
 
-class ResourcesSection(_Strict):
+class ResourcesSection(StrictConfig):
     """Per trial: the Tune trial driver's small CPU share, and its Ray Train workers (None: the base's)."""
 
     driver_cpu: float = Field(0.1, gt=0.0, le=64.0)
@@ -82,7 +83,7 @@ class ResourcesSection(_Strict):
     cpus_per_worker: int | None = Field(None, ge=1)
 
 
-class SweepConfig(_Strict):
+class SweepConfig(StrictConfig):
     name: str = Field(pattern=NAME_PATTERN)  # the Tune experiment, the MLflow parent run, the output folder
     base: str | dict[str, Any]  # a training config YAML (path) or an inline training config
     overrides: tuple[str, ...] = ()  # dotted `section.key=value` overrides of the base
@@ -124,12 +125,7 @@ def load_base(sweep: SweepConfig) -> dict:
 
 def load_doc(doc: dict, where: str) -> RunConfig:
     """Validate a training-config document; a failure is one line prefixed with `where`."""
-    try:
-        return RunConfig.model_validate(doc)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "config"
-        raise DRelayError(f"{where}: {field}: {err['msg'].removeprefix('Value error, ')}") from None
+    return validate_config(RunConfig, doc, source=where)
 
 
 def field_path_error(path: str) -> str | None:
@@ -175,12 +171,7 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, dict]:
     """Read and check a sweep file: (the sweep, the validated base training document)."""
     path = Path(path)
     doc = read_mapping(path, "sweep config")
-    try:
-        sweep = SweepConfig.model_validate(doc)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "sweep"
-        raise DRelayError(f"{field}: {err['msg'].removeprefix('Value error, ')}") from None
+    sweep = validate_config(SweepConfig, doc, top="sweep")
     if sweep.search == "optuna":
         try:
             import optuna  # noqa: F401
