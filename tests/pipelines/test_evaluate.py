@@ -320,9 +320,10 @@ def test_empty_prompt_file_is_a_clear_error(uri, tmp_path, capsys):
     assert _runs(get_client(), "RUNNING") == [] and _runs(get_client()) == []
 
 
-def test_eval_resumes_from_cell_files_written_before_the_layout_change(tmp_path, capsys, monkeypatch):
-    """tests/pipelines/fixtures/cells_before_layout/ was written by `drelay eval` at commit 87b113f
-    (DecodeTotals, CellStore): the same command now loads both cells and decodes nothing."""
+def test_eval_resumes_from_cell_files_of_an_older_layout(tmp_path, capsys, monkeypatch):
+    """tests/pipelines/fixtures/cells_before_layout/ holds cell files in an older layout (written by
+    `drelay eval` at commit 87b113f): the same command loads both cells, decodes nothing, and every
+    metric they gave is unchanged."""
     import json
     import shutil
     from pathlib import Path
@@ -340,10 +341,10 @@ def test_eval_resumes_from_cell_files_written_before_the_layout_change(tmp_path,
     monkeypatch.setattr(Evaluation, "run_cell", no_decoding)
     rc = main(["eval", "--target", "tiny-llama", "--methods", "ar,native", "--random-drafter", "--benchmarks", "gsm8k", "--limit", "2",
                "--data-dir", str(tmp_path / "bench"), "--max-new-tokens", "8", "--no-mlflow", "--out", str(out), "--no-progress",
-               "--timing", "phased"])  # fmt: skip  (the old cells were timed in phases)
+               "--timing", "phased"])  # fmt: skip  (the fixture's cells were timed in phases)
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
-    old = json.loads((Path(__file__).parent / "fixtures" / "cells_before_layout_summary.json").read_text())  # the old code's metrics
+    old = json.loads((Path(__file__).parent / "fixtures" / "cells_before_layout_summary.json").read_text())  # the metrics the fixture's cells gave
     assert summary.keys() == old.keys()
-    for method, metrics in old.items():  # every old metric, unchanged (new ones such as speedup_phased are added)
+    for method, metrics in old.items():  # each of those metrics, unchanged (the summary may add more)
         assert {k: summary[method][k] for k in metrics} == pytest.approx(metrics), method
