@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drelay_model.attention import attend, attention_path, compute_dtype, prepare_mask
 from drelay_model.kernels import cpu_linear
 from drelay_model.drafter.config import DrafterConfig
 from drelay_model.kv_cache import KVCache
@@ -77,8 +78,9 @@ class _Layer(nn.Module):
         v = self.v_proj(h).view(B, T, -1, self.cfg.head_dim).transpose(1, 2)
         return _rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
-        """x [B, Q, D] block tokens; ctx_k/v [B, n_kv, C, hd]; mask [B, 1, Q, C+Q] bool or None."""
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask, path: str) -> torch.Tensor:
+        """x [B, Q, D] block tokens; ctx_k/v [B, n_kv, C, hd]; mask [B, 1, Q, C+Q] in `path`'s form
+        (drelay_model/attention.py) or None."""
         B, Q, D = x.shape
         h = self.in_norm(x)
         q = self.q_norm(self.q_proj(h).view(B, Q, -1, self.cfg.head_dim)).transpose(1, 2)
@@ -86,8 +88,7 @@ class _Layer(nn.Module):
         k_blk, v_blk = self.kv(h, cos, sin)
         k = torch.cat([ctx_k, k_blk], dim=2)
         v = torch.cat([ctx_v, v_blk], dim=2)
-        gqa = self.cfg.num_heads != self.cfg.num_kv_heads
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        attn = attend(q, k, v, mask, path)  # [B, nh, Q, hd]
         x = x + self.o_proj(attn.transpose(1, 2).reshape(B, Q, -1))
         h = self.post_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
@@ -199,9 +200,10 @@ class BlockDrafter(nn.Module):
         x = x.view(B, M * S, D)
         positions = (anchor_pos[:, :, None] + torch.arange(S, device=anchor_pos.device)).view(B, M * S)
         cos, sin = self._cos_sin(positions)
-        mask = self._block_mask(anchor_pos, C, S)
+        path = attention_path(x.device)  # one fused kernel per device, the same for every layer
+        mask = prepare_mask(self._block_mask(anchor_pos, C, S), path, compute_dtype(x))
         for layer, (ck, cv) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, ck, cv, mask)
+            x = layer(x, cos, sin, ck, cv, mask, path)
         return self.norm(x).view(B, M, S, D)
 
     def _block_mask(self, anchor_pos: torch.Tensor, C: int, S: int) -> torch.Tensor | None:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drelay_model.attention import attend, attention_path, compute_dtype, prepare_mask
 from drelay_model.kernels import cpu_linear
 from drelay_model.kv_cache import KVCache
 
@@ -223,9 +224,11 @@ class TargetModel(nn.Module):
         cos = self._rope_cos[positions][:, None]  # [B, 1, T, hd]
         sin = self._rope_sin[positions][:, None]
         x = self.embed(ids)  # [B, T, D]
+        path = attention_path(x.device)  # one fused attention kernel per device (drelay_model/attention.py)
+        mask = prepare_mask(mask, path, compute_dtype(x))
         feats = []
         for i, layer in enumerate(self._layers):
-            x = self._layer_forward(layer, i, x, cache, cos, sin, mask)
+            x = self._layer_forward(layer, i, x, cache, cos, sin, mask, path)
             if i in feature_layers:
                 feats.append(x)
         cache.end()
@@ -238,7 +241,7 @@ class TargetModel(nn.Module):
         logits = cpu_linear.linear(x, self.lm_head_weight, None, getattr(self, "_head_packed", None)).float()
         return TargetOutput(logits=logits, features=features)
 
-    def _layer_forward(self, w: _FusedLayer, i: int, x, cache: KVCache, cos, sin, mask) -> torch.Tensor:
+    def _layer_forward(self, w: _FusedLayer, i: int, x, cache: KVCache, cos, sin, mask, path: str) -> torch.Tensor:
         B, T, D = x.shape
         hd, nq, nkv = self.head_dim, self.n_heads, self.n_kv_heads
         h = F.rms_norm(x, (D,), w.in_norm, self.eps)
@@ -251,7 +254,7 @@ class TargetModel(nn.Module):
         q = _apply_rope(q.transpose(1, 2), cos, sin)  # [B, nq, T, hd]
         k = _apply_rope(k.transpose(1, 2), cos, sin)  # [B, nkv, T, hd]
         k_all, v_all = cache.append(i, k, v.transpose(1, 2))  # [B, nkv, kv, hd]
-        attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=nq != nkv)
+        attn = attend(q, k_all, v_all, mask, path)  # [B, nq, T, hd]
         x = x + lin(attn.transpose(1, 2).reshape(B, T, nq * hd), w.o, None, w.packed.get("o"))
         h = F.rms_norm(x, (D,), w.post_norm, self.eps)
         gate, up = lin(h, w.gate_up, None, w.packed.get("gate_up")).chunk(2, dim=-1)
