@@ -30,12 +30,11 @@ few times gets the benefit of the doubt, z standard errors of a rate seen N time
 default: `CostAwareLength.optimism`), so a few early misses (first drafts are Bernoulli(≈ 0.3)) do
 not stop drafting before the text has shown what it accepts. N is not decayed: the bonus is for a
 cold start and vanishes as the engine runs (0.04 after 100 drafted rounds at â = 0.2; with the
-decayed long-run count, which holds ~50, it stayed ≥ 0.056 for good, and near break-even that kept
-drafting where it lost: Alpaca S 0.93–0.95 in a scratch run). A text that changes later is what the
-decays and the probes are for.
+decayed long-run count, which holds ~50, it would stay ≥ 0.056 for good and, near break-even, keep
+drafting where drafting loses). A text that changes later is what the decays and the probes are for.
 Only the first slot gets it: whether to draft at all is decided there, and a deeper slot is verified
 only after hits below it, so its bonus would hardly shrink and would keep buying LM heads that are
-not verified (a scratch run of the demo: 4–15 heads planned per round instead of 3, at the same τ).
+not verified (on the demo prompt: 4–15 heads planned per round instead of 3, at the same τ).
 Plain Python floats: a round asks a few dozen questions of it.
 """
 
