@@ -33,7 +33,7 @@ that maximises committed tokens per millisecond, E(L) / t(L), in two steps:
           then accepts 40%: with z = 0 the plan stayed AR through four repetitions of it).
           Replayed against recorded one-draft outcomes (`benchmarks/bench_policy.py`: the real
           policy, the cached cost curve) on held-out training-corpus prompts: S 1.041 (κ 2, 5%
-          margin) → 1.067 (κ 16) → 1.088 (κ 16, z 1), always drafting 1.079 (docs/benchmarks.md).
+          margin) → 1.067 (κ 16) → 1.088 (κ 16, z 1), always drafting 1.079 (docs/verification-length.md).
           `min_gain` (default 0) is a margin the best L > 0 must beat: it is taken only when its
           predicted rate is ≥ (1 + min_gain) × the AR round's.
           While AR wins, a drafted round still runs every `probe` rounds to keep â current (the
