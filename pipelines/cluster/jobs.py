@@ -1,9 +1,9 @@
 """`drelay jobs {list,logs,stop}`: the Ray jobs of a cluster (address: `--address` or `$RAY_ADDRESS`).
 
-    drelay jobs list                    # id, status, command, start time — newest last
-    drelay jobs logs JOB_ID [--follow]
-    drelay jobs stop JOB_ID
-    drelay jobs check platform/cluster/*.yaml   # validate specs before `kubectl apply` / `ray up` (no cluster needed)
+drelay jobs list                    # id, status, command, start time — newest last
+drelay jobs logs JOB_ID [--follow]
+drelay jobs stop JOB_ID
+drelay jobs check platform/cluster/*.yaml   # validate specs before `kubectl apply` / `ray up` (no cluster needed)
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
     add_address_flag(stop)
     stop.add_argument("job_id")
     stop.set_defaults(run=run_stop)
-    check = actions.add_parser("check", help="validate platform/cluster specs (schemas, referenced repo paths)")
+    check = actions.add_parser("check", help="validate platform/cluster specs (schemas, KubeRay CRDs, referenced repo paths)")
     check.add_argument("files", nargs="+")
     check.set_defaults(run=run_check)
 
@@ -71,9 +71,11 @@ def run_stop(args: argparse.Namespace) -> int:
 
 
 def run_check(args: argparse.Namespace) -> int:
+    from pipelines.cluster.crds import KUBERAY_RELEASE, SCHEMA_FILES
     from pipelines.cluster.specs import check_spec_file
 
     for f in args.files:
         kinds = [type(m).__name__ for m in check_spec_file(f)]
-        print(f"{f}: ok ({', '.join(kinds)})")
+        crd = f"; KubeRay {KUBERAY_RELEASE} CRD schema" if set(kinds) & set(SCHEMA_FILES) else ""
+        print(f"{f}: ok ({', '.join(kinds)}{crd})")
     return 0

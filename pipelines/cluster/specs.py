@@ -1,7 +1,9 @@
 """Schemas of the platform/cluster/ specs: the fields the project relies on, checked strictly, plus
 the manifests' required Kubernetes/KubeRay fields (apiVersion, kind, metadata.name, spec.entrypoint,
-rayClusterSpec, serveConfigV2 …). Kubernetes objects allow other keys (their full schema is
-Kubernetes'); the project's own files (runtime env) forbid unknown keys.
+rayClusterSpec, serveConfigV2 …). KubeRay manifests (RayCluster, RayJob, RayService) are first checked
+against KubeRay's own CRD schemas (`crds.py`: unknown fields, types, required fields, enums); other
+Kubernetes objects allow other keys (their full schema is Kubernetes'); the project's own files
+(runtime env) forbid unknown keys.
 
     drelay jobs check platform/cluster/*.yaml     # every file valid, every referenced repo path exists
 """
@@ -13,9 +15,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from drelay_model.errors import DRelayError
+from pipelines.cluster.crds import check_manifest
+from pipelines.common.config_base import StrictConfig, validate_config
 from pipelines.common.outputs import REPO_ROOT
 
 ENTRYPOINT = re.compile(r"^python -m pipelines\.cli (train|tune|eval|study|compare|serve-bench)\b")
@@ -24,15 +28,14 @@ REPO_REF = re.compile(r"(?<![\w/.:-])((?:platform|data|checkpoints|benchmarks)/[
 JOB_ENV = ("DRELAY_OUTPUT_ROOT", "MLFLOW_TRACKING_URI")  # every job needs both (docs/cluster.md)
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
 class _Open(BaseModel):
+    """A Kubernetes object: the fields the project relies on are checked, other keys pass (the
+    KubeRay CRD schemas check those, in `pipelines/cluster/crds.py`)."""
+
     model_config = ConfigDict(extra="allow", frozen=True)
 
 
-class RuntimeEnvSpec(_Strict):
+class RuntimeEnvSpec(StrictConfig):
     """A Ray runtime env as the project writes it (platform/cluster/runtime_env.yaml, RayJob runtimeEnvYAML)."""
 
     working_dir: str | None = None
@@ -62,7 +65,7 @@ class JobRuntimeEnv(RuntimeEnvSpec):
         return self
 
 
-class NodeType(_Strict):
+class NodeType(StrictConfig):
     resources: dict[str, float]
     min_workers: int = Field(ge=0)
     max_workers: int = Field(ge=0)
@@ -184,6 +187,13 @@ class RayServiceBody(_Open):
         return v
 
 
+class RayCluster(_Open):
+    apiVersion: Literal["ray.io/v1"]
+    kind: Literal["RayCluster"]
+    metadata: Metadata
+    spec: RayClusterSpec
+
+
 class RayService(_Open):
     apiVersion: Literal["ray.io/v1"]
     kind: Literal["RayService"]
@@ -205,7 +215,9 @@ class Deployment(_Open):
         command = " ".join(" ".join(c.get("command", []) + c.get("args", [])) for c in containers)
         if "mlflow server" in command:
             if not re.search(r"--backend-store-uri\s+postgresql(\+\w+)?://", command):
-                raise ValueError("mlflow server: --backend-store-uri must be a postgresql:// URI (SQLite cannot take concurrent writers)")
+                raise ValueError(
+                    "mlflow server: --backend-store-uri must be a postgresql:// URI (SQLite cannot take concurrent writers)"
+                )
             if not re.search(r"--artifacts-destination\s+(s3|gs|wasbs)://", command):
                 raise ValueError("mlflow server: --artifacts-destination must be an object store (s3://, gs://, wasbs://)")
         return self
@@ -218,16 +230,16 @@ class Service(_Open):
     spec: dict[str, Any]
 
 
-KINDS: dict[str, type[BaseModel]] = {"RayJob": RayJob, "RayService": RayService, "Deployment": Deployment, "Service": Service}
+KINDS: dict[str, type[BaseModel]] = {
+    "RayCluster": RayCluster,
+    "RayJob": RayJob,
+    "RayService": RayService,
+    "Deployment": Deployment,
+    "Service": Service,
+}
 
 
 # ---- loading and checking files ---------------------------------------------------------------------
-
-
-def _one_line(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "document"
-    return f"{where}: {err['msg'].removeprefix('Value error, ')}"
 
 
 def _documents(path: str | Path) -> list[dict]:
@@ -245,11 +257,7 @@ def _documents(path: str | Path) -> list[dict]:
 
 def load_runtime_env(path: str | Path) -> RuntimeEnvSpec:
     """A runtime env file (one mapping, the project's strict schema); one-line errors."""
-    docs = _documents(path)
-    try:
-        return RuntimeEnvSpec.model_validate(docs[0])
-    except ValidationError as exc:
-        raise DRelayError(f"{path}: {_one_line(exc)}") from exc
+    return validate_config(RuntimeEnvSpec, _documents(path)[0], source=str(path), top="document")
 
 
 def schema_for(path: Path, doc: dict) -> type[BaseModel]:
@@ -292,16 +300,17 @@ def _exists(ref: str, repo: Path) -> bool:
 
 
 def check_spec_file(path: str | Path, *, repo: Path = REPO_ROOT, check_refs: bool = True) -> list[BaseModel]:
-    """Validate every document of a spec file and that every repo path it names exists.
+    """Validate every document of a spec file (KubeRay kinds against KubeRay's CRD schema first, then
+    the project's schema) and that every repo path it names exists.
     Raises a one-line `DRelayError` naming the file and the field."""
     path = Path(path)
     out = []
     for doc in _documents(path):
         schema = schema_for(path, doc)
-        try:
-            out.append(schema.model_validate(doc))
-        except ValidationError as exc:
-            raise DRelayError(f"{path}: {_one_line(exc)}") from exc
+        problem = check_manifest(doc)
+        if problem:
+            raise DRelayError(f"{path}: {problem}")
+        out.append(validate_config(schema, doc, source=str(path), top="document"))
         for ref in sorted(referenced_paths(doc)) if check_refs else ():
             if not _exists(ref, repo):
                 raise DRelayError(f"{path}: references '{ref}', which does not exist in the repository")
