@@ -114,28 +114,32 @@ def _where(path) -> str:
     return ".".join(str(p) for p in path)
 
 
-def _describe(err: ValidationError, kind: str) -> tuple[str, str]:
-    """(field path, message) of one jsonschema error, in the project's one-line form."""
+def _describe(err: ValidationError, kind: str) -> list[str]:
+    """`field.path: message` lines for one jsonschema error (one per unknown or missing field)."""
     path, schema, instance = list(err.absolute_path), err.schema, err.instance
     if err.validator == "additionalProperties" and err.validator_value is False:
         known = list(schema.get("properties", {}))
-        extra = sorted(set(instance) - set(known))[0]
-        close = difflib.get_close_matches(extra, known, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        message = f"unknown field (not in KubeRay {KUBERAY_RELEASE}'s {kind} CRD: Kubernetes would silently drop it){hint}"
-        return _where([*path, extra]), message
+        lines = []
+        for extra in sorted(set(instance) - set(known)):
+            close = difflib.get_close_matches(extra, known, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            why = f"not in KubeRay {KUBERAY_RELEASE}'s {kind} CRD: Kubernetes would silently drop it"
+            lines.append(f"{_where([*path, extra])}: unknown field ({why}){hint}")
+        return lines
     if err.validator == "required":
-        missing = next(r for r in err.validator_value if r not in instance)
-        return _where([*path, missing]), f"Field required (KubeRay {KUBERAY_RELEASE}'s {kind} CRD)"
+        missing = [r for r in err.validator_value if r not in instance]
+        return [f"{_where([*path, r])}: Field required (KubeRay {KUBERAY_RELEASE}'s {kind} CRD)" for r in missing]
     got = _JSON_TYPES.get(type(instance), type(instance).__name__)
     if err.validator == "type":
         wanted = " or ".join(err.validator_value) if isinstance(err.validator_value, list) else err.validator_value
-        return _where(path), f"must be of type {wanted}, got {got} {instance!r:.60}"
-    if err.validator == "anyOf" and schema.get("x-kubernetes-int-or-string"):
-        return _where(path), f"must be an integer or a string, got {got} {instance!r:.60}"
-    if err.validator == "enum":
-        return _where(path), f"must be one of {', '.join(map(repr, err.validator_value))}, got {instance!r:.60}"
-    return _where(path), err.message.splitlines()[0][:200]
+        message = f"must be of type {wanted}, got {got} {instance!r:.60}"
+    elif err.validator == "anyOf" and schema.get("x-kubernetes-int-or-string"):
+        message = f"must be an integer or a string, got {got} {instance!r:.60}"
+    elif err.validator == "enum":
+        message = f"must be one of {', '.join(map(repr, err.validator_value))}, got {instance!r:.60}"
+    else:
+        message = err.message.splitlines()[0][:200]
+    return [f"{_where(path)}: {message}"]
 
 
 def crd_problems(doc: dict) -> list[str]:
@@ -143,8 +147,7 @@ def crd_problems(doc: dict) -> list[str]:
     `field.path: message` lines in document-path order; [] when it conforms."""
     kind = doc["kind"]
     errors = sorted(validator_for(kind).iter_errors(doc), key=lambda e: [str(p) for p in e.absolute_path])
-    lines = [": ".join(_describe(e, kind)) for e in errors]
-    return list(dict.fromkeys(lines))
+    return list(dict.fromkeys(line for e in errors for line in _describe(e, kind)))
 
 
 def check_manifest(doc: dict) -> str | None:

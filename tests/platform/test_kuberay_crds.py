@@ -121,9 +121,14 @@ def test_drelay_jobs_check_reports_a_misspelt_field_and_exits_2(tmp_path, capsys
 
 def test_several_problems_report_the_first_and_count_the_rest():
     doc = _doc("rayjob-train.yaml")
-    _cluster(doc)["workerGroupSpecs"][0].update(replicas="1", maxReplicas="1")
-    assert check_manifest(doc).endswith("(+1 more)")
-    assert len(crd_problems(doc)) == 2
+    _cluster(doc)["workerGroupSpecs"][0].update(replicas="1", maxReplicas="1", rayStartParms={}, grupName="g")
+    assert check_manifest(doc).endswith("(+3 more)")
+    assert [p.split(":")[0].rpartition(".")[2] for p in crd_problems(doc)] == [
+        "grupName",
+        "rayStartParms",
+        "maxReplicas",
+        "replicas",
+    ]
 
 
 def test_other_kinds_and_api_versions_are_left_to_the_project_schema():
