@@ -22,6 +22,9 @@ ray = pytest.importorskip("ray")
 from deploy.serve.config import parse_config  # noqa: E402
 
 KEY_ENV, KEY = "DRELAY_TEST_SERVE_KEY", "test-secret"
+# Set on import (collection, before any test starts Ray): replicas are Ray workers, and they inherit the
+# environment of the moment the session's Ray instance starts.
+os.environ[KEY_ENV] = KEY
 MODEL = "tiny-drelay"
 CONFIG = {
     "model_id": MODEL,
@@ -42,12 +45,11 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(ray_session):
     from ray import serve
 
     from deploy.serve.commands import start
 
-    os.environ[KEY_ENV] = KEY  # replicas inherit the driver's environment
     cfg = parse_config({**CONFIG, "port": _free_port()})
     url = start(cfg, name="drelay-test")
     deadline = time.time() + 300
@@ -62,7 +64,6 @@ def server():
         pytest.fail("the Serve app never became ready")
     yield url
     serve.shutdown()
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

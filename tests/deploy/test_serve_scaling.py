@@ -59,8 +59,7 @@ def _until(predicate, timeout: float, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def server():
-    import ray
+def server(ray_session):
     from ray import serve
 
     from deploy.serve.commands import start
@@ -72,7 +71,6 @@ def server():
     _until(lambda: _ready(url), 300, "the app to be ready")
     yield url
     serve.shutdown()
-    ray.shutdown()
 
 
 def _ready(url: str) -> bool:

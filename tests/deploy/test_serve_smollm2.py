@@ -16,8 +16,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "platform" / "serve" / "smollm2-1
 
 
 @pytest.mark.slow
-def test_cpu_default_endpoint_matches_offline_engine():
-    import ray
+def test_cpu_default_endpoint_matches_offline_engine(ray_session):
     from ray import serve
 
     from deploy.serve.commands import start
@@ -56,4 +55,3 @@ def test_cpu_default_endpoint_matches_offline_engine():
         assert ext["spec_verify_ct"] == offline.stats.rounds  # one request: same rounds as decoding it alone
     finally:
         serve.shutdown()
-        ray.shutdown()

@@ -73,9 +73,7 @@ def _tiny_data(path: Path) -> Path:
     return path
 
 
-def test_ray_train_logs_through_the_tracking_server(mlflow_server, tmp_path, monkeypatch):
-    import ray
-
+def test_ray_train_logs_through_the_tracking_server(mlflow_server, ray_session, tmp_path, monkeypatch):
     from pipelines.common.registry import resolve_checkpoint
     from pipelines.train.config import load_config
     from pipelines.common.tracking import get_client
@@ -89,11 +87,7 @@ def test_ray_train_logs_through_the_tracking_server(mlflow_server, tmp_path, mon
             "train.validation_prompts": 1, "train.warmup_steps": 1, "ray.num_workers": 1, "ray.run_name": "http-run",
             "drafter.num_layers": 1, "drafter.top_k": 8, "mlflow.registered_model": "tiny-http"}  # fmt: skip
     cfg = load_config(None, [f"{k}={v}" for k, v in over.items()])
-    ray.init(num_cpus=2, include_dashboard=True, configure_logging=False)
-    try:
-        result = run_training(cfg)
-    finally:
-        ray.shutdown()
+    result = run_training(cfg)
 
     assert str(result.checkpoint).startswith(str(tmp_path / "root" / "train"))  # the output root, not the repo
     client = get_client()

@@ -31,15 +31,6 @@ def tiny_data(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=True, configure_logging=False)
-    yield
-    ray.shutdown()
-
-
 def _config(tmp_path, data, **over):
     base = {
         "target.spec": "tiny-llama", "data.regenerated": str(data), "data.validation_fraction": 0.1,

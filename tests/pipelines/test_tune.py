@@ -105,16 +105,6 @@ def test_sweep_config_accepts_ranges_and_dry_run(tmp_path, tiny_data, capsys):
     assert not (tmp_path / "sweeps").exists()
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    # 4 logical CPUs on 2 cores: two trials at once (each 1 worker CPU + a 0.1 trial driver).
-    ray.init(num_cpus=4, include_dashboard=True, configure_logging=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.slow
 def test_sweep_six_trials_asha_mlflow_best_config(tmp_path, tiny_data, ray_session, uri):
     """Six grid trials (credit cap × lr, where lr 1e-7 cannot learn): ASHA stops some at a rung, every
