@@ -11,6 +11,8 @@
     tracking.py  MLflow: where runs go, runs that always end, stale-run cleanup
     store.py     one JSON file per key, written atomically (evaluation cells, replay cells)
     yaml_file.py the one reader of user YAML documents (run, sweep, serve configs; runtime envs)
+    config_base.py  StrictConfig (extra keys forbidden, frozen), the base of every config schema, and
+                 the one formatter of its errors (`field.path: message`)
     signals.py   SIGTERM as SystemExit while a tracked job runs
 
 May import: drelay_model and third-party libraries. Never another pipelines package or deploy.
