@@ -76,7 +76,7 @@ def run_regenerate(args: argparse.Namespace) -> int:
                          max_prompt_tokens=MAX_PROMPT_TOKENS)  # fmt: skip
     print(
         f"regenerated {summary.generated} conversations ({summary.done_before} already done, "
-        f"{summary.skipped_too_long} skipped as too long), {summary.tokens} tokens in {summary.seconds:.0f} s → {out}"
+        f"{summary.skipped_too_long} skipped as too long), {summary.tokens} tokens in {summary.seconds:.0f} s → {summary.path}"
     )
     return 0
 

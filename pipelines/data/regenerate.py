@@ -6,8 +6,10 @@ assistant turn of the training corpus is replaced, once, by the target's greedy 
 conversation so far (with earlier turns already regenerated), and the exact token ids are kept: they
 are the labels for drafter training.
 
-Output: one JSON object per line, appended batch by batch and flushed, so an interrupted run resumes
-where it stopped (a torn last line is dropped on restart):
+Output: one JSON object per line, appended batch by batch to the plain `X.jsonl` and flushed, so an
+interrupted run resumes where it stopped (a torn last line is dropped on restart); a finished run
+moves the records into `X.jsonl.xz` (atomically, behind those it already holds: stored_jsonl.py), and
+a later run resumes against both forms:
     {"conv_id", "source", "messages": [{"role", "content"}, ...], "turn_token_ids": [[...], ...],
      "finished": bool}          # finished = every turn ended with EOS (not cut by the token budget)
 A conversation whose prompt outgrows `max_prompt_tokens` is recorded as {"conv_id", "source",
@@ -27,6 +29,9 @@ from drelay_model.errors import DRelayError
 from pipelines.common.chat import render_chat
 from pipelines.common.paths import REPO_ROOT
 from pipelines.data.corpora import Conversation
+from pipelines.data.stored_jsonl import (
+    COMPRESSED_SUFFIXES, DECOMPRESSION_ERRORS, compress_into_xz, matching_files, open_text, plain_path,
+)
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class RegenerationSummary:
     skipped_too_long: int
     tokens: int
     seconds: float
+    path: Path  # where the records are now (X.jsonl.xz once compressed, else X.jsonl)
 
 
 def record_key(record: dict) -> str:
@@ -44,11 +50,16 @@ def record_key(record: dict) -> str:
 
 
 def read_done(path: Path) -> set[str]:
-    """Keys (`record_key`) of conversations already regenerated in `path`; truncates a torn last
-    line in place."""
+    """Keys (`record_key`) of conversations already regenerated in the data file `path` (its plain
+    and compressed forms); truncates a torn last line of the plain file in place."""
+    path = plain_path(path)
+    done = set()
+    for compressed in (path.with_name(path.name + s) for s in COMPRESSED_SUFFIXES):
+        if compressed.is_file():
+            done |= read_done_ids(compressed)
     if not path.exists():
-        return set()
-    done, good_bytes = set(), 0
+        return done
+    good_bytes = 0
     with path.open("rb") as f:
         for line in f:
             try:
@@ -63,28 +74,33 @@ def read_done(path: Path) -> set[str]:
 
 
 def read_done_ids(path: Path) -> set[str]:
-    """Keys (`record_key`) in a regenerated file (read-only: a torn last line is ignored, not cut)."""
+    """Keys (`record_key`) in one stored file, plain or compressed (read-only: a torn last line is
+    ignored, not cut)."""
     ids = set()
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                ids.add(record_key(json.loads(line)))
-            except (json.JSONDecodeError, KeyError):
-                break
+    try:
+        with open_text(path) as f:
+            for line in f:
+                try:
+                    ids.add(record_key(json.loads(line)))
+                except (json.JSONDecodeError, KeyError):
+                    break
+    except DECOMPRESSION_ERRORS as exc:
+        raise DRelayError(f"{path}: not a readable compressed file ({exc or type(exc).__name__})") from exc
     return ids
 
 
 def output_plan(target_spec: str, out: str | None, shard: tuple[int, int] | None) -> tuple[Path, set[str]]:
-    """Where a run writes (default data/regenerated/<target>[.shard-K-of-N].jsonl) and which
-    conversations sibling files of the same target already hold (skipped when sharding)."""
+    """Where a run writes (default data/regenerated/<target>[.shard-K-of-N].jsonl; a compressed
+    name means its plain file) and which conversations sibling files of the same target already
+    hold, in any stored form (skipped when sharding)."""
     base = REPO_ROOT / "data" / "regenerated" / target_spec
     if shard is None:
-        return (Path(out) if out else base.with_suffix(".jsonl")), set()
+        return (plain_path(out) if out else base.with_suffix(".jsonl")), set()
     k, n = shard
-    path = Path(out) if out else base.parent / f"{target_spec}.shard-{k}-of-{n}.jsonl"
+    path = plain_path(out) if out else base.parent / f"{target_spec}.shard-{k}-of-{n}.jsonl"
     done_elsewhere: set[str] = set()
-    for sibling in sorted(base.parent.glob(f"{target_spec}*.jsonl")):
-        if sibling.resolve() != path.resolve():
+    for sibling in matching_files(base.parent / f"{target_spec}*.jsonl"):
+        if plain_path(sibling).resolve() != path.resolve():
             done_elsewhere |= read_done_ids(sibling)
     return path, done_elsewhere
 
@@ -148,10 +164,13 @@ def regenerate(
     max_prompt_tokens: int = 1024,
     progress: bool = True,
     done_elsewhere: set[str] = frozenset(),
+    compress: bool = True,
 ) -> RegenerationSummary:
-    """Greedy-regenerate the assistant turns of `conversations` into `out_path` (resumable).
+    """Greedy-regenerate the assistant turns of `conversations` into the data file `out_path`
+    (resumable; a compressed name means its plain file).
 
-    `done_elsewhere`: conversation ids already regenerated in sibling files (parallel shards)."""
+    `done_elsewhere`: conversation ids already regenerated in sibling files (parallel shards).
+    `compress`: once every conversation is done, move the records into `<out_path>.xz`."""
     import time
 
     if target.tokenizer is None:
@@ -160,7 +179,7 @@ def regenerate(
         raise DRelayError(f"batch_size must be ≥ 1, got {batch_size}")
     if not decode.greedy:
         raise DRelayError("regeneration keeps the target's greedy answers; temperature must be 0")
-    out_path = Path(out_path)
+    out_path = plain_path(out_path)
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         done = read_done(out_path)
@@ -182,4 +201,5 @@ def regenerate(
             bar.update(len(todo[i : i + batch_size]))
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
     bar.close()
-    return RegenerationSummary(len(done), len(todo) - skipped, skipped, tokens, time.perf_counter() - start)
+    stored = compress_into_xz(out_path, record_key) if compress else out_path
+    return RegenerationSummary(len(done), len(todo) - skipped, skipped, tokens, time.perf_counter() - start, stored)

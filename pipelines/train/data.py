@@ -21,6 +21,7 @@ import torch
 
 from drelay_model.errors import DRelayError
 from pipelines.common.chat import render_chat
+from pipelines.data.stored_jsonl import matching_files, read_text, stored_forms
 
 
 @dataclass(frozen=True)
@@ -44,18 +45,19 @@ def _from_regenerated(record: dict, tokenizer) -> list[TrainSequence]:
 
 
 def data_files(pattern: str | Path) -> list[Path]:
-    """One file, or every file matching a glob (e.g. the shards of a parallel regeneration)."""
+    """One data file, or every file matching a glob (e.g. the shards of a parallel regeneration);
+    each in whichever stored forms exist (`X.jsonl`, `X.jsonl.xz`, `X.jsonl.gz`:
+    pipelines/data/stored_jsonl.py)."""
     text = str(pattern)
     if any(ch in text for ch in "*?["):
-        parent = Path(text).parent
-        files = sorted(parent.glob(Path(text).name))
+        files = matching_files(text)
         if not files:
             raise DRelayError(f"no training data file matches '{text}' (run `drelay data regenerate` first)")
         return files
-    path = Path(text)
-    if not path.is_file():
-        raise DRelayError(f"training data file '{path}' not found (run `drelay data regenerate` first)")
-    return [path]
+    files = stored_forms(text)
+    if not files:
+        raise DRelayError(f"training data file '{text}' not found (run `drelay data regenerate` first)")
+    return files
 
 
 def read_sequences(path: str | Path, tokenizer=None, *, max_seq_len: int) -> list[TrainSequence]:
@@ -77,7 +79,7 @@ def read_sequences(path: str | Path, tokenizer=None, *, max_seq_len: int) -> lis
 
 def _read_file(path: Path, tokenizer) -> list[TrainSequence]:
     seqs: list[TrainSequence] = []
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path)
     # JSONL lines end at "\n" only: str.splitlines() would also split inside strings that hold
     # U+2028/U+2029 or \x85 (legal in JSON, and the regenerated data writes non-ASCII as is).
     lines = text.split("\n")
