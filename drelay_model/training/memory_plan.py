@@ -13,15 +13,22 @@ Components (bytes, per worker):
 
 Notation: N sequence length (= drafter context C), M anchors/sequence, S = H + 1 block size,
 Q = M·S block queries, Ck = C + Q keys, a = compute bytes (2 under bf16 autocast, else 4).
-`fused_attention=True` (the default: torch's CPU flash kernel and CUDA's memory-efficient kernel
-accept the block mask) keeps no [Q, Ck] scores; False models the math fallback that materialises them. Coefficients (tensors kept per token) were counted from the
-code and checked against measured peaks at CPU scale (tests/model/test_memory_plan.py).
+
+Attention is priced for the path the code takes on the planned device (`drelay_model/attention.py`,
+`attention_path`): `sdpa-gqa` (CPU: torch's flash kernel with the bool mask and grouped heads) keeps
+the nkv-head k/v and a 1-byte mask; `sdpa-expanded` (CUDA: k/v repeated to nh heads, one additive
+bias per forward, the memory-efficient kernel) keeps nh-head k/v and an a-byte bias; `math` (the
+fallback) keeps fp32 [Q, Ck] scores per head and layer. No fused path keeps scores. Coefficients
+(tensors kept per token) were counted from the code and checked against measured peaks at CPU scale,
+per path (tests/model/test_memory_plan.py).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from drelay_model.attention import MATH, PATHS, SDPA_EXPANDED, SDPA_GQA, attention_path
 
 GiB = 1024**3
 
@@ -93,6 +100,7 @@ class MemoryPlan:
     components: dict[str, int]  # bytes
     activation_stages: dict[str, int]  # bytes, the larger one is counted
     flops_per_step: float
+    attention: str = SDPA_GQA  # the attention path priced (drelay_model/attention.py)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -100,18 +108,46 @@ class MemoryPlan:
         return sum(self.components.values())
 
 
-def _drafter_step_activations(t: TargetShape, d: DrafterShape, s: SelectorShape | None, st: StepShape, fused_attention: bool) -> dict[str, int]:
+def _check_path(attention: str) -> str:
+    if attention not in PATHS:
+        raise ValueError(f"attention path must be one of {PATHS}, got {attention!r}")
+    return attention
+
+
+def _attention_bytes(attention: str, a: int, b: int, nh: int, nkv: int, hd: int, Q: int, Ck: int) -> tuple[int, int]:
+    """(bytes one layer's attention keeps for backward beyond q, nkv-head k/v, out and logsumexp;
+    bytes of the mask built once per forward with its builders) for b rows of Q queries, Ck keys.
+
+    Per layer: sdpa-gqa keeps the mask SDPA converts from bool to the compute dtype on every call
+    (a B per pair); sdpa-expanded keeps k/v of nh heads instead of nkv; math keeps those and one
+    fp32 score tensor per head. Once: bool mask + builders ~3 B per pair (sdpa-gqa, math), or the
+    a-byte bias + 2 B of bool builders (sdpa-expanded)."""
+    if attention == SDPA_GQA:
+        return a * b * Q * Ck, 3 * b * Q * Ck
+    expanded = 2 * a * b * (nh - nkv) * Ck * hd
+    if attention == SDPA_EXPANDED:
+        return expanded, (a + 2) * b * Q * Ck
+    return expanded + 4 * b * nh * Q * Ck, 3 * b * Q * Ck
+
+
+def _drafter_step_activations(t: TargetShape, d: DrafterShape, s: SelectorShape | None, st: StepShape, attention: str | bool = SDPA_GQA) -> dict[str, int]:
+    """Activation stages of the joint step. `attention` is a path name (drelay_model/attention.py);
+    True / False mean a fused path without expansion / the math fallback."""
+    if isinstance(attention, bool):
+        attention = SDPA_GQA if attention else MATH
+    attention = _check_path(attention)
     b = math.ceil(st.seqs_per_step / st.micro_batches)
     a = 2 if st.bf16 else 4
     H, S, M, C = d.block_size - 1, d.block_size, st.anchors_per_seq, st.seq_len
     Q, Ck, V = M * S, C + M * S, d.draft_vocab or t.vocab
     D, I, nh, nkv, hd = d.hidden, d.intermediate, d.heads, d.kv_heads, d.head_dim
     F = d.feature_layers * t.hidden
-    scores = 0 if fused_attention else 4 * b * nh * Q * Ck  # one [b, nh, Q, Ck] fp32 (math path)
+    attn_kept, mask = _attention_bytes(attention, a, b, nh, nkv, hd, Q, Ck)
+    scores = 4 * b * nh * Q * Ck if attention == MATH else 0  # one [b, nh, Q, Ck] fp32 (math path)
     # Saved per token of each drafter layer, in units of width: block tokens ~9 D + 3 I + 3 nh·hd,
-    # context tokens ~3 D + 6 nkv·hd; the block mask and its builders ~3 bytes per (query, key) pair.
-    per_layer = a * (b * Q * (9 * D + 3 * I + 3 * nh * hd) + b * C * (3 * D + 6 * nkv * hd)) + scores
-    drafter = d.layers * per_layer + a * b * C * F + 3 * b * Q * Ck
+    # context tokens ~3 D + 6 nkv·hd; plus what the attention path keeps per layer; the mask once.
+    per_layer = a * (b * Q * (9 * D + 3 * I + 3 * nh * hd) + b * C * (3 * D + 6 * nkv * hd)) + attn_kept
+    drafter = d.layers * per_layer + a * b * C * F + mask
     rows = min(st.chunk_tokens, b * M * H)
     head_chunk = 3 * 4 * rows * V  # one chunk's fp32 logits / log-softmax / their gradient
     head_saved = b * M * H * (a * D + 16 * d.top_k)
@@ -133,21 +169,28 @@ def step_peak(stages: dict[str, int]) -> int:
     return stages["drafter"] + stages["head"] + max(stages["transient"], stages.get("selector", 0))
 
 
-def _feature_forward(t: TargetShape, st: StepShape, feature_layers: int, fused_attention: bool) -> int:
+def _feature_forward(t: TargetShape, st: StepShape, feature_layers: int, attention: str) -> int:
+    """The target's no-grad forward over the whole batch: KV cache, one layer's transients, the
+    causal mask in the path's form (+ nh-head k/v copies on the expanded and math paths; scores,
+    their masked copy and softmax in fp32 on the math path), and the features kept."""
     b, N, a = st.seqs_per_step, st.seq_len, t.bytes_per_param
     cache = 2 * t.layers * b * t.kv_heads * N * t.head_dim * a
     layer = b * N * a * (4 * t.intermediate + 3 * t.head_dim * (t.heads + 2 * t.kv_heads) + 6 * t.hidden)
-    scores = 0 if fused_attention else 3 * 4 * b * t.heads * N * N
-    return cache + layer + scores + 2 * b * N * feature_layers * t.hidden * a
+    kv_copies = 0 if attention == SDPA_GQA else 2 * b * t.heads * N * t.head_dim * a
+    mask = (a + 2) * b * N * N  # bool causal mask + builders, and its a-byte form (bias, or SDPA's per-call copy)
+    scores = 3 * 4 * b * t.heads * N * N if attention == MATH else 0
+    return cache + layer + kv_copies + mask + scores + 2 * b * N * feature_layers * t.hidden * a
 
 
-def estimate(t: TargetShape, d: DrafterShape, s: SelectorShape | None, st: StepShape, *, fused_attention: bool = True) -> MemoryPlan:
-    """Peak memory per worker by component and the FLOPs of one training step."""
+def estimate(t: TargetShape, d: DrafterShape, s: SelectorShape | None, st: StepShape, *, attention: str = SDPA_GQA) -> MemoryPlan:
+    """Peak memory per worker by component and the FLOPs of one training step, with attention on
+    `attention` (`drelay_model.attention.attention_path(device)` for the device that will run)."""
+    attention = _check_path(attention)
     trainable = d.params() + (s.params if s is not None else 0)
     F = d.feature_layers * t.hidden
-    stages = _drafter_step_activations(t, d, s, st, fused_attention)
+    stages = _drafter_step_activations(t, d, s, st, attention)
     step = step_peak(stages)
-    feat = _feature_forward(t, st, d.feature_layers, fused_attention)
+    feat = _feature_forward(t, st, d.feature_layers, attention)
     components = {
         "target weights": (t.params() + t.fused_copies()) * t.bytes_per_param,
         "drafter+selector params, grads, AdamW": 16 * trainable,
@@ -159,7 +202,14 @@ def estimate(t: TargetShape, d: DrafterShape, s: SelectorShape | None, st: StepS
         components=components,
         activation_stages={"feature forward": feat, **{f"step: {k}": v for k, v in stages.items()}},
         flops_per_step=flops_per_step(t, d, st, trainable),
+        attention=attention,
     )
+
+
+def predicted_peak_bytes(t: TargetShape, d: DrafterShape, s: SelectorShape | None, st: StepShape, *, device: str = "cuda") -> int:
+    """Predicted peak bytes per worker of a training run on `device` ("cuda", "cpu"), with
+    attention priced on the path the code takes there (`drelay_model.attention.attention_path`)."""
+    return estimate(t, d, s, st, attention=attention_path(device)).total
 
 
 def flops_per_step(t: TargetShape, d: DrafterShape, st: StepShape, trainable: int) -> float:
@@ -174,15 +224,24 @@ def flops_per_step(t: TargetShape, d: DrafterShape, st: StepShape, trainable: in
     return target + drafter + head
 
 
+ATTENTION_NOTES = {
+    SDPA_GQA: "SDPA with the bool mask and grouped heads: torch's CPU flash kernel",
+    SDPA_EXPANDED: "k/v expanded to all heads, additive bias, SDPA's memory-efficient kernel",
+    MATH: "explicit [Q, Ck] scores: the math fallback",
+}
+
+
 def format_plan(plan: MemoryPlan, gpu_memory_gib: float | None = None) -> str:
     lines = [f"  {name:<40} {v / GiB:8.2f} GiB" for name, v in plan.components.items()]
     lines.append(f"  {'total (peak per GPU)':<40} {plan.total / GiB:8.2f} GiB")
     lines.append("  activations by stage (the larger stage counts):")
     lines += [f"    {name:<38} {v / GiB:8.2f} GiB" for name, v in plan.activation_stages.items()]
     lines.append(f"  FLOPs per step (per GPU): {plan.flops_per_step:.3e}")
+    lines.append(f"  attention path: {plan.attention} ({ATTENTION_NOTES[plan.attention]})")
     if gpu_memory_gib is not None:
         fits = plan.total <= gpu_memory_gib * GiB
-        lines.append(f"  fits in {gpu_memory_gib:g} GiB: {'yes' if fits else 'NO'}")
+        margin = 1 - plan.total / (gpu_memory_gib * GiB)
+        lines.append(f"  fits in {gpu_memory_gib:g} GiB: {'yes' if fits else 'NO'} (margin {margin:.0%})")
     return "\n".join(lines)
 
 

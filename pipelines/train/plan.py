@@ -3,8 +3,10 @@
 The estimate comes from shapes alone (drelay_model.training.memory_plan; no weights are loaded):
 the target's architecture (known Qwen3 / SmolLM2 shapes, a local model directory's config.json,
 or a tiny test spec), the drafter and selector sections, and the per-worker step (seqs_per_step,
-max_seq_len, anchors_per_seq, micro_batches, chunk_tokens, bf16). A plan that does not fit is a
-one-line error (exit 2).
+max_seq_len, anchors_per_seq, micro_batches, chunk_tokens, bf16). Attention is priced on the path
+the code takes on the planned device (`planned_device`: CUDA for a GPU run, else CPU; see
+drelay_model/attention.py), and the report names it. A plan that does not fit is a one-line error
+(exit 2).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from drelay_model.attention import attention_path
 from drelay_model.errors import DRelayError
 from drelay_model.training import memory_plan as mp
 from pipelines.train.config import RunConfig
@@ -32,6 +35,8 @@ class PlanReport:
     gpu_memory_gib: float
     selector_params: int
     drafter_params: int
+    device: str = "cuda"
+    shapes: tuple = ()  # (TargetShape, DrafterShape, SelectorShape | None, StepShape): re-estimate on another path
 
     @property
     def fits(self) -> bool:
@@ -60,7 +65,19 @@ def target_shape(spec: str, dtype: str) -> mp.TargetShape:
     raise DRelayError(f"target.spec: cannot plan for '{spec}' without its config.json (known: {', '.join(KNOWN_TARGETS)}, a local model directory, tiny-*)")
 
 
-def plan_from_config(cfg: RunConfig, gpu_memory_gib: float = 80.0, *, config_name: str = "") -> PlanReport:
+def planned_device(cfg: RunConfig) -> str:
+    """The device type a run's workers train on: CUDA with ray.use_gpu unless target.device is cpu
+    (as `pipelines.train.worker.worker_device` decides)."""
+    return "cpu" if cfg.target.device == "cpu" or not cfg.ray.use_gpu else "cuda"
+
+
+def predicted_peak_bytes(cfg: RunConfig, device: str | None = None) -> int:
+    """Predicted peak memory per GPU (bytes) of a run config on `device` (default: its planned one)."""
+    return plan_from_config(cfg, device=device).plan.total
+
+
+def plan_from_config(cfg: RunConfig, gpu_memory_gib: float = 80.0, *, config_name: str = "", device: str | None = None) -> PlanReport:
+    """The memory plan of `cfg` on `device` ("cpu" / "cuda"; default: `planned_device(cfg)`)."""
     if not 0 < gpu_memory_gib <= 4096:
         raise DRelayError(f"--gpu-memory must be in (0, 4096] GiB, got {gpu_memory_gib}")
     t = target_shape(cfg.target.spec, cfg.target.dtype)
@@ -81,12 +98,15 @@ def plan_from_config(cfg: RunConfig, gpu_memory_gib: float = 80.0, *, config_nam
         s = mp.SelectorShape(params=n, d=sc.d_sel, heads=sc.heads, read_dim=sc.read_dim, compact_dim=sc.compact_dim, history_len=sc.history_len)
     tr = cfg.train
     st = mp.StepShape(tr.seqs_per_step, cfg.data.max_seq_len, tr.anchors_per_seq, tr.micro_batches, tr.chunk_tokens, tr.bf16)
-    plan = mp.estimate(t, d, s, st)
-    return PlanReport(config_name, plan, gpu_memory_gib, s.params if s else 0, d.params())
+    device = device or planned_device(cfg)
+    if device not in ("cpu", "cuda"):
+        raise DRelayError(f"--device must be cpu or cuda, got '{device}'")
+    plan = mp.estimate(t, d, s, st, attention=attention_path(device))
+    return PlanReport(config_name, plan, gpu_memory_gib, s.params if s else 0, d.params(), device, (t, d, s, st))
 
 
 def format_report(r: PlanReport) -> str:
-    head = (f"plan for {r.config or 'config'}: per GPU; drafter {r.drafter_params / 1e6:.1f}M params, "
+    head = (f"plan for {r.config or 'config'} on {r.device}: per GPU; drafter {r.drafter_params / 1e6:.1f}M params, "
             f"selector {r.selector_params / 1e6:.1f}M params")
     return head + "\n" + mp.format_plan(r.plan, r.gpu_memory_gib)
 
