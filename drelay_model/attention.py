@@ -6,8 +6,8 @@ the target's prefill/verify attention.
 
 Paths, chosen once per device type (`attention_path`; `ATTENTION_PATHS` maps device → path):
   sdpa-gqa       (cpu)  `F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=…)`:
-                        torch's CPU flash kernel takes the bool mask and the grouped heads, and keeps
-                        no [Q, Ck] scores.
+                        torch's CPU flash kernel takes the bool mask and the grouped heads; it keeps
+                        no scores, only the mask it converts to the compute dtype on every call.
   sdpa-expanded  (cuda) the same call on CUDA can run only the math kernel (flash takes no mask,
                         the memory-efficient kernel no grouped heads), which keeps [B, nh, Q, Ck]
                         fp32 scores per layer for backward. Instead k, v are repeated to nh heads
@@ -15,7 +15,9 @@ Paths, chosen once per device type (`attention_path`; `ATTENTION_PATHS` maps dev
                         additive bias in the compute dtype, built once per forward and shared by
                         every layer (rows padded to 16 keys, so the kernel reads it in place), and
                         SDPA is restricted to the memory-efficient kernel: a shape it cannot run
-                        raises instead of falling back to the math kernel.
+                        raises instead of falling back to the math kernel. Without a mask (one
+                        decoded token, or one block over the whole context) in half precision,
+                        the flash kernel reads the grouped heads unexpanded.
   math           the reference: explicit scores and softmax (tests; what the fallback costs).
 The planner (`drelay_model/training/memory_plan.py`) prices each path.
 """
@@ -23,7 +25,6 @@ The planner (`drelay_model/training/memory_plan.py`) prices each path.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
 
 import torch
@@ -37,27 +38,30 @@ PATHS = (SDPA_GQA, SDPA_EXPANDED, MATH)
 # Device type → path. Devices not listed take SDPA_GQA (torch picks its kernel there).
 ATTENTION_PATHS = {"cpu": SDPA_GQA, "cuda": SDPA_EXPANDED}
 _BIAS_ALIGN = 16  # keys per bias row are padded to a multiple of this (memory-efficient kernel alignment)
-_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("drelay_attention_path", default=None)
+# Set only inside `forced_attention_path`; a plain module global, which torch.compile reads (and
+# guards on) without a graph break.
+_forced_path: str | None = None
 
 
 def attention_path(device: torch.device | str) -> str:
     """The attention path code on `device` takes (see the module docstring)."""
-    forced = _forced.get()
-    if forced is not None:
-        return forced
+    if _forced_path is not None:
+        return _forced_path
     return ATTENTION_PATHS.get(torch.device(device).type, SDPA_GQA)
 
 
 @contextlib.contextmanager
 def forced_attention_path(path: str):
-    """Run every attention in this context on `path`, whatever the device (tests, measurements)."""
+    """Run every attention in this context on `path`, whatever the device (tests, measurements;
+    one thread)."""
+    global _forced_path
     if path not in PATHS:
         raise ValueError(f"attention path must be one of {PATHS}, got {path!r}")
-    token = _forced.set(path)
+    previous, _forced_path = _forced_path, path
     try:
         yield
     finally:
-        _forced.reset(token)
+        _forced_path = previous
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -90,6 +94,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
     dtype = compute_dtype(q)  # cast before expanding: autocast would cast the nh-head copies
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if path == SDPA_EXPANDED and q.is_cuda and mask is None and dtype in (torch.float16, torch.bfloat16):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # no mask (decode): flash reads grouped heads as they are
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=groups > 1)
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)  # [B, nh, Ck, hd]: query head h reads kv head h // groups
         v = v.repeat_interleave(groups, dim=1)

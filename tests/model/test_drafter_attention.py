@@ -99,20 +99,25 @@ def test_the_bias_is_built_once_with_aligned_rows():
     assert bool((bias == 0).eq(mask).all()) and bool(torch.isneginf(bias[~mask]).all())
 
 
-@pytest.mark.parametrize("path", [at.SDPA_EXPANDED, at.MATH])
-def test_the_drafter_gives_the_same_blocks_and_gradients_on_every_path(path):
-    """The whole training forward (many blocks, masked, grouped heads) and its parameter gradients
-    on a forced path equal the CPU default's."""
+def _drafter_batch():
     target = tiny_target("tiny-qwen3", vocab=256, hidden=64, heads=4, kv_heads=2)
     torch.manual_seed(0)
     drafter = BlockDrafter(DrafterConfig.for_target(target, num_layers=2, block_size=8), target).train()
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
     feats = target(ids, target.new_cache(2, 40), feature_layers=drafter.config.target_layer_ids).features
     anchors = torch.tensor([[3, 17, 30, 39], [0, 8, 9, 25]])
+    return drafter, ids.gather(1, anchors), anchors, feats
+
+
+@pytest.mark.parametrize("path", [at.SDPA_EXPANDED, at.MATH])
+def test_the_drafter_gives_the_same_blocks_and_gradients_on_every_path(path):
+    """The whole training forward (many blocks, masked, grouped heads) and its parameter gradients
+    on a forced path equal the CPU default's."""
+    drafter, anchor_ids, anchors, feats = _drafter_batch()
 
     def blocks_and_grads():
         drafter.zero_grad()
-        h = drafter(ids.gather(1, anchors), anchors, feats)
+        h = drafter(anchor_ids, anchors, feats)
         h.square().mean().backward()
         return h.detach(), [p.grad.clone() for p in drafter.parameters()]
 
@@ -124,20 +129,19 @@ def test_the_drafter_gives_the_same_blocks_and_gradients_on_every_path(path):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
-def test_the_expanded_path_compiles_as_one_graph():
-    """torch.compile(fullgraph=True) traces mask preparation + attention forward and backward
-    without a graph break (aot_eager: tracing and autograd, no C++ code generation on CPU)."""
-    q, k, v, mask, _ = _qkv()
-
-    def fn(q, k, v, mask):
-        return at.attend(q, k, v, at.prepare_mask(mask, at.SDPA_EXPANDED, q.dtype), at.SDPA_EXPANDED)
-
-    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
-    out = compiled(q, k, v, mask)
-    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
-    ref_out, ref_grads = _run(at.SDPA_EXPANDED, q, k, v, mask)
-    torch.testing.assert_close(out, ref_out)
-    for got, want in zip(grads, ref_grads):
+@pytest.mark.slow
+def test_the_drafter_on_the_expanded_path_compiles_as_one_graph():
+    """torch.compile(fullgraph=True) traces the drafter's training forward on the expanded (CUDA)
+    path, the path choice, mask and bias included, with no graph break, and its forward and
+    backward equal eager (aot_eager: tracing and autograd, no C++ code generation on CPU)."""
+    drafter, anchor_ids, anchors, feats = _drafter_batch()
+    with at.forced_attention_path(at.SDPA_EXPANDED):
+        eager = drafter(anchor_ids, anchors, feats)
+        eager_grads = torch.autograd.grad(eager.square().mean(), list(drafter.parameters()))
+        compiled = torch.compile(drafter, fullgraph=True, backend="aot_eager")(anchor_ids, anchors, feats)
+        grads = torch.autograd.grad(compiled.square().mean(), list(drafter.parameters()))
+    torch.testing.assert_close(compiled, eager)
+    for got, want in zip(grads, eager_grads):
         torch.testing.assert_close(got, want)
 
 
@@ -155,3 +159,22 @@ def test_cuda_runs_the_memory_efficient_kernel_with_the_mask_and_grouped_heads()
     ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got.float(), want.float(), atol=1e-1, rtol=5e-2)
+    # Without a mask (decode) the flash kernel takes the grouped heads as they are.
+    q1 = q[:, :, :1].detach()
+    out = at.attend(q1, k.detach(), v.detach(), None, at.SDPA_EXPANDED)
+    torch.testing.assert_close(out.float(), _reference(q1.float(), k.float(), v.float(), None), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_drafter_under_bf16_autocast_compiles_as_one_graph():
+    """The CUDA path (memory-efficient kernel chosen inside the traced code) compiles with
+    fullgraph=True and matches eager under bf16 autocast, forward and backward."""
+    drafter, anchor_ids, anchors, feats = (x.cuda() for x in _drafter_batch())
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        eager = drafter(anchor_ids, anchors, feats)
+        compiled = torch.compile(drafter, fullgraph=True)(anchor_ids, anchors, feats)
+    assert at.attention_path(feats.device) == at.SDPA_EXPANDED
+    torch.testing.assert_close(compiled.float(), eager.float(), atol=5e-2, rtol=5e-2)
+    compiled.float().square().mean().backward()
+    assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in drafter.parameters())
