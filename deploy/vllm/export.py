@@ -150,6 +150,8 @@ def export_vllm(checkpoint: str | Path, out: str | Path, *, target) -> Path:
         doc = vllm_config(config, vocab_size=target.vocab_size, mask_id=mask_id, dtype=dtype)
         (tmp / CONFIG).write_text(json.dumps(doc, indent=2))
         (tmp / NOTE).write_text(_note(checkpoint, config, mask_id, skipped))
+        for path in tmp.iterdir():
+            path.chmod(0o644)  # safetensors writes 0600; an export is read by other users' servers
     return out
 
 

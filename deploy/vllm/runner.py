@@ -1,0 +1,80 @@
+"""Offline vLLM decoding, run with the vLLM venv's Python (`make vllm-env`): one JSON request in,
+one JSON result out. It imports only vLLM and the standard library, never drelay (the two venvs pin
+different transformers); `deploy/vllm/peer.py` starts it from our venv.
+
+    .venv-vllm/bin/python deploy/vllm/runner.py REQUEST.json RESULT.json
+
+Request: {"model": HF dir, "draft": exported DFlash dir | null, "num_speculative_tokens": 15,
+          "prompts": [[token ids], …], "max_new_tokens": N, "batch_sizes": [1, 8, 16],
+          "eager": bool (skip torch.compile: faster start, slower decode), "max_model_len": 2048}
+Result: {"load_s": …, "runs": [{"batch_size": b, "tokens": [[ids], …], "seconds": wall of all
+          chunks, "generated": n, "drafts": […], "accepted": […]} …]}
+where prompts are decoded greedily in consecutive chunks of b (static batches, as our engine's
+batched generate), and drafts/accepted are vLLM's spec-decode counters per chunk (per request at
+b = 1): rounds with a draft, and draft tokens accepted. Mean acceptance length = 1 + accepted / drafts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _spec_counters(llm) -> tuple[int, int]:
+    """(drafts, accepted draft tokens) so far: vLLM's cumulative spec-decode counters."""
+    values = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+    return int(values.get("vllm:spec_decode_num_drafts", 0)), int(values.get("vllm:spec_decode_num_accepted_tokens", 0))
+
+
+def build_llm(req: dict):
+    from vllm import LLM
+
+    kwargs = dict(model=req["model"], dtype="float32", max_model_len=req.get("max_model_len", 2048), seed=0,
+                  disable_log_stats=False, enforce_eager=bool(req.get("eager", False)))  # fmt: skip
+    if req.get("draft"):
+        kwargs["speculative_config"] = {"method": "dflash", "model": req["draft"], "num_speculative_tokens": req["num_speculative_tokens"]}
+    return LLM(**kwargs)
+
+
+def decode(llm, prompts: list[list[int]], max_new_tokens: int, batch_size: int) -> dict:
+    """Greedy decode of `prompts` in chunks of `batch_size`; tokens, wall seconds, spec counters."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    run = {"batch_size": batch_size, "tokens": [], "seconds": 0.0, "drafts": [], "accepted": []}
+    for start in range(0, len(prompts), batch_size):
+        chunk = [TokensPrompt(prompt_token_ids=p) for p in prompts[start : start + batch_size]]
+        d0, a0 = _spec_counters(llm)
+        t0 = time.perf_counter()
+        outs = llm.generate(chunk, params, use_tqdm=False)
+        run["seconds"] += time.perf_counter() - t0
+        d1, a1 = _spec_counters(llm)
+        run["drafts"].append(d1 - d0)
+        run["accepted"].append(a1 - a0)
+        run["tokens"] += [list(o.outputs[0].token_ids) for o in outs]
+    run["generated"] = sum(map(len, run["tokens"]))
+    return run
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: runner.py REQUEST.json RESULT.json", file=sys.stderr)
+        return 2
+    req = json.loads(open(argv[0]).read())
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    t0 = time.perf_counter()
+    llm = build_llm(req)
+    result = {"load_s": time.perf_counter() - t0, "runs": []}
+    decode(llm, req["prompts"][:1], 4, 1)  # warm-up: first-call allocations and compilation
+    for b in req["batch_sizes"]:
+        result["runs"].append(decode(llm, req["prompts"], req["max_new_tokens"], b))
+    with open(argv[1], "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
