@@ -38,6 +38,10 @@ def run_serve(args: argparse.Namespace) -> int:
     cfg = load_serve_config(args.config, overrides)
     if cfg.port in (None, 0):
         raise DRelayError("port: must be set")
+    if cfg.backend == "vllm":  # Ray Serve LLM in the vLLM venv: its own process and Ray instance
+        from deploy.vllm.serve import run_vllm_serve
+
+        return run_vllm_serve(cfg)
     url = start(cfg)
     print(f"serving '{cfg.model_id}' ({cfg.backend}, method {cfg.method}) at {url}/v1  — Ctrl-C to stop", flush=True)
     done = threading.Event()

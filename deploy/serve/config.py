@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from deploy.vllm.serve import VllmSection
 from pipelines.common.config_base import StrictConfig, validate_config
 from pipelines.common.yaml_file import read_mapping
 
@@ -83,9 +84,10 @@ class AuthSection(StrictConfig):
 
 class ServeConfig(StrictConfig):
     model_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/+-]{0,127}$")  # the name clients send as `model`
-    backend: Literal["engine", "sglang"] = "engine"
+    backend: Literal["engine", "sglang", "vllm"] = "engine"
     engine: EngineSection = EngineSection()
     sglang: SGLangSection | None = None
+    vllm: VllmSection | None = None  # Ray Serve LLM + vLLM with our exported drafter (deploy/vllm/serve.py)
     limits: LimitsSection = LimitsSection()
     autoscaling: AutoscalingSection = AutoscalingSection()
     max_ongoing_requests: int = Field(48, ge=1)  # per replica (Ray Serve)
@@ -102,6 +104,8 @@ class ServeConfig(StrictConfig):
     def _backend_section(self) -> "ServeConfig":
         if self.backend == "sglang" and self.sglang is None:
             raise ValueError("backend 'sglang' needs an `sglang:` section")
+        if self.backend == "vllm" and self.vllm is None:
+            raise ValueError("backend 'vllm' needs a `vllm:` section")
         if self.backend == "engine" and self.max_ongoing_requests < self.engine.max_batch:
             raise ValueError(f"max_ongoing_requests ({self.max_ongoing_requests}) is below engine.max_batch ({self.engine.max_batch})")
         return self
@@ -109,6 +113,8 @@ class ServeConfig(StrictConfig):
     @property
     def method(self) -> str:
         """What the response reports as the decoding method."""
+        if self.backend == "vllm":
+            return "dflash" if self.vllm.checkpoint else "ar"
         return self.engine.method if self.backend == "engine" else self.sglang.algorithm.lower()
 
 

@@ -20,8 +20,10 @@ def test_shipped_configs_validate(path):
     assert opts["max_ongoing_requests"] == cfg.max_ongoing_requests
     if cfg.backend == "engine":
         assert cfg.engine.checkpoint is None or (SERVE_DIR.parents[1] / cfg.engine.checkpoint).is_dir()
-    else:
+    elif cfg.backend == "sglang":
         assert cfg.sglang is not None and cfg.num_gpus >= 1
+    else:
+        assert cfg.vllm is not None
 
 
 def test_cpu_default_and_qwen_configs_exist():
