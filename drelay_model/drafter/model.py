@@ -94,6 +94,12 @@ class _Layer(nn.Module):
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
+def _capturing(t: torch.Tensor) -> bool:
+    """True while `t`'s work is being traced (torch.compile) or captured into a CUDA graph: no host
+    syncs then, so data-dependent shortcuts are skipped (their result is the same without them)."""
+    return torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, n, T, hd]; cos/sin [B, 1, T, hd]."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -209,8 +215,8 @@ class BlockDrafter(nn.Module):
     def _block_mask(self, anchor_pos: torch.Tensor, C: int, S: int) -> torch.Tensor | None:
         """[B, 1, M*S, C + M*S] bool: context p < anchor of the query's block; own block only."""
         B, M = anchor_pos.shape
-        if M == 1 and bool((anchor_pos == C).all()):
-            return None  # single block that sees the whole context: no mask needed
+        if M == 1 and not _capturing(anchor_pos) and bool((anchor_pos == C).all()):
+            return None  # single block that sees the whole context: no mask needed (a host sync)
         ctx_ok = torch.arange(C, device=anchor_pos.device)[None, None, :] < anchor_pos[:, :, None]  # [B, M, C]
         ctx_ok = ctx_ok[:, :, None, :].expand(B, M, S, C).reshape(B, M * S, C)
         blk = torch.arange(M, device=anchor_pos.device).repeat_interleave(S)  # [M*S] block index

@@ -180,8 +180,8 @@ class PackCache:
         self._packed: torch.Tensor | None = None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
-        if torch.is_grad_enabled() or weight.is_inference():
-            return None  # an inference tensor keeps no version counter: an in-place update would go unseen
+        if torch.compiler.is_compiling() or torch.is_grad_enabled() or weight.is_inference():
+            return None  # a traced graph stays plain aten; an inference tensor keeps no version counter
         key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, tuple(weight.shape), _enabled, _bf16_enabled, _int8_enabled)
         if key != self._key:
             self._packed, self._key = pack(weight, self.dtype), key

@@ -1,5 +1,7 @@
-"""Triton kernels vs their PyTorch references (CPU tensors under TRITON_INTERPRET=1): Global Read's
-candidate attention and the causal decision walk, random shapes, float32 and bfloat16."""
+"""Triton kernels vs their PyTorch references: Global Read's candidate attention and the causal
+decision walk, random shapes, float32 and bfloat16. Inputs go to DEVICE: compiled kernels on CUDA
+tensors where a GPU is present (benchmarks/gpu_check.sh runs this file there), CPU tensors under
+TRITON_INTERPRET=1 elsewhere."""
 
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ if not torch.cuda.is_available():  # must be set before any kernel is defined
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
+from drelay_model.drafter import DraftBlock  # noqa: E402
 from drelay_model.kernels.candidate_read import candidate_attention  # noqa: E402
 from drelay_model.kernels.walk import walk_triton  # noqa: E402
+from drelay_model.selectors import SelectionContext  # noqa: E402
 from drelay_model.selectors.drelay import DRelayConfig, GlobalRead  # noqa: E402
 from drelay_model.selectors.drelay.walk import WalkInputs, walk, walk_inputs  # noqa: E402
 from tests.model.test_drelay_selector import context, perturb, random_block  # noqa: E402
@@ -75,11 +79,17 @@ def test_walk_kernel_matches_the_reference(dtype, shape, gate_evidence):
     assert H == 1 or repairs > 0
 
 
+def _on_device(block: DraftBlock, ctx: SelectionContext) -> tuple[DraftBlock, SelectionContext]:
+    """The kernels' device: a compiled kernel takes CUDA tensors only (CPU ones run interpreted)."""
+    move = lambda obj: type(obj)(**{f: (v.to(DEVICE) if torch.is_tensor(v) else v) for f, v in vars(obj).items()})  # noqa: E731
+    return move(block), move(ctx)
+
+
 def test_selector_with_triton_kernels_selects_like_torch():
-    torch_sel = perturb(make(3, H=6, K=5), 4, gate_bias=3.0)
-    triton_sel = perturb(make(3, H=6, K=5, kernels="triton"), 4, gate_bias=3.0)
+    torch_sel = perturb(make(3, H=6, K=5), 4, gate_bias=3.0).to(DEVICE)
+    triton_sel = perturb(make(3, H=6, K=5, kernels="triton"), 4, gate_bias=3.0).to(DEVICE)
     for seed in range(2):
-        block, ctx = random_block(2, seed), context(2, seed)
+        block, ctx = _on_device(random_block(2, seed), context(2, seed))
         a, b = torch_sel.select_with_scores(block, ctx), triton_sel.select_with_scores(block, ctx)
         assert torch.equal(a.selection.path_ids, b.selection.path_ids)
         torch.testing.assert_close(a.output.gate, b.output.gate, atol=1e-5, rtol=1e-5)
