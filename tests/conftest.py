@@ -20,3 +20,12 @@ def ray_session():
     ray.init(num_cpus=4, include_dashboard=True, configure_logging=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """The real CPU target, SmolLM2-135M-Instruct, loaded once per test run and shared read-only (tests
+    never move, cast or train it; each builds its own engine, cache and drafter around it)."""
+    from drelay_model.target import load_target
+
+    return load_target("smollm2-135m")

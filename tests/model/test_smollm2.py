@@ -8,7 +8,6 @@ import torch
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine, replay
 from drelay_model.drafter import BlockDrafter, DrafterConfig
 from drelay_model.selectors import default_registry
-from drelay_model.target import load_target
 
 pytestmark = pytest.mark.slow
 
@@ -19,11 +18,6 @@ MESSAGES = [
     "What is the capital of France?",
 ]
 MAX_NEW = 48
-
-
-@pytest.fixture(scope="module")
-def smol():
-    return load_target("smollm2-135m")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine
 from drelay_model.errors import DRelayError
-from drelay_model.target import load_target, tiny_target
+from drelay_model.target import tiny_target
 from pipelines.data.corpora import Conversation
 from pipelines.data.regenerate import read_done, regenerate
 from pipelines.data.stored_jsonl import read_text
@@ -26,11 +26,6 @@ def _conv(source, conv_id, *users):
     for u in users:
         msgs += [{"role": "user", "content": u}, {"role": "assistant", "content": "reference answer"}]
     return Conversation(source=source, conv_id=conv_id, messages=tuple(msgs))
-
-
-@pytest.fixture(scope="module")
-def smol():
-    return load_target("smollm2-135m")
 
 
 def test_regenerated_turns_are_the_targets_greedy_tokens(tmp_path, smol):

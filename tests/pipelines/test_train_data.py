@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from drelay_model.errors import DRelayError
-from drelay_model.target import load_target, tiny_target
+from drelay_model.target import tiny_target
 from pipelines.train.data import batch_order, collate, label_counts, read_sequences, split_validation
 from pipelines.train.features import FeatureSource, target_features
 
@@ -32,8 +32,7 @@ def test_tokenized_file_roundtrip_and_errors(tmp_path):
         read_sequences(tmp_path / "empty.jsonl", max_seq_len=8)
 
 
-def test_regenerated_conversations_keep_the_exact_generated_ids(tmp_path):
-    smol = load_target("smollm2-135m")
+def test_regenerated_conversations_keep_the_exact_generated_ids(tmp_path, smol):
     rec = {
         "conv_id": "c1", "source": "test",
         "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
