@@ -1,8 +1,24 @@
-"""Fixtures shared by every test package: one local Ray instance for the whole test session."""
+"""Fixtures shared by every test package: one intra-op thread for tiny models, one local Ray instance and
+one loaded SmolLM2 target for the whole test session."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread(request):
+    """Tiny models gain nothing from a second intra-op thread, and its spinning costs several times the
+    work on a busy 2-core machine (the batched-replay test: 25 s of CPU with two threads, 5 s with one).
+    Tests on the real SmolLM2 target (marked `slow`, or taking `smol`) keep the threads its matmuls use."""
+    if request.node.get_closest_marker("slow") or "smol" in request.fixturenames:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -41,13 +41,13 @@ def test_oracle_tau_bounds_native(target, make_drafter, prompts_of):
 
 
 @pytest.mark.parametrize("name", default_registry().names())
-def test_batched_replay_equals_one_prompt_at_a_time(target, make_drafter, prompts_of, name):
+def test_batched_replay_equals_one_prompt_at_a_time(target, make_drafter, prompts_of, tiny_selector_config, name):
     """Rows replayed together (different lengths, finishing at different rounds) give each prompt the
     rounds it gets alone: same counters, same histogram, same per-round trace."""
     prompts = prompts_of(target.vocab_size, (5, 14, 3, 9, 7))
     drafter = make_drafter(target, top_k=32)
     torch.manual_seed(0)
-    selector = default_registry().create(name, drafter=drafter).eval()
+    selector = default_registry().create(name, drafter=drafter, config=tiny_selector_config(name)).eval()
     greedy = SpeculativeEngine(target).generate(prompts, GenerationConfig(max_new_tokens=30)).tokens
 
     def run(batch_size):
