@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from drelay_model.attention import attention_path
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine
 from drelay_model.drafter import BlockDrafter, DrafterConfig
 from drelay_model.selectors import default_registry
@@ -98,7 +99,7 @@ def test_plan_matches_cuda_max_memory_allocated_within_15_percent():
     ts = mp.TargetShape(vocab, hidden, 2, 4, 2, hidden // 4, 2 * hidden)
     ds = mp.DrafterShape(1, hidden, 4, 2, hidden // 4, 2 * hidden, len(dc.target_layer_ids), 16, 8)
     ss = mp.SelectorShape(params=mp.count_selector_params("drelay", sel_cfg, drafter_shape=ds, target=ts), d=32, heads=4, read_dim=32, compact_dim=16, history_len=16)
-    stages = mp._drafter_step_activations(ts, ds, ss, mp.StepShape(B, N, M, 2, 512, bf16=True), True)
+    stages = mp._drafter_step_activations(ts, ds, ss, mp.StepShape(B, N, M, 2, 512, bf16=True), attention_path("cuda"))
     estimate = mp.step_peak(stages) + 4 * sum(p.numel() for p in module.parameters())
     print(f"\nplan vs CUDA: estimate {estimate / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
     assert 0.85 <= estimate / measured <= 1.15
