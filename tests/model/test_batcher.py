@@ -16,11 +16,11 @@ BUDGETS = (30, 40, 40, 25, 3)  # scripted (high-acceptance) drafts: several roun
 JOIN_BUDGETS = (10, 14, 12, 8, 3)  # untrained drafters commit ~1 token per round: keep it short
 
 
-def _engine(target, make_drafter, method, selector=None):
+def _engine(target, make_drafter, method, selector=None, config=None):
     if method == "ar":
         return SpeculativeEngine(target)
     drafter = make_drafter(target)
-    return SpeculativeEngine(target, drafter, selector or default_registry().create(method, drafter=drafter))
+    return SpeculativeEngine(target, drafter, selector or default_registry().create(method, drafter=drafter, config=config))
 
 
 def _staggered(batcher: ContinuousBatcher, prompts, budgets, *, cancel_after: int | None = None):
@@ -58,9 +58,9 @@ def _check_stats(update, tokens):
 
 
 @pytest.mark.parametrize("method", ["ar", *default_registry().names()])
-def test_joining_requests_decode_as_alone(target, make_drafter, prompts_of, method):
+def test_joining_requests_decode_as_alone(target, make_drafter, prompts_of, tiny_selector_config, method):
     prompts = prompts_of(target.vocab_size, LENGTHS)
-    engine = _engine(target, make_drafter, method)
+    engine = _engine(target, make_drafter, method, config=tiny_selector_config(method))
     streamed, finals = _staggered(ContinuousBatcher(engine, max_batch=4), prompts, JOIN_BUDGETS)
     for b, p in enumerate(prompts):
         alone = engine.generate([p], GenerationConfig(max_new_tokens=JOIN_BUDGETS[b])).tokens[0]

@@ -18,13 +18,13 @@ MAX_NEW = 40
 
 @pytest.mark.parametrize("lengths", [(7,), (5, 9, 3, 12)], ids=["batch1", "batch4"])
 @pytest.mark.parametrize("method", ["ar", *default_registry().names()])
-def test_greedy_output_equals_huggingface_generate(hf_greedy, target, make_drafter, prompts_of, method, lengths):
+def test_greedy_output_equals_huggingface_generate(hf_greedy, target, make_drafter, prompts_of, tiny_selector_config, method, lengths):
     prompts = prompts_of(target.vocab_size, lengths)
     if method == "ar":
         engine = SpeculativeEngine(target)
     else:
         drafter = make_drafter(target)
-        engine = SpeculativeEngine(target, drafter, default_registry().create(method, drafter=drafter))
+        engine = SpeculativeEngine(target, drafter, default_registry().create(method, drafter=drafter, config=tiny_selector_config(method)))
     result = engine.generate(prompts, GenerationConfig(max_new_tokens=MAX_NEW))
     for b, p in enumerate(prompts):
         assert result.tokens[b] == hf_greedy(target, p, MAX_NEW), f"row {b} differs from HF generate"

@@ -100,11 +100,11 @@ class _Forced(CostAwareLength):
 
 
 @pytest.mark.parametrize("name", default_registry().names())
-def test_every_verification_length_is_lossless(target, make_drafter, prompts_of, name):
+def test_every_verification_length_is_lossless(target, make_drafter, prompts_of, tiny_selector_config, name):
     prompts = prompts_of(target.vocab_size, (5, 11, 3))
     drafter = make_drafter(target, top_k=16)
     torch.manual_seed(0)
-    selector = default_registry().create(name, drafter=drafter).eval()
+    selector = default_registry().create(name, drafter=drafter, config=tiny_selector_config(name)).eval()
     cfg = GenerationConfig(max_new_tokens=24)
     greedy = SpeculativeEngine(target).generate(prompts, cfg).tokens
     H = drafter.config.num_slots
