@@ -79,7 +79,7 @@ def _greedy_up_to_ties(target, prompt: list[int], out: list[int], tol: float) ->
 
 
 @pytest.mark.parametrize("method", ["ar", *default_registry().names()])
-def test_bf16_target_every_selector_emits_the_targets_greedy_tokens(make_drafter, prompts_of, method):
+def test_bf16_target_every_selector_emits_the_targets_greedy_tokens(make_drafter, prompts_of, tiny_selector_config, method):
     """Lossless in bf16: every selector's output is the bf16 target's greedy continuation (ties aside);
     where AR and speculative agree on a prefix, the rest follows; any wrong accepted draft would fail."""
     target = load_target("tiny-qwen3", dtype="bfloat16")
@@ -88,7 +88,8 @@ def test_bf16_target_every_selector_emits_the_targets_greedy_tokens(make_drafter
     engine = SpeculativeEngine(target)
     if method != "ar":
         drafter = make_drafter(target).to(torch.bfloat16)
-        engine = SpeculativeEngine(target, drafter, default_registry().create(method, drafter=drafter).to(torch.bfloat16))
+        selector = default_registry().create(method, drafter=drafter, config=tiny_selector_config(method))
+        engine = SpeculativeEngine(target, drafter, selector.to(torch.bfloat16))
     for prompt, out in zip(prompts, engine.generate(prompts, cfg).tokens):
         assert len(out) == 24 and _greedy_up_to_ties(target, prompt, out, tol=0.15)
 
