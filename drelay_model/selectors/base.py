@@ -26,6 +26,8 @@ class SelectorCapabilities:
                       verification may use the speculative-sampling rule (verify.accept_sampled).
     native_path       its greedy path is always the drafter's own (pool index 0 at every slot): a
                       cost-aware engine then has no cheaper "keep the native path" round to offer.
+    teacher_forced    defines `teacher_forced_path` (the path the training scout follows with
+                      `train.scout_policy: selector`; selectors without it are scouted by the argmax).
     """
 
     trainable: bool = False
@@ -36,6 +38,7 @@ class SelectorCapabilities:
     partial_block: bool = False
     samples_path: bool = False
     native_path: bool = False
+    teacher_forced: bool = False
 
 
 @dataclass(frozen=True)

@@ -67,8 +67,11 @@ class StepConfig:
     anchors_per_seq: int
     native_fraction: float
     slot_decay: float | None = None  # None: Eq. 4's uniform support term; a float: DFlash's exp(-(i-1)/decay)
-    scout_policy: str = "native"  # "native": the scout follows the argmax path; "selector": the selector's
-    scout_restart: bool = True  # teacher-forced choices. restart: fresh chains keep m scout anchors per row
+    # scout_policy "selector": the scout follows the selector's teacher-forced choices (the argmax for
+    # a selector without `capabilities.teacher_forced`, or none); "native": the argmax path.
+    # scout_restart: a chain that leaves the response restarts (m scout anchors per row).
+    scout_policy: str = "selector"
+    scout_restart: bool = True
     alpha: float = 1.0  # selector coefficient α_t
     progress: float = 1.0  # training progress ∈ [0, 1] (selectors whose loss mixes terms on a schedule)
     beta: float = 1.0  # credit blend β_t (0 = uniform weights)
@@ -121,7 +124,8 @@ def _plan(core: DraftTrainModule, input_ids, loss_mask, features, labels_src, cf
     if n_native:
         with torch.no_grad():
             ctx = drafter.context_kv(features, torch.arange(N, device=input_ids.device)[None].expand(B, N))
-        policy = _selector_policy(selector, features) if cfg.scout_policy == "selector" and selector is not None else None
+        follows_selector = cfg.scout_policy == "selector" and selector is not None and selector.capabilities.teacher_forced
+        policy = _selector_policy(selector, features) if follows_selector else None
         nat, nat_ok = scout_anchors(
             drafter, ctx, input_ids, labels_src, loss_mask, n_native, generator, policy=policy, restart=cfg.scout_restart
         )

@@ -103,9 +103,11 @@ class TrainSection(StrictConfig):
     # exp(-(i-1)/d), which tilts Eq. 4 towards the selector term and weakens late-slot coverage.
     slot_decay: float | None = Field(None, gt=0.0)
     native_anchor_fraction: FractionSchedule = FractionSchedule(start=0.3, end=0.5)  # share of native anchors
-    # The scout's path under teacher prefixes: "native" (the paper: "the scout and incremental native
-    # selection see the same earlier tokens") or "selector" (the selector's own teacher-forced choices).
-    scout_policy: Literal["native", "selector"] = "native"
+    # The scout's path under teacher prefixes: "selector" (the selector's own teacher-forced Eq. 2
+    # choices: the prefix it follows is the one incremental selection writes, so "the scout and
+    # incremental native selection see the same earlier tokens"; a run without a selector, or with
+    # one that has no teacher-forced path, follows the argmax) or "native" (always the argmax path).
+    scout_policy: Literal["native", "selector"] = "selector"
     scout_restart: bool = True  # a chain that leaves the response restarts, so the fraction is realised
     # α_t of Eq. 4 ramps 0.05 → 1 over the first 30% of training, then trains at 1 (§5: "increases … to 1").
     selector_alpha: CoefficientSchedule = CoefficientSchedule(start=0.05, end=1.0, ramp_fraction=0.3)

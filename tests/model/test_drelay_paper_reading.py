@@ -182,12 +182,12 @@ def test_the_selector_asks_for_the_anchor_feature_even_without_a_history_read():
 
 # ---- checkpoints from before the switches ----------------------------------------------------------
 def test_a_saved_config_without_the_new_keys_loads_as_it_was_trained():
-    old = {k: v for k, v in DRelayConfig(**SMALL).to_dict().items() if k not in ("gate_evidence", "anchor_feature")}
+    old = {k: v for k, v in DRelayConfig(**SMALL).to_dict().items() if k not in ("gate_evidence", "anchor_feature", "branches")}
     cfg = DRelayConfig.from_saved(old)
     assert (cfg.gate_evidence, cfg.anchor_feature) == ("slot", False)
     assert DRelayConfig.from_saved({**old, "gate_evidence": "contrast"}).gate_evidence == "contrast"
     assert (DRelayConfig.from_dict(old).gate_evidence, DRelayConfig.from_dict(old).anchor_feature) == ("contrast", True)
-    trained = make_selector(13, gate_evidence="slot", anchor_feature=False)
+    trained = make_selector(13, gate_evidence="slot", anchor_feature=False, branches="shared")
     tensors = {f"selector.{k}": v for k, v in trained.state_dict().items()}
 
     class _Drafter:  # the two things `build` reads off a drafter

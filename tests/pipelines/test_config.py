@@ -122,13 +122,13 @@ def test_checkpoint_meta_that_says_none_reads_as_native(tmp_path):
     assert trained_selector(tmp_path / "ck") == "native"
 
 def test_paper_defaults_and_their_switches():
-    """Defaults read the paper (Eq. 4 without a slot decay, α reaching 1 and holding, the scout's
-    chains restarting); today's behaviour stays selectable."""
+    """Defaults read the paper (Eq. 4 without a slot decay, α reaching 1 and holding, the scout
+    following the selector with restarting chains); the other readings stay selectable."""
     t = load_config(None, []).train
-    assert t.slot_decay is None and t.scout_policy == "native" and t.scout_restart
+    assert t.slot_decay is None and t.scout_policy == "selector" and t.scout_restart
     assert t.selector_alpha.at(0.3) == pytest.approx(1.0) and t.selector_alpha.at(0.0) == pytest.approx(0.05)
-    old = load_config(None, ["train.slot_decay=7.0", "train.scout_policy=selector", "train.scout_restart=false"]).train
-    assert old.slot_decay == 7.0 and old.scout_policy == "selector" and not old.scout_restart
+    old = load_config(None, ["train.slot_decay=7.0", "train.scout_policy=native", "train.scout_restart=false"]).train
+    assert old.slot_decay == 7.0 and old.scout_policy == "native" and not old.scout_restart
     for bad, field in (("train.slot_decay=0", "train.slot_decay"), ("train.scout_policy=magic", "train.scout_policy")):
         with pytest.raises(DRelayError, match=field):
             load_config(None, [bad])

@@ -5,6 +5,7 @@ Prefix-independent evidence (computed once per block, before any decision):
   history   y_ik = NullAttn(W_q a_ik; keys/values of LN(W_F f_t) + P_t)   the last N strictly verified
             target features f_t, read once per block (all-masked → zero read)
   compact   pre_ik = W_a a_ik + W_y y_ik + b     (W_y also serves as the history read's output map)
+            [C or 2C: with `branches: separate` the rank and gate branches' halves side by side]
   rank base S⁰_ik = log q_ik + ⟨W_ρ s_i, ê_ik⟩/√d      native log-prob + shared hidden residual
   gate base g⁰_i  = log Σ_{k>0} q_ik − log q_i0                              native log-odds (Eq. 6)
 
@@ -17,6 +18,10 @@ Decision at position i (slot i−1 in 0-based tensors) reads entries j < i only,
 token conditions its query directly:
   o_ik = Attn(W_p a_ik + W_e E(x_{i−1}); keys/values W_kv m_j for j < i)
   [ρ'_ik, δ_ik] = W_h GELU(pre_ik + W_c o_ik)         W_h zero-initialised (terminal)
+    branches "separate" (§5: "separate KEEP/REPAIR and ranking branches"): two MLPs of width C
+      ρ'_ik = w_ρ · GELU(pre^ρ_ik + W^ρ_c o_ik) + b_ρ,   δ_ik = w_δ · GELU(pre^δ_ik + W^δ_c o_ik) + b_δ
+      (stored as one width-2C layer per input with a block-diagonal W_h, `BranchHeads`)
+    branches "shared": one MLP of width C with the 2-column W_h
   S_ik = S⁰_ik + ρ'_ik   (k < K),   g_i = g⁰_i + Δg_i                                   (`combine`)
   Δg_i = δ_iK + Σ_{k>0} r_ik δ_ik − δ_i0   (gate_evidence "contrast", r = softmax_{k>0} S_i, detached:
          the gate reads which alternative the evidence supports against the native's own evidence)
@@ -85,6 +90,27 @@ def decide(gate: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
     return torch.where(margin > TIE_TOL, best, torch.zeros_like(best))
 
 
+class BranchHeads(nn.Module):
+    """The terminal layer of separate rank and gate branches: hidden [..., 2C] holds the rank
+    branch's C units, then the gate branch's C units; out[..., 0] = w_ρ · hidden[..., :C] + b_ρ,
+    out[..., 1] = w_δ · hidden[..., C:] + b_δ (no weight reads the other branch's units).
+
+    weight [2, C] (row 0: w_ρ, row 1: w_δ), bias [2]; `dense()` = the equivalent block-diagonal
+    [2, 2C] matrix of a plain linear layer (the walk and its kernel take that)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(2, width))
+        self.bias = nn.Parameter(torch.zeros(2))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        C = self.weight.shape[1]
+        return (hidden.unflatten(-1, (2, C)) * self.weight).sum(dim=-1) + self.bias  # [..., 2]
+
+    def dense(self) -> torch.Tensor:
+        return torch.block_diag(self.weight[:1], self.weight[1:])  # [2, 2C]
+
+
 @dataclass(frozen=True)
 class Evidence:
     """Everything a decision needs that does not depend on the chosen prefix.
@@ -110,7 +136,7 @@ class CausalSelector(nn.Module):
 
     def __init__(self, cfg: DRelayConfig, *, num_slots: int, top_k: int, feature_dim: int) -> None:
         super().__init__()
-        d, r, C, H = cfg.d_sel, cfg.read_dim, cfg.compact_dim, num_slots
+        d, r, C, H = cfg.d_sel, cfg.read_dim, cfg.compact_width, num_slots
         self.heads, self.history_len = cfg.heads, cfg.history_len
         self.contrast = cfg.gate_evidence == "contrast"
         self.rank_pos = nn.Parameter(torch.randn(top_k, d) * 0.02)  # R_k
@@ -136,13 +162,19 @@ class CausalSelector(nn.Module):
         self.mem_kv = PackedLinear(d, 2 * r, bias=False)
         self.prefix_q = PackedLinear(d, r, bias=False)  # W_p
         self.prefix_out = PackedLinear(r, C, bias=False)  # W_c
-        self.head = PackedLinear(C, 2)  # W_h: [rank correction, gate correction] (terminal: zero-init)
+        # W_h: [rank correction, gate correction] (terminal: zero-init)
+        self.head = BranchHeads(cfg.compact_dim) if cfg.branches == "separate" else PackedLinear(C, 2)
         for p in self.residual_heads():
             nn.init.zeros_(p)
 
     def residual_heads(self) -> list[nn.Parameter]:
         """The zero-initialised terminal layers (W_ρ, W_h)."""
         return [self.shared.weight, self.head.weight, self.head.bias]
+
+    def output_layer(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_h as a plain linear layer: (weight [2, C or 2C], bias [2])."""
+        weight = self.head.dense() if isinstance(self.head, BranchHeads) else self.head.weight
+        return weight, self.head.bias
 
     # ---- prefix-independent evidence -----------------------------------------------------------
     def evidence(self, s, z, c, cand_emb, cand_logq, history, history_mask) -> Evidence:
@@ -204,7 +236,7 @@ class CausalSelector(nn.Module):
         return k, v, q_term
 
     def _corrections(self, pre: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
-        """Compact MLP. pre [..., K+1, C], read [..., K+1, r] → [..., K+1, 2] (rank, gate)."""
+        """Compact MLP(s). pre [..., K+1, C or 2C], read [..., K+1, r] → [..., K+1, 2] (rank, gate)."""
         return self.head(F.gelu(pre + self.prefix_out(read)))
 
     # ---- decisions -------------------------------------------------------------------------------

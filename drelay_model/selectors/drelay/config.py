@@ -26,7 +26,12 @@ class DRelayConfig:
     history_len    N: how many of the last strictly verified target features the selector reads
                    (0 turns the history read off).
     ffn_mult       FFN width of the Global Read blocks, as a multiple of d_sel.
-    compact_dim    width of the compact candidate-specific correction MLP (rank and gate heads).
+    compact_dim    width of each compact candidate-specific correction MLP (causal.py).
+    branches       "separate" (§5: "the selector has separate KEEP/REPAIR and ranking branches"):
+                   the rank correction ρ' and the gate evidence δ come from two MLPs of width
+                   compact_dim that share no weights or hidden units, only their inputs (the
+                   candidate state, history and prefix reads); "shared" (checkpoints saved without
+                   this key): one MLP of width compact_dim with a 2-column output [ρ', δ].
     global_read    False = the "No Global Read" ablation: no slot mixing and no candidate reads;
                    the causal selector then sees local slot and candidate features only.
     gate_evidence  what the gate residual Δg_i of Eq. 6 reads (causal.py, `combine`):
@@ -56,6 +61,7 @@ class DRelayConfig:
     history_len: int = 64
     ffn_mult: int = 4
     compact_dim: int = 64
+    branches: str = "separate"
     global_read: bool = True
     gate_evidence: str = "contrast"
     anchor_feature: bool = True
@@ -72,6 +78,7 @@ class DRelayConfig:
             "history_len": isinstance(self.history_len, int) and self.history_len >= 0,
             "ffn_mult": isinstance(self.ffn_mult, int) and self.ffn_mult >= 1,
             "compact_dim": isinstance(self.compact_dim, int) and self.compact_dim >= 1,
+            "branches": self.branches in ("separate", "shared"),
             "global_read": isinstance(self.global_read, bool),
             "gate_evidence": self.gate_evidence in ("contrast", "slot"),
             "anchor_feature": isinstance(self.anchor_feature, bool),
@@ -84,12 +91,17 @@ class DRelayConfig:
             raise DRelayError(f"invalid drelay selector config: bad value for {', '.join(bad)}")
 
     # What a saved config that predates a key was trained with (`from_saved` fills these in).
-    BEFORE_KEY = {"gate_evidence": "slot", "anchor_feature": False}
+    BEFORE_KEY = {"gate_evidence": "slot", "anchor_feature": False, "branches": "shared"}
 
     @property
     def read_head_dim(self) -> int:
         """d_g, the head width of the candidate, history and prefix reads."""
         return self.read_dim // self.heads
+
+    @property
+    def compact_width(self) -> int:
+        """Width of the compact pre-activations: both branches side by side when separate."""
+        return self.compact_dim * (2 if self.branches == "separate" else 1)
 
     @property
     def features_needed(self) -> int:

@@ -63,7 +63,9 @@ class DRelaySelector(Selector):
     """Global Read + Causal Selector; see the module docstring."""
 
     # Class-level for the registry (`trainable`); the instance's history_len follows its config.
-    capabilities = SelectorCapabilities(trainable=True, needs_hidden=True, history_len=64, supports_sampling=True, partial_block=True)
+    capabilities = SelectorCapabilities(
+        trainable=True, needs_hidden=True, history_len=64, supports_sampling=True, partial_block=True, teacher_forced=True
+    )
 
     def __init__(self, config: DRelayConfig, *, embed_weight: torch.Tensor, num_slots: int, top_k: int, feature_dim: int):
         super().__init__()
@@ -73,7 +75,8 @@ class DRelaySelector(Selector):
         self.config = config
         self.num_slots, self.top_k = num_slots, top_k
         self.capabilities = SelectorCapabilities(
-            trainable=True, needs_hidden=True, history_len=config.features_needed, supports_sampling=True, partial_block=True
+            trainable=True, needs_hidden=True, history_len=config.features_needed, supports_sampling=True, partial_block=True,
+            teacher_forced=True,
         )
         # Frozen, shared with the drafter/target; never saved in a checkpoint.
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)

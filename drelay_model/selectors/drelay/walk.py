@@ -33,7 +33,8 @@ from drelay_model.selectors.drelay.causal import CausalSelector, Evidence, combi
 
 @dataclass(frozen=True)
 class WalkInputs:
-    """Everything the walk reads (all prefix-independent). r = nh·d_g, C = compact width.
+    """Everything the walk reads (all prefix-independent). r = nh·d_g, C = compact width (both
+    branches' units with `branches: separate`).
 
     query     [B, H, nh, K+1, d_g]  prefix-read query base W_p a_ik (row K = the slot query)
     pre       [B, H, K+1, C]        compact pre-activations
@@ -74,6 +75,7 @@ def walk_inputs(causal: CausalSelector, ev: Evidence, anchor_emb: torch.Tensor, 
     """Step 1 of the module docstring. anchor_emb [B, d]; cand_emb [B, H, K, d]."""
     ak, av, aq = causal.token_terms(ev.anchor, anchor_emb)  # [B, r] each
     ck, cv, cq = causal.token_terms(ev.slot_mem[:, :, None], cand_emb)  # [B, H, K, r] each
+    head_w, head_b = causal.output_layer()  # [2, C], [2] (block-diagonal with separate branches)
     return WalkInputs(
         query=ev.query,  # [B, H, nh, K+1, d_g]
         pre=ev.pre,
@@ -82,8 +84,8 @@ def walk_inputs(causal: CausalSelector, ev: Evidence, anchor_emb: torch.Tensor, 
         anchor_k=ak, anchor_v=av, anchor_q=aq,
         cand_k=ck, cand_v=cv, cand_q=cq,
         out_w=causal.prefix_out.weight,
-        head_w=causal.head.weight,
-        head_b=causal.head.bias,
+        head_w=head_w,
+        head_b=head_b,
         contrast=causal.contrast,
     )
 
