@@ -179,4 +179,19 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, dict]:
             raise DRelayError("search: optuna is not installed (pip install 'drelay[tune]')") from None
     base_doc = load_base(sweep)
     check_space(sweep, base_doc)
+    check_continuation(sweep, base_doc)
     return sweep, base_doc
+
+
+def check_continuation(sweep: SweepConfig, base_doc: dict) -> None:
+    """A sweep that continues a checkpoint (`drafter.init_checkpoint`) trains on from it: no warm-up
+    (a fresh climb to a peak rate undoes what the checkpoint's decayed rate had settled) in the base
+    or in any swept value, so the learning rate the trials start at is the one the overrides give."""
+    if not base_doc["drafter"].get("init_checkpoint"):
+        return
+    warmups = [base_doc["train"]["warmup_steps"], *(sweep.space["train.warmup_steps"].endpoints() if "train.warmup_steps" in sweep.space else ())]
+    if any(w != 0 for w in warmups):
+        raise DRelayError(
+            "overrides: train.warmup_steps must be 0 in a sweep that continues drafter.init_checkpoint "
+            "(train on at the checkpoint's decayed rate: set train.lr to it and train.warmup_steps=0)"
+        )

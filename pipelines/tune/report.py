@@ -25,11 +25,29 @@ COMPLETED, STOPPED, ERROR = "completed", "stopped early", "error"
 
 @dataclass(frozen=True)
 class SweepResult:
+    """A finished sweep. `best_value` / `start_value`: the metric of the best trial and of the start
+    checkpoint (None when there is no completed trial / no init checkpoint to start from)."""
+
     sweep_dir: Path
     parent_run_id: str
     best_trial_id: str | None
     best_config: Path | None
     rows: list[dict]
+    metric: str = "val/tau"
+    mode: str = "max"
+    best_value: float | None = None
+    start_value: float | None = None
+
+    def best_against_start(self) -> str:
+        """One line: the best trial's metric beside the start checkpoint's, and whether it beats it."""
+        best = "none" if self.best_value is None else f"{self.best_trial_id} {self.metric} {self.best_value:.4f}"
+        if self.start_value is None:
+            return f"best trial: {best}; start: no init checkpoint"
+        line = f"best trial: {best}; start (init checkpoint): {self.metric} {self.start_value:.4f}"
+        if self.best_value is None:
+            return line
+        beats = self.best_value > self.start_value if self.mode == "max" else self.best_value < self.start_value
+        return f"{line}; the best trial {'beats' if beats else 'does not beat'} its start"
 
 
 def trial_runs(client, parent: TrackedRun) -> dict[str, list]:
@@ -223,4 +241,7 @@ def summarize(sweep: SweepConfig, ctx: TrialContext, grid, parent: TrackedRun, c
         parent.log_metrics({f"best/{sweep.metric}": best[sweep.metric]})
     counts = {s: sum(r["status"] == s for r in rows) for s in (COMPLETED, STOPPED, ERROR)}
     parent.log_metrics({f"trials/{s.replace(' ', '_')}": n for s, n in counts.items()})
-    return SweepResult(folder, parent.run_id, best["trial_id"] if best else None, best_path, rows)
+    return SweepResult(
+        folder, parent.run_id, best["trial_id"] if best else None, best_path, rows, metric=sweep.metric, mode=sweep.mode,
+        best_value=float(best[sweep.metric]) if best else None, start_value=reference,
+    )

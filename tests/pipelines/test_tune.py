@@ -232,6 +232,43 @@ def test_a_trial_larger_than_the_cluster_is_refused(tmp_path, tiny_data, monkeyp
     assert not (tmp_path / "sweeps" / "tiny-sweep" / "sweep.json").exists()
 
 
+def test_a_sweep_that_continues_a_checkpoint_must_not_warm_up(tmp_path, tiny_data, capsys):
+    """The shipped sweep's failure: trials that warm up to a fresh peak rate from a checkpoint."""
+    base = base_config(tiny_data, **{"drafter.init_checkpoint": "checkpoints/smollm2-135m"})
+    for over in ({"base": base}, {"base": {**base, "train": {**base["train"], "warmup_steps": 0}},
+                                  "space": {"train.warmup_steps": {"values": [0, 5]}}}):  # fmt: skip
+        assert main(["tune", "--config", str(write_sweep(tmp_path, tiny_data, **over))]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "overrides: train.warmup_steps must be 0" in err and "\n" not in err, err
+    ok = {"base": {**base, "train": {**base["train"], "warmup_steps": 0}}}
+    assert main(["tune", "--config", str(write_sweep(tmp_path, tiny_data, **ok)), "--dry-run"]) == 0
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "smollm2-135m-quick", "smollm2-135m-smoke"])
+def test_shipped_sweeps_train_on_at_the_bundled_runs_decayed_rate(name):
+    """The bundled `joint-full` run: peak 2e-4, 30 warm-up steps, cosine to 10% over 700 steps; its last
+    step (699) ran at 2e-4 · (0.1 + 0.45 · (1 + cos(π · 669/670))) ≈ 2.0e-5. The sweeps start there,
+    without warm-up."""
+    import math
+
+    from pipelines.tune.config import load_sweep
+
+    root = Path(__file__).resolve().parents[2]
+    _, base = load_sweep(root / f"platform/sweeps/{name}.yaml")
+    last = 2e-4 * (0.1 + 0.45 * (1 + math.cos(math.pi * 669 / 670)))
+    assert base["train"]["warmup_steps"] == 0 and base["train"]["lr"] == pytest.approx(last, rel=1e-3)
+
+
+def test_the_best_trial_is_printed_beside_the_start():
+    from pipelines.tune.report import SweepResult
+
+    r = SweepResult(Path("."), "p", "t1", None, [], metric="val/tau", best_value=2.454, start_value=2.91)
+    assert r.best_against_start() == "best trial: t1 val/tau 2.4540; start (init checkpoint): val/tau 2.9100; the best trial does not beat its start"
+    beat = SweepResult(Path("."), "p", "t2", None, [], metric="loss", mode="min", best_value=0.5, start_value=0.7)
+    assert beat.best_against_start().endswith("loss 0.7000; the best trial beats its start")
+    assert SweepResult(Path("."), "p", None, None, []).best_against_start() == "best trial: none; start: no init checkpoint"
+
+
 def test_shipped_sweep_is_valid_and_holds_the_shipped_setting():
     from pipelines.tune.config import load_sweep
 
