@@ -162,7 +162,8 @@ def selection_efficiency(tau: float, oracle_tau: float) -> float:
 # target scores the drafted suffix given the verified prefix and v:
 #     score(v) = Σ_{t=1..span} log p_target(path_{A+t} | prefix, y_<A, v, path_{A+1..A+t-1})
 # The best-scoring candidate is the one "the later predictions support"; accuracy = P(it is y_A). The
-# control replaces the suffix with another sample's suffix: the gap is the context-dependent evidence.
+# control replaces the suffix with "a suffix from another prompt" (`other_prompt_controls`): the gap is
+# the context-dependent evidence.
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,18 @@ def continuation_samples(cand: torch.Tensor, path: torch.Tensor, ref: torch.Tens
     after = (j > A[:, None]) & (j <= A[:, None] + span)  # [N, H] the span slots after A
     suffix_ok = ((path == ref) | ~after).all(dim=1) & (A + span < H)
     return has_error & covered_at(cand, ref, A) & suffix_ok, A
+
+
+def other_prompt_controls(prompt_ids: Sequence[int]) -> list[int | None]:
+    """The control of each §3.2 sample: the index of the next sample, cyclically, that comes from a
+    different prompt (`prompt_ids[i]` = the prompt sample i was drawn from); None when every sample
+    shares sample i's prompt, so no control exists."""
+    n = len(prompt_ids)
+    controls: list[int | None] = []
+    for i in range(n):
+        after = ((i + step) % n for step in range(1, n))
+        controls.append(next((j for j in after if prompt_ids[j] != prompt_ids[i]), None))
+    return controls
 
 
 @torch.no_grad()

@@ -167,3 +167,16 @@ def test_continuation_scores_equal_one_forward_per_candidate(target):
         assert float(got[k]) == pytest.approx(expect, abs=1e-4)
     best = int(got.argmax())
     assert supported_is_correct(got, cands, int(cands[best])) and not supported_is_correct(got, cands, -1)
+
+
+def test_the_control_suffix_comes_from_another_prompt():
+    """§3.2: "we replace the four subsequent tokens with a suffix from another prompt". Samples from
+    prompts [7, 7, 3, 7, 5]: sample 0 skips sample 1 (prompt 7) and takes 2; 1 → 2; 2 → 3; 3 → 4;
+    4 → 0 (cyclic). A single prompt has no control."""
+    from drelay_model.diagnostics import other_prompt_controls
+
+    prompts = [7, 7, 3, 7, 5]
+    controls = other_prompt_controls(prompts)
+    assert controls == [2, 2, 3, 4, 0]
+    assert all(prompts[c] != prompts[i] for i, c in enumerate(controls))
+    assert other_prompt_controls([4, 4, 4]) == [None, None, None] and other_prompt_controls([]) == []
