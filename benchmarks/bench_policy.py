@@ -38,9 +38,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from drelay_model.decoding import GenerationConfig, SpeculativeEngine  # noqa: E402
+from drelay_model.decoding import GenerationConfig  # noqa: E402
 from drelay_model.decoding.replay import replay  # noqa: E402
-from drelay_model.decoding.verify_length import CostAwareLength, VerifyCosts  # noqa: E402
+from drelay_model.decoding.length_bandit import BanditSettings, CostAwareLength  # noqa: E402
+from drelay_model.decoding.verify_costs import VerifyCosts  # noqa: E402
 from drelay_model.selectors.native import NativeSelector  # noqa: E402
 
 MAX_CORPUS_PROMPTS = 13  # Alpaca from index 4,500 in steps of 40: 13 prompts in the 5,000-row subset
@@ -64,12 +65,13 @@ def corpus_prompts(n: int) -> dict[str, list[str]]:
             "gsm8k (train corpus)": [g["question"] for g in gsm8k]}  # fmt: skip
 
 
-def record(target, drafter, messages: list[str], max_new: int) -> list[list[tuple[bool, float]]]:
-    """[(hit, q)] per round of one-draft greedy decoding, per prompt."""
+def record(ar_engine, drafter, messages: list[str], max_new: int) -> list[list[tuple[bool, float]]]:
+    """[(hit, q)] per round of one-draft greedy decoding, per prompt (AR's continuations, replayed)."""
     from pipelines.common.chat import user_prompt
 
+    target = ar_engine.target
     prompts = [user_prompt(target.tokenizer, m) for m in messages]
-    conts = SpeculativeEngine(target).generate(prompts, GenerationConfig(max_new_tokens=max_new)).tokens
+    conts = ar_engine.generate(prompts, GenerationConfig(max_new_tokens=max_new)).tokens
     seqs: list[list[tuple[bool, float]]] = [[] for _ in prompts]
 
     def hook(r):
@@ -90,7 +92,7 @@ def simulate(seqs, costs: VerifyCosts, rule: str | tuple[float, ...], *, one_pol
     for seq in seqs:
         if isinstance(rule, tuple) and (policy is None or not one_policy):
             kappa, base_kappa, min_gain, z = rule
-            policy = CostAwareLength(costs, 1, rate_prior=kappa, base_prior=base_kappa, min_gain=min_gain, optimism=z)
+            policy = CostAwareLength(costs, 1, BanditSettings(rate_prior=kappa, base_prior=base_kappa, min_gain=min_gain, optimism=z))
         for hit, q in seq:
             if policy is None:
                 drafts = rule == "always" or hit
@@ -130,20 +132,20 @@ def main(argv=None) -> int:
         p.error(f"--prompts must be in 1..{MAX_CORPUS_PROMPTS}, --bench-prompts ≥ 0 and --max-new-tokens ≥ 1")
     recorded = load_seqs(args.seqs, p) if args.seqs else None
     from pipelines.cli.options import DEFAULT_TARGET
-    from pipelines.common.costs import verify_costs
-    from pipelines.common.methods import load_method, load_target_spec, resolve_method
+    from pipelines.common.engines import build_engine
+    from pipelines.common.methods import AR, MethodSpec, load_target_spec, resolve_method
     from pipelines.data.eval_sets import BENCHMARKS, load_benchmark
 
     target = load_target_spec(DEFAULT_TARGET)
-    spec = resolve_method("native", target_spec=DEFAULT_TARGET)
-    drafter, selector = load_method(spec, target)
-    costs = verify_costs(target, drafter, selector, target_spec=DEFAULT_TARGET, spec=spec)
+    engine = build_engine(target, resolve_method("native", target_spec=DEFAULT_TARGET), "cost", target_spec=DEFAULT_TARGET)
+    ar_engine = build_engine(target, MethodSpec(AR), target_spec=DEFAULT_TARGET)
+    costs = engine.costs
     if recorded is None:
         sets = corpus_prompts(args.prompts)
         corpus = list(sets)
         bench = list(BENCHMARKS) if args.bench_prompts else []
         sets |= {b: [x.turns[0] for x in load_benchmark(b, limit=args.bench_prompts, seed=7)] for b in bench}
-        seqs = {name: record(target, drafter, msgs, args.max_new_tokens) for name, msgs in sets.items()}
+        seqs = {name: record(ar_engine, engine.drafter, msgs, args.max_new_tokens) for name, msgs in sets.items()}
     else:
         seqs, corpus, bench = recorded
     print(f"costs: verify(1) {costs.verify_ms[0]:.1f} ms, verify(2) {costs.verify_ms[1]:.1f} ms, draft(1) + extension {costs.draft_ms(1, 0):.1f} ms")

@@ -32,7 +32,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from drelay_model.decoding import DecodeStats, GenerationConfig, SpeculativeEngine  # noqa: E402
+from drelay_model.decoding import DecodeStats, GenerationConfig  # noqa: E402
 from pipelines.cli import guarded  # noqa: E402
 
 ALL = "gsm8k,math500,aime25,humaneval,mbpp,livecodebench,mt_bench,alpaca"
@@ -67,21 +67,20 @@ def timed(engine, prompt, max_new: int):
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from pipelines.common.costs import verify_costs
-    from pipelines.common.methods import load_method, load_target_spec, resolve_method
+    from pipelines.common.engines import build_engine
+    from pipelines.common.methods import AR, MethodSpec, load_method, load_target_spec, resolve_method
     from pipelines.eval.timing import CpuMeter
     from pipelines.data.eval_sets import load_benchmark
     from pipelines.eval.prompts import encoder_for
 
     target = load_target_spec(args.target)
     encoder = encoder_for(target)
-    engines = {"ar": SpeculativeEngine(target)}
+    engines = {"ar": build_engine(target, MethodSpec(AR), target_spec=args.target)}
     for method in args.methods.split(","):
         spec = resolve_method(method, target_spec=args.target, checkpoint=args.checkpoint)
-        drafter, selector = load_method(spec, target)
-        costs = verify_costs(target, drafter, selector, target_spec=args.target, spec=spec, remeasure=args.remeasure)
-        engines[f"{method}/fixed"] = SpeculativeEngine(target, drafter, selector)
-        engines[f"{method}/cost"] = SpeculativeEngine(target, drafter, selector, costs=costs)
+        parts = load_method(spec, target)  # one drafter and selector for both lengths
+        for length in ("fixed", "cost"):
+            engines[f"{method}/{length}"] = build_engine(target, spec, length, target_spec=args.target, method=parts, remeasure=args.remeasure)
     names = list(engines)
     ratios = {b: {n: [] for n in names[1:]} for b in args.benchmarks.split(",")}
     taus = {b: {n: [] for n in names[1:]} for b in ratios}

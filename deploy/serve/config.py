@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from deploy.vllm.serve import VllmSection
+from drelay_model.decoding.generation import DEFAULT_MAX_NEW_TOKENS, MAX_TEMPERATURE
 from pipelines.common.config_base import StrictConfig, validate_config
 from pipelines.common.yaml_file import read_mapping
 
@@ -51,9 +52,9 @@ class LimitsSection(StrictConfig):
     """Per-request limits: a request over them gets a 400 naming the field."""
 
     max_tokens: int = Field(1024, ge=1)  # largest max_tokens a request may ask for
-    default_max_tokens: int = Field(256, ge=1)
+    default_max_tokens: int = Field(DEFAULT_MAX_NEW_TOKENS, ge=1)
     max_prompt_tokens: int = Field(4096, ge=1)
-    max_temperature: float = Field(2.0, ge=0.0, le=100.0)
+    max_temperature: float = Field(2.0, ge=0.0, le=MAX_TEMPERATURE)
     max_waiting: int = Field(32, ge=0)  # requests queued in a replica beyond its batch; more → 503
     retry_after_s: int = Field(1, ge=1)
 

@@ -49,8 +49,8 @@ class _Sampling(_Body):
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)  # SGLang/vLLM extension; 0 = off
+    top_p: float | None = None  # ranges: GenerationConfig's checks (deploy/serve/service.py)
+    top_k: int | None = None  # SGLang/vLLM extension; 0 = off
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from deploy.serve.backends.base import Backend, GenChunk, GenRequest, Overloaded, SpecStats
 from deploy.serve.config import ServeConfig
 from deploy.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse_body
+from drelay_model.decoding import GenerationConfig, SettingsError
 from drelay_model.errors import DRelayError
 from pipelines.common.chat import render_chat
 
@@ -75,19 +76,13 @@ class Service:
         if body.model != self.cfg.model_id:
             raise ApiError(404, f"model '{body.model}' does not exist (served: {self.cfg.model_id})", param="model", code="model_not_found")
         prompt_ids, field = self._prompt(route, body)
-        max_tokens = self._max_tokens(body)
+        stops = body.stop_list()
+        settings = self._settings(body, _stop_predicate(self.backend.tokenizer, stops))
         lim = self.cfg.limits
-        temperature = 1.0 if body.temperature is None else body.temperature
-        if not 0.0 <= temperature <= lim.max_temperature:
-            raise ApiError(400, f"temperature: must be in [0, {lim.max_temperature}], got {temperature}", param="temperature")
         if len(prompt_ids) > lim.max_prompt_tokens:
             raise ApiError(400, f"{field}: {len(prompt_ids)} prompt tokens, over the limit of {lim.max_prompt_tokens}",
                            param=field, code="context_length_exceeded")
-        stops = body.stop_list()
-        request = GenRequest(
-            prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=body.top_p or 1.0,
-            top_k=body.top_k or 0, seed=body.seed or 0, stop=_stop_predicate(self.backend.tokenizer, stops),
-        )
+        request = GenRequest(prompt_ids=prompt_ids, settings=settings)
         try:
             chunks = self.backend.submit(request)
         except Overloaded as exc:
@@ -111,12 +106,27 @@ class Service:
             raise ApiError(400, "prompt: must not be empty", param="prompt")
         return list(body.prompt), "prompt"
 
-    def _max_tokens(self, body) -> int:
-        n = getattr(body, "max_completion_tokens", None) or body.max_tokens
-        n = self.cfg.limits.default_max_tokens if n is None else n
-        if not 1 <= n <= self.cfg.limits.max_tokens:
-            raise ApiError(400, f"max_tokens: must be in [1, {self.cfg.limits.max_tokens}], got {n}", param="max_tokens")
-        return n
+    def _settings(self, body, stop) -> GenerationConfig:
+        """The request's decode settings: the API's defaults, this server's caps (max_tokens, temperature),
+        then `GenerationConfig`'s own checks, whose field becomes the 400's param."""
+        lim = self.cfg.limits
+        n = getattr(body, "max_completion_tokens", None)
+        n = body.max_tokens if n is None else n
+        n = lim.default_max_tokens if n is None else n
+        if n > lim.max_tokens:
+            raise ApiError(400, f"max_tokens: must be ≤ {lim.max_tokens} on this server, got {n}", param="max_tokens")
+        temperature = 1.0 if body.temperature is None else body.temperature
+        if temperature > lim.max_temperature:
+            raise ApiError(400, f"temperature: must be ≤ {lim.max_temperature} on this server, got {temperature}", param="temperature")
+        given = {"top_p": body.top_p, "top_k": body.top_k, "seed": body.seed}
+        try:
+            return GenerationConfig(max_new_tokens=n, temperature=temperature, stop=stop, **{k: v for k, v in given.items() if v is not None})
+        except SettingsError as exc:
+            param = _PARAMS.get(exc.field, exc.field)
+            raise ApiError(400, f"{param}: {exc.detail}", param=param) from None
+
+
+_PARAMS = {"max_new_tokens": "max_tokens"}  # GenerationConfig field → API parameter, where they differ
 
 
 class _Call:

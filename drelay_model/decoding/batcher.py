@@ -1,11 +1,13 @@
 """Continuous batching: requests join and leave the engine's batch between rounds.
 
-    submit(prompt, params)      queue a request (thread-safe); it joins at the next `step`
-    step():  admit   prefill the queued requests into caches of their own, pick each first token,
-                     and concatenate their rows onto the running batch (KV capacity grows to the
-                     largest need; it shrinks again when long requests leave)
-             round   one engine round (draft → select → verify) over every running row, with each
-                     row's own acceptance rule (`sampling.accept_rows`)
+    submit(prompt, settings)    queue a request (thread-safe); it joins at the next `step`
+    step():  admit   prefill the queued requests into caches of their own (`SpeculativeEngine.prefill`),
+                     pick each first token, and merge their rows into the running batch
+                     (`BatchState.merge`; KV capacity grows to the largest need and shrinks again
+                     when long requests leave, `BatchState.set_capacity`)
+             round   one engine round (`SpeculativeEngine.round`: plan → draft → select → verify →
+                     commit) over every running row, with each row's own acceptance rule
+                     (`sampling.accept_rows`)
              commit  per row: append tokens up to EOS / the stop predicate / the budget, update the
                      request's statistics, call its `on_update` with the newly committed ids
              leave   drop finished and cancelled rows from every per-row state
@@ -24,11 +26,12 @@ from functools import partial
 
 import torch
 
-from drelay_model.decoding.engine import SpeculativeEngine, _BatchState
-from drelay_model.decoding.sampling import SamplingParams, accept_rows, pick_row
+from drelay_model.decoding.batch_state import BatchState
+from drelay_model.decoding.engine import SpeculativeEngine
+from drelay_model.decoding.generation import GenerationConfig
+from drelay_model.decoding.sampling import accept_rows, pick_row
 from drelay_model.decoding.stats import DecodeStats, tau_of
 from drelay_model.errors import DRelayError
-from drelay_model.kv_cache import KVCache
 
 
 @dataclass
@@ -90,7 +93,7 @@ UpdateCallback = Callable[[RequestUpdate], None]
 class _Request:
     id: int
     prompt: list[int]
-    params: SamplingParams
+    settings: GenerationConfig
     on_update: UpdateCallback | None
     stats: RequestStats
     need: int  # KV positions this request may use: prompt + budget + one block + 2
@@ -109,41 +112,26 @@ class ContinuousBatcher:
         self.engine = engine
         self.max_batch = max_batch
         self.stats = DecodeStats(num_slots=engine.num_slots)  # batch-level phase times and totals
-        # Cost-aware verification length when the engine has measured costs (verify_length.py).
+        # Cost-aware verification length when the engine has measured costs (length_bandit.py).
         self.policy = engine.new_policy()
         self._lock = threading.Lock()
         self._pending: list[_Request] = []
         self._cancelled: set[int] = set()
         self._running: dict[int, _Request] = {}
-        self._state: _BatchState | None = None
+        self._state: BatchState | None = None
         self._next_id = 0
 
     # ---- public --------------------------------------------------------------------------------
-    def submit(self, prompt: list[int], params: SamplingParams = SamplingParams(), on_update: UpdateCallback | None = None) -> int:
+    def submit(self, prompt: list[int], settings: GenerationConfig = GenerationConfig(), on_update: UpdateCallback | None = None) -> int:
         """Queue a request; returns its id. Raises DRelayError for a prompt the target cannot take."""
-        need = self.check_prompt(prompt, params.max_new_tokens)
+        need = self.engine.check_prompt(prompt, settings)
         stats = RequestStats(num_slots=self.engine.num_slots, prompt_tokens=len(prompt))
-        gen = None if params.greedy else torch.Generator(device=self.engine.device).manual_seed(params.seed)
+        gen = None if settings.greedy else torch.Generator(device=self.engine.device).manual_seed(settings.seed)
         with self._lock:
             rid = self._next_id
             self._next_id += 1
-            self._pending.append(_Request(rid, list(prompt), params, on_update, stats, need, gen))
+            self._pending.append(_Request(rid, list(prompt), settings, on_update, stats, need, gen))
         return rid
-
-    def check_prompt(self, prompt: list[int], max_new_tokens: int) -> int:
-        """Validate a prompt for this target; returns the KV positions the request needs."""
-        target = self.engine.target
-        if not prompt:
-            raise DRelayError("prompt is empty")
-        if min(prompt) < 0 or max(prompt) >= target.vocab_size:
-            raise DRelayError(f"prompt has token ids outside [0, {target.vocab_size})")
-        need = len(prompt) + max_new_tokens + self.engine.num_slots + 2
-        if need > target.max_positions:
-            raise DRelayError(
-                f"prompt has {len(prompt)} tokens; with max_tokens={max_new_tokens} it needs {need} positions, "
-                f"over the target's context window ({target.max_positions})"
-            )
-        return need
 
     def cancel(self, request_id: int) -> None:
         """Finish a request at the next step (thread-safe; unknown or finished ids are ignored)."""
@@ -195,15 +183,15 @@ class ContinuousBatcher:
         """Prefill new requests in one forward and join their rows to the running batch."""
         t0 = time.perf_counter()
         capacity = max(r.need for r in requests)
-        state, last_logits = self.engine._prefill_rows([r.prompt for r in requests], [r.id for r in requests], capacity)
-        first = [pick_row(last_logits[i : i + 1], r.params, r.generator) for i, r in enumerate(requests)]
+        state, last_logits = self.engine.prefill([r.prompt for r in requests], [r.id for r in requests], capacity)
+        first = [pick_row(last_logits[i : i + 1], r.settings, r.generator) for i, r in enumerate(requests)]
         state.anchor = torch.cat(first)  # [B]
         self.stats.time_prefill += time.perf_counter() - t0
         self.stats.time_total += time.perf_counter() - t0
         self.stats.generated += len(requests)
         if self._state is not None:
             self._state.sync_context(self.engine.drafter)  # the rows joining have no pending features
-        self._state = state if self._state is None else _concat_states(self._state, state)
+        self._state = state if self._state is None else self._state.merge(state)
         updates = []
         for r, tok in zip(requests, state.anchor.tolist()):
             self._running[r.id] = r
@@ -214,11 +202,10 @@ class ContinuousBatcher:
     def _round(self) -> list[RequestUpdate]:
         state = self._state
         reqs = [self._running[i] for i in state.rows]
-        verify = partial(accept_rows, params=[r.params for r in reqs], generators=[r.generator for r in reqs])
+        accept_rule = partial(accept_rows, settings=[r.settings for r in reqs], generators=[r.generator for r in reqs])
         t0 = time.perf_counter()
-        accepted, next_tok, path = self.engine._round(state, verify, self.stats, self.policy)
-        n_list, x_list, p_list = accepted.tolist(), next_tok.tolist(), path.tolist()  # one host copy
-        state.anchor = next_tok
+        result = self.engine.round(state, accept_rule, self.stats, self.policy)
+        n_list, x_list, p_list = result.accepted.tolist(), result.next_token.tolist(), result.path.tolist()  # one host copy
         updates, committed = [], []
         for i, r in enumerate(reqs):
             before = len(r.tokens)
@@ -245,14 +232,12 @@ class ContinuousBatcher:
         state.keep([i for i in state.rows if i in self._running])
         need = max(self._running[i].need for i in state.rows)
         if 2 * need < state.cache.capacity:
-            for cache in (state.cache, state.ctx):
-                if cache is not None:
-                    _set_capacity(cache, need)
+            state.set_capacity(need)
 
     # ---- host-side bookkeeping -----------------------------------------------------------------
     def _commit(self, r: _Request, new_tokens: list[int]) -> RequestUpdate:
         """Append tokens until EOS, the stop predicate or the budget ends the request."""
-        p, eos = r.params, self.engine.target.eos_token_ids
+        p, eos = r.settings, self.engine.target.eos_token_ids
         added, reason = [], None
         for t in new_tokens:
             r.tokens.append(t)
@@ -279,38 +264,3 @@ class ContinuousBatcher:
             r.on_update(update)
         return update
 
-
-def _concat_caches(a: KVCache, b: KVCache) -> KVCache:
-    """Rows of `a` then rows of `b` in one cache whose capacity is the larger of the two."""
-    L, A, n_kv, _, hd = a.k.shape
-    B = b.k.shape[1]
-    out = KVCache(
-        n_layers=L, batch_size=A + B, n_kv_heads=n_kv, head_dim=hd,
-        capacity=max(a.capacity, b.capacity), dtype=a.k.dtype, device=a.k.device,
-    )
-    for dst, src_a, src_b in ((out.k, a.k, b.k), (out.v, a.v, b.v)):
-        dst[:, :A, :, : a.capacity] = src_a
-        dst[:, A:, :, : b.capacity] = src_b
-    out.lengths = torch.cat([a.lengths, b.lengths])
-    return out
-
-
-def _set_capacity(cache: KVCache, capacity: int) -> None:
-    """Shrink a cache to `capacity` positions (every row's length must fit)."""
-    assert int(cache.lengths.max()) <= capacity <= cache.capacity
-    cache.k = cache.k[:, :, :, :capacity].contiguous()
-    cache.v = cache.v[:, :, :, :capacity].contiguous()
-    cache.capacity = capacity
-
-
-def _concat_states(a: _BatchState, b: _BatchState) -> _BatchState:
-    assert not a.pending and not b.pending, "sync_context() before merging states"
-    out = _BatchState(rows=a.rows + b.rows, cache=_concat_caches(a.cache, b.cache))
-    out.anchor = torch.cat([a.anchor, b.anchor])
-    if a.ctx is not None:
-        out.ctx = _concat_caches(a.ctx, b.ctx)
-    if a.history is not None:
-        out.history = a.history
-        out.history.feats = torch.cat([a.history.feats, b.history.feats])
-        out.history.count = torch.cat([a.history.count, b.history.count])
-    return out

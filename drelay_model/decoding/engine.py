@@ -1,121 +1,46 @@
 """The decoding engine: batched rounds of draft → select → verify → commit.
 
     prefill:  target(prompt) → KV cache, context features, first token x₀ (the first anchor)
-    round:    block  = drafter(anchor, context)            pool [B, H, K]
-              path   = selector(block)                     [B, H] (≤ H tokens per row)
-              logits = target([anchor, path])              one forward over 1 + H tokens
-              n, x   = accept(path, logits)                longest matching prefix, target's token
-              commit path[:n] + [x]; crop both caches to the accepted length; anchor ← x
+    round:    plan          L = how many path tokens to verify (the policy; H without one; 0 = AR)
+              draft         block  = drafter(anchor, context)            pool [B, H, K]
+              select        path   = selector(block)                     [B, H] (≤ L tokens per row)
+              verify        logits = target([anchor, path])              one forward over 1 + L tokens
+                            n, x   = accept(path, logits)                longest matching prefix, target's token
+              commit        keep path[:n]; crop the target's cache to the accepted length; anchor ← x
 
 Autoregressive decoding (no drafter) is the same loop with an empty path, so AR and speculative
 timings come from one code path. With measured `costs`, each round verifies the number of path
-tokens that maximises expected tokens per second (`verify_length.py`; 0 = an AR round). The engine knows nothing about tokenization: token ids in and out.
+tokens that maximises expected tokens per second (`length_bandit.py`; 0 = an AR round). The
+continuous batcher drives the same public phases (`prefill`, `round`) over a changing batch. The
+engine knows nothing about tokenization: token ids in and out.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from drelay_model.decoding.generation import GenerationConfig
+from drelay_model.decoding.batch_state import BatchState
+from drelay_model.decoding.generation import GenerationConfig, SettingsError
 from drelay_model.decoding.history import VerifiedHistory
+from drelay_model.decoding.length_bandit import CostAwareLength
+from drelay_model.decoding.rounds import PathChoice, RoundPlan, RoundResult, RoundTimer, Verified
 from drelay_model.decoding.stats import DecodeStats
 from drelay_model.decoding.verify import accept, accept_sampled, pick_tokens
 from drelay_model.decoding.verify_costs import VerifyCosts
-from drelay_model.decoding.verify_length import CostAwareLength
 from drelay_model.drafter.model import BlockDrafter
 from drelay_model.errors import DRelayError
-from drelay_model.kv_cache import KVCache
-from drelay_model.selectors.base import SelectionContext, Selector
+from drelay_model.selectors.base import Selector
 from drelay_model.selectors.native import NativeSelector
 from drelay_model.target.model import TargetModel
 
-
-@dataclass
-class _BatchState:
-    """Everything per row that lives across rounds; `rows` maps batch rows to request ids."""
-
-    rows: list[int]
-    cache: KVCache
-    generators: list[torch.Generator] | None = None  # one per live row (sampling only)
-    ctx: KVCache | None = None  # drafter context keys/values
-    history: VerifiedHistory | None = None
-    anchor: torch.Tensor | None = None  # [R] int64
-    # Verified target features not yet in the drafter's context (`ctx`) nor in the verified history,
-    # one (features [R, T, F], counts [R] or None = all T) per round since the last drafted one:
-    # the round that verified them does not need them, so they wait for the next drafted round,
-    # which extends by all of them in one call each (`sync_context`) instead of one per round.
-    pending: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
-
-    def defer(self, features: torch.Tensor, counts: torch.Tensor | None = None) -> None:
-        """Queue a round's verified features: the first counts[r] of row r (None: all T, an AR round)."""
-        self.pending.append((features, counts))
-
-    def sync_context(self, drafter: BlockDrafter) -> None:
-        """Extend the drafter's context and the history by the pending features.
-
-        Every row's pending features go left-aligned into one [R, T, F] tensor (T = the most any row
-        has) at positions ctx.lengths + t, and each row is cropped to its own count: the context
-        keys/values are per position (row-independent linears, RoPE by position), so one call
-        yields what one call per round would."""
-        if not self.pending:
-            return
-        if all(counts is None for _, counts in self.pending):  # AR rounds only: the same count everywhere
-            feats = torch.cat([f for f, _ in self.pending], dim=1)  # [R, n, F]
-            total = torch.full_like(self.ctx.lengths, feats.shape[1])
-        else:
-            total = sum(f.shape[1] if c is None else c for f, c in self.pending)  # [R]
-            feats = _left_aligned(self.pending, total)
-        start = self.ctx.lengths.clone()
-        drafter.extend_context(feats, self.ctx)
-        self.ctx.crop(start + total)
-        if self.history is not None:
-            self.history.push(feats, total)
-        self.pending = []
-
-    def selection_context(self, max_slots: int | None = None) -> SelectionContext:
-        hist = self.history
-        return SelectionContext(
-            anchor_ids=self.anchor,
-            anchor_pos=self.cache.lengths.clone(),
-            row_ids=torch.tensor(self.rows, dtype=torch.long, device=self.anchor.device),
-            history=hist.feats if hist is not None else None,
-            history_mask=hist.mask() if hist is not None else None,
-            max_slots=max_slots,
-        )
-
-    def keep(self, rows: list[int]) -> None:
-        """Drop finished rows from every per-row state (no-op when all stay)."""
-        if rows == self.rows:
-            return
-        positions = [self.rows.index(b) for b in rows]
-        index = torch.tensor(positions, dtype=torch.long, device=self.anchor.device)
-        self.cache.select_rows(index)
-        if self.generators is not None:
-            self.generators = [self.generators[i] for i in positions]
-        for part in (self.ctx, self.history):
-            if part is not None:
-                part.select_rows(index)
-        self.pending = [(f[index], None if c is None else c[index]) for f, c in self.pending]
-        self.anchor = self.anchor[index]
-        self.rows = rows
-
-
-def _left_aligned(chunks: list[tuple[torch.Tensor, torch.Tensor | None]], total: torch.Tensor) -> torch.Tensor:
-    """Chunks (features [R, T_i, F], counts [R] or None = T_i) → [R, max total, F]: row r holds the
-    first counts[r] of each chunk's row r, in order, then zeros."""
-    first = chunks[0][0]
-    R, F = first.shape[0], first.shape[2]
-    out = first.new_zeros(R, int(total.max()), F)  # one host sync
-    offset = torch.zeros_like(total)
-    for f, c in chunks:
-        n = torch.full_like(total, f.shape[1]) if c is None else c
-        rows, cols = (torch.arange(f.shape[1], device=f.device)[None] < n[:, None]).nonzero(as_tuple=True)
-        out[rows, offset[rows] + cols] = f[rows, cols]
-        offset = offset + n
-    return out
+# accept(path [R, G], target logits [R, G+1, V], length [R][, proposal]) → (accepted [R], next token [R])
+AcceptRule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# sampler(selector, block, selection context) → a Selection whose path was sampled (T > 0)
+Sampler = Callable[..., object]
 
 
 @dataclass
@@ -138,7 +63,7 @@ class SpeculativeEngine:
         costs: VerifyCosts | None = None,
     ):
         """costs: measured round costs; given, the verification length is cost-aware (see
-        `verify_length.py`); None: every round verifies the selector's whole path (the paper's setting)."""
+        `length_bandit.py`); None: every round verifies the selector's whole path (the paper's setting)."""
         if drafter is not None:
             drafter.config.check_target(target)
             selector = selector if selector is not None else NativeSelector()
@@ -190,47 +115,49 @@ class SpeculativeEngine:
         eos = set(self.target.eos_token_ids) if config.stop_on_eos else set()
         t_start = time.perf_counter()
 
-        policy = self.policy
-        state = self._prefill(prompts, config, gen)
+        capacity = config.kv_positions(max(len(p) for p in prompts), self.num_slots)
+        state, last_logits = self.prefill(prompts, list(range(len(prompts))), capacity)
+        state.anchor = pick_tokens(last_logits, config.temperature, gen)  # [B]
         state.generators = gen
         stats.time_prefill = time.perf_counter() - t_start
         out: list[list[int]] = [[t] for t in state.anchor.tolist()]
         state.keep([b for b in state.rows if not self._finished(out[b], config, eos)])
-        # The acceptance rule; per-row generators are read at call time (rows leave the batch).
-        T = config.temperature
-
-        def verify(path, logits, length, proposal=None):
-            if proposal is None:
-                return accept(path, logits, length, temperature=T, generator=state.generators)
-            return accept_sampled(path, logits, length, *proposal, temperature=T, generator=state.generators)
-
-        sampler = None
-        if T > 0 and config.draft_sampling:  # used with a selector that samples its path (capabilities)
-            sampler = lambda sel, block, ctx: sel.sample(block, ctx, temperature=T, generators=state.generators)  # noqa: E731
+        accept_rule, sampler = self._rules(config, state)
         while state.rows:
-            accepted, next_tok, path = self._round(state, verify, stats, policy, sampler)
+            result = self.round(state, accept_rule, stats, self.policy, sampler)
             committed = []
-            n_list, x_list, p_list = accepted.tolist(), next_tok.tolist(), path.tolist()  # one host copy
+            n_list, x_list, p_list = result.accepted.tolist(), result.next_token.tolist(), result.path.tolist()  # one host copy
             for i, b in enumerate(state.rows):
                 committed.append(self._commit(out[b], p_list[i][: n_list[i]] + [x_list[i]], config, eos))
             stats.record_round(n_list, committed)
             stats.steps += 1
-            state.anchor = next_tok
             state.keep([b for b in state.rows if not self._finished(out[b], config, eos)])
         stats.generated = sum(len(o) for o in out)
         stats.time_total = time.perf_counter() - t_start
         return GenerationResult(tokens=out, stats=stats)
 
-    # ---- phases --------------------------------------------------------------------------------
-    def _prefill(self, prompts, config: GenerationConfig, gen) -> "_BatchState":
-        capacity = config.kv_positions(max(len(p) for p in prompts), self.num_slots)
-        state, last_logits = self._prefill_rows(prompts, list(range(len(prompts))), capacity)
-        state.anchor = pick_tokens(last_logits, config.temperature, gen)  # [B]
-        return state
+    @staticmethod
+    def _rules(config: GenerationConfig, state: BatchState) -> tuple[AcceptRule, Sampler | None]:
+        """The acceptance rule at the call's temperature, and at T > 0 the sampler of a selector that
+        samples its path (capabilities; `config.draft_sampling`). Per-row generators are read at call
+        time: rows leave the batch."""
+        T = config.temperature
 
-    def _prefill_rows(self, prompts, rows: list[int], capacity: int) -> tuple["_BatchState", torch.Tensor]:
-        """Prefill prompts into fresh caches of `capacity` positions; returns the state (no anchor
-        yet) and the target's logits at each prompt's last position [B, V] float32."""
+        def accept_rule(path, logits, length, proposal=None):
+            if proposal is None:
+                return accept(path, logits, length, temperature=T, generator=state.generators)
+            return accept_sampled(path, logits, length, *proposal, temperature=T, generator=state.generators)
+
+        sampler = None
+        if T > 0 and config.draft_sampling:
+            sampler = lambda sel, block, ctx: sel.sample(block, ctx, temperature=T, generators=state.generators)  # noqa: E731
+        return accept_rule, sampler
+
+    # ---- the phases ----------------------------------------------------------------------------
+    def prefill(self, prompts: list[list[int]], rows: list[int], capacity: int) -> tuple[BatchState, torch.Tensor]:
+        """Prefill prompts into fresh caches of `capacity` positions, as batch rows `rows`; returns
+        the state (no anchor yet: the caller picks it) and the target's logits at each prompt's last
+        position [B, V] float32."""
         B, dev = len(prompts), self.device
         lengths = torch.tensor([len(p) for p in prompts])
         P = int(lengths.max())
@@ -238,7 +165,7 @@ class SpeculativeEngine:
         for b, p in enumerate(prompts):
             ids[b, : len(p)] = torch.tensor(p)
         ids, lengths = ids.to(dev), lengths.to(dev)  # one host→device copy each
-        state = _BatchState(rows=list(rows), cache=self.target.new_cache(B, capacity))
+        state = BatchState(rows=list(rows), cache=self.target.new_cache(B, capacity))
         res = self.target(ids, state.cache, feature_layers=self.feature_layers, logits_at=(lengths - 1)[:, None])
         state.cache.crop(lengths)
         if self.drafter is not None:
@@ -250,81 +177,95 @@ class SpeculativeEngine:
             state.history.push(res.features, lengths)
         return state, res.logits[:, 0]
 
-    def _round(self, state: "_BatchState", verify, stats: DecodeStats, policy: CostAwareLength | None = None, sampler=None):
-        """One batched round; returns accepted [R], next token [R], path [R, G].
+    def round(self, state: BatchState, accept_rule: AcceptRule, stats: DecodeStats,
+              policy: CostAwareLength | None = None, sampler: Sampler | None = None) -> RoundResult:  # fmt: skip
+        """One batched round over every row of `state`: plan → draft → select → verify → commit.
 
-        `verify(path, target_logits, length[, proposal]) -> (accepted, next_token)` is the acceptance
-        rule (`accept` with the call's temperature; the continuous batcher passes per-row settings);
-        `sampler(selector, block, ctx) -> Selection` replaces the choice of a selector that samples
-        its path (`capabilities.samples_path`) with a sampled one, whose proposal (pool ids, q) then
-        goes to `verify`. With a two-armed policy a drafted round may keep the native path instead
-        of running the selector (`CostAwareLength.use_selector`).
-
-        Timing: `draft` = drafter forwards (block + context extension), `select` = the selector,
-        `verify` = the target forward; everything else (acceptance, cache crops, host bookkeeping)
-        lands in `other`, the engine's own overhead.
-        """
-        anchor, cache = state.anchor, state.cache
-        R = anchor.shape[0]
-        clock = time.perf_counter
-        t_round = clock()
-        H = self.num_slots
-        # planned: how many path tokens this round may verify (0 = an AR round); head: how many slots
-        # get an LM head (= planned, or all H for a selector that reads the whole pool).
-        planned = H if policy is None else policy.plan(partial=self.selector.capabilities.partial_block)
-        runs_selector = policy is None or policy.use_selector  # False: a native-arm round
-        selector = self.selector if runs_selector else self._native
-        q = proposal = None
-        head, drafting_ms, catch_up_ms = 0, 0.0, 0.0
-        if self.drafter is None or planned == 0:  # AR round: verify the anchor alone
-            path = torch.empty(R, 0, dtype=torch.long, device=anchor.device)
-            length = torch.zeros(R, dtype=torch.long, device=anchor.device)
-        else:
-            head = planned if selector.capabilities.partial_block else H
-            t0 = clock()
-            state.sync_context(self.drafter)
-            t_synced = clock()
-            block = self.drafter.draft(anchor, state.ctx, slots=head if head < H else None)
-            t1 = clock()
-            ctx = state.selection_context(max_slots=planned if planned < H else None)
-            samples = sampler is not None and selector.capabilities.samples_path
-            selection = sampler(selector, block, ctx) if samples else selector.select(block, ctx)
-            path, length = selection.path_ids, selection.length
-            if selection.proposal_q is not None:
-                proposal = (block.cand_ids, selection.proposal_q)
-            if policy is not None:  # cut each row's path where verifying more stops paying
-                chosen = selection.pool_index[:, :planned, None]
-                q = block.cand_logq[:, :planned].gather(2, chosen)[:, :, 0].float().exp()  # [R, planned]
-                length = torch.minimum(length, policy.choose(q, head))
-                G = int(length.max())  # one host sync: the verify forward's width
-                path, q = path[:, :G], q[:, :G]
-            t2 = clock()
-            stats.time_draft += t1 - t0
-            stats.time_select += t2 - t1
+        `accept_rule` is the acceptance rule (`accept` at the call's temperature; the continuous
+        batcher passes per-row settings); `sampler` replaces the choice of a selector that samples
+        its path (`capabilities.samples_path`) with a sampled one, whose proposal then goes to
+        `accept_rule`. With a policy, the round's phase times feed it (`RoundTimer.feed`)."""
+        timer = RoundTimer()
+        plan = self.plan(policy)
+        if plan.drafts:
+            timer.mark("draft_start")
+            block = self.draft(state, plan, timer)
+            choice = self.select(state, block, plan, policy, sampler)
+            timer.mark("selected")
             stats.drafted_steps += 1
-            stats.selector_steps += int(runs_selector)
-            if policy is not None:
-                # The policy prices a drafted round's own extension (its curve's extend_ms), not the
-                # catch-up over the AR rounds before it: those positions are extended whenever drafting
-                # resumes, and charging them to this round made drafting look dearer the longer it paused.
-                catch_up_ms = 1e3 * (t_synced - t0) - policy.costs.extend_ms
-                drafting_ms = 1e3 * (t2 - t0) - catch_up_ms
-        start = cache.lengths.clone()
-        t0 = clock()
-        res = self.target(torch.cat([anchor[:, None], path], dim=1), cache, feature_layers=self.feature_layers)
-        verify_s = clock() - t0
-        stats.time_verify += verify_s
-        accepted, next_tok = verify(path, res.logits, length) if proposal is None else verify(path, res.logits, length, proposal)
-        if q is not None:
-            policy.observe(q, length, accepted)
-        # Keep the anchor and the accepted drafts; the next token becomes the new (uncached) anchor.
-        cache.crop(start + 1 + accepted)
-        if state.ctx is not None:  # the drafter's context catches up when it next drafts
-            state.defer(res.features, None if path.shape[1] == 0 else accepted + 1)
-        if policy is not None:  # rescale the cost curve by what this round measured
-            policy.observe_times(verify_width=1 + path.shape[1], verify_ms=1e3 * verify_s, head_slots=head,
-                                 decided=planned if runs_selector else 0, draft_ms=drafting_ms, round_ms=1e3 * (clock() - t_round) - catch_up_ms)  # fmt: skip
-        return accepted, next_tok, path
+            stats.selector_steps += int(plan.runs_selector)
+        else:  # an AR round: verify the anchor alone
+            R, dev = state.anchor.shape[0], state.anchor.device
+            choice = PathChoice(torch.empty(R, 0, dtype=torch.long, device=dev), torch.zeros(R, dtype=torch.long, device=dev))
+        verified = self.verify(state, choice, accept_rule, timer)
+        if choice.q is not None:
+            policy.observe(choice.q, choice.length, verified.accepted)
+        self.commit(state, choice, verified)
+        timer.record(stats)
+        if policy is not None:
+            timer.feed(policy, plan, verify_width=1 + choice.path.shape[1])
+        return RoundResult(verified.accepted, verified.next_token, choice.path)
+
+    def plan(self, policy: CostAwareLength | None) -> RoundPlan:
+        """How many path tokens this round may verify (all H without a policy; 0 = an AR round), how
+        many slots get an LM head, and which selector picks the path (a two-armed policy's native-arm
+        rounds keep the native path without running the selector)."""
+        H = self.num_slots
+        planned = H if policy is None else policy.plan(partial=self.selector.capabilities.partial_block)
+        runs_selector = policy is None or policy.use_selector
+        selector = self.selector if runs_selector else self._native
+        if self.drafter is None or planned == 0:
+            return RoundPlan(0, 0, selector, runs_selector)
+        head = planned if selector.capabilities.partial_block else H
+        return RoundPlan(planned, head, selector, runs_selector)
+
+    def draft(self, state: BatchState, plan: RoundPlan, timer: RoundTimer):
+        """Catch the drafter's context up with the verified features it has not seen, then draft one
+        block from each row's anchor with LM heads on `plan.head_slots` slots → a `DraftBlock`."""
+        H = self.num_slots
+        state.sync_context(self.drafter)
+        timer.mark("synced")
+        block = self.drafter.draft(state.anchor, state.ctx, slots=plan.head_slots if plan.head_slots < H else None)
+        timer.mark("drafted")
+        return block
+
+    def select(self, state: BatchState, block, plan: RoundPlan, policy: CostAwareLength | None, sampler: Sampler | None) -> PathChoice:
+        """The path each row submits: the plan's selector (or the sampler) over the block; with a
+        policy, each row's path is cut where verifying more stops paying (`CostAwareLength.choose`)."""
+        planned, selector = plan.verify_slots, plan.selector
+        ctx = state.selection_context(max_slots=planned if planned < self.num_slots else None)
+        samples = sampler is not None and selector.capabilities.samples_path
+        selection = sampler(selector, block, ctx) if samples else selector.select(block, ctx)
+        proposal = (block.cand_ids, selection.proposal_q) if selection.proposal_q is not None else None
+        choice = PathChoice(selection.path_ids, selection.length, proposal=proposal)
+        if policy is not None:
+            chosen = selection.pool_index[:, :planned, None]
+            q = block.cand_logq[:, :planned].gather(2, chosen)[:, :, 0].float().exp()  # [R, planned]
+            length = torch.minimum(choice.length, policy.choose(q, plan.head_slots))
+            G = int(length.max())  # one host sync: the verify forward's width
+            choice = PathChoice(choice.path[:, :G], length, q[:, :G], proposal)
+        return choice
+
+    def verify(self, state: BatchState, choice: PathChoice, accept_rule: AcceptRule, timer: RoundTimer) -> Verified:
+        """One target forward over [anchor, path] per row, then the acceptance rule."""
+        start = state.cache.lengths.clone()
+        timer.mark("verify_start")
+        res = self.target(torch.cat([state.anchor[:, None], choice.path], dim=1), state.cache, feature_layers=self.feature_layers)
+        timer.mark("verified")
+        if choice.proposal is None:
+            accepted, next_token = accept_rule(choice.path, res.logits, choice.length)
+        else:
+            accepted, next_token = accept_rule(choice.path, res.logits, choice.length, choice.proposal)
+        return Verified(start, res.features, accepted, next_token)
+
+    def commit(self, state: BatchState, choice: PathChoice, verified: Verified) -> None:
+        """Keep the anchor and the accepted drafts in the target's cache; queue their features for
+        the drafter's context (it catches up when it next drafts); the next token becomes the new,
+        uncached anchor."""
+        state.cache.crop(verified.start + 1 + verified.accepted)
+        if state.ctx is not None:
+            state.defer(verified.features, None if choice.path.shape[1] == 0 else verified.accepted + 1)
+        state.anchor = verified.next_token
 
     # ---- host-side bookkeeping -----------------------------------------------------------------
     @staticmethod
@@ -342,12 +283,21 @@ class SpeculativeEngine:
     def _finished(row: list[int], config: GenerationConfig, eos: set[int]) -> bool:
         return len(row) >= config.max_new_tokens or (bool(row) and row[-1] in eos)
 
+    def check_prompt(self, prompt: list[int], config: GenerationConfig, what: str = "prompt") -> int:
+        """Validate one tokenized prompt for this target under `config`'s token budget; returns the KV
+        positions its row needs (`GenerationConfig.kv_positions`). One-line DRelayErrors."""
+        if len(prompt) == 0:
+            raise DRelayError(f"{what} is empty")
+        if min(prompt) < 0 or max(prompt) >= self.target.vocab_size:
+            raise DRelayError(f"{what} has token ids outside [0, {self.target.vocab_size})")
+        return config.check_prompt(len(prompt), max_positions=self.target.max_positions, num_slots=self.num_slots, what=what)
+
     def _check_prompts(self, prompts: list[list[int]], config: GenerationConfig) -> None:
         if not prompts:
             raise DRelayError("no prompts given")
+        if config.filtered and not config.greedy:
+            raise SettingsError("top_p" if config.top_p < 1.0 else "top_k", "applies to the continuous batcher's requests only")
+        if config.stop is not None:
+            raise SettingsError("stop", "applies to the continuous batcher's requests only")
         for b, p in enumerate(prompts):
-            if len(p) == 0:
-                raise DRelayError(f"prompt {b} is empty")
-            config.check_prompt(len(p), max_positions=self.target.max_positions, num_slots=self.num_slots, what=f"prompt {b}")
-            if min(p) < 0 or max(p) >= self.target.vocab_size:
-                raise DRelayError(f"prompt {b} has token ids outside [0, {self.target.vocab_size})")
+            self.check_prompt(p, config, what=f"prompt {b}")

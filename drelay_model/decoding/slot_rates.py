@@ -1,4 +1,4 @@
-"""Running per-slot acceptance rates of one kind of drafted round (`verify_length.py`).
+"""Running per-slot acceptance rates of one kind of drafted round (`length_bandit.py`).
 
 Two sets of decayed counts of the drafts verified at slot i (`seen_i`) and accepted (`hits_i`):
 
@@ -19,23 +19,12 @@ Two sets of decayed counts of the drafts verified at slot i (`seen_i`) and accep
                                                                         first drafts this kind has
                                                                         had verified, ever
 
-κ_b stays small (2): the long-run counts hold ~50 rounds, and a large κ_b would keep ½ in b_1 for
-good (with κ_b = 16, text accepting 20% of first drafts read 27%, above break-even on a 2-core CPU).
-
-So while other rounds run, â returns to the long-run rate and not to an optimistic constant, and one
-probe that hits moves it by about (1 − â)/(κ + 1) (κ = 16 by default: `CostAwareLength.rate_prior`).
-
-â⁺ is optimism in the face of uncertainty (as in UCB bandits): a kind of round that has run only a
-few times gets the benefit of the doubt, z standard errors of a rate seen N times (z = 1 by
-default: `CostAwareLength.optimism`), so a few early misses (first drafts are Bernoulli(≈ 0.3)) do
-not stop drafting before the text has shown what it accepts. N is not decayed: the bonus is for a
-cold start and vanishes as the engine runs (0.04 after 100 drafted rounds at â = 0.2; with the
-decayed long-run count, which holds ~50, it would stay ≥ 0.056 for good and, near break-even, keep
-drafting where drafting loses). A text that changes later is what the decays and the probes are for.
-Only the first slot gets it: whether to draft at all is decided there, and a deeper slot is verified
-only after hits below it, so its bonus would hardly shrink and would keep buying LM heads that are
-not verified (on the demo prompt: 4–15 heads planned per round instead of 3, at the same τ).
-Plain Python floats: a round asks a few dozen questions of it.
+κ_b is small (2) and κ large (16) by default (`BanditSettings.base_prior`, `.rate_prior`); while
+other rounds run, â returns to the long-run rate. â⁺ is optimism in the face of uncertainty (as in
+UCB bandits), on the first slot only (whether to draft at all is decided there), with an undecayed N
+so the bonus is a cold start's and vanishes as the engine runs (z = `BanditSettings.optimism`).
+Why these choices, with measurements: docs/verification-length.md. Plain Python floats: a round asks
+a few dozen questions of it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The measured cost curve of one round, for cost-aware verification length (`verify_length.py`).
+"""The measured cost curve of one round, for cost-aware verification length (`length_bandit.py`).
 
 A round that drafts h slots, decides d of them and verifies L costs
 

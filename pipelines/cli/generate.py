@@ -8,12 +8,11 @@ import json
 import sys
 from pathlib import Path
 
-from drelay_model.decoding import SpeculativeEngine
 from drelay_model.errors import DRelayError
-from pipelines.cli.options import add_max_new_tokens, add_target, decode_config
+from pipelines.cli.options import add_max_new_tokens, add_target, add_verify_length, decode_config
 from pipelines.common.chat import user_prompt
-from pipelines.common.costs import VERIFY_LENGTHS, verify_costs
-from pipelines.common.methods import NATIVE, load_method, load_target_spec, method_names, resolve_method
+from pipelines.common.engines import build_engine
+from pipelines.common.methods import AR, NATIVE, MethodSpec, load_target_spec, method_names, resolve_method
 
 
 def add_parser(sub) -> None:
@@ -29,9 +28,7 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     add_max_new_tokens(p)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--verify-length", choices=VERIFY_LENGTHS, default="cost",
-                   help="cost: each round verifies as many drafts as pays off on this machine (0 = an AR step; "
-                        "costs measured once and cached, see `drelay costs`); fixed: the whole path (the paper's setting)")  # fmt: skip
+    add_verify_length(p)
     p.add_argument("--compare-ar", action="store_true",
                    help="also decode autoregressively on the same engine and print the speedup: after a short "
                         "warm-up of both, --repeats pairs alternate (AR first, then the method first, ...); the "
@@ -66,13 +63,10 @@ def run(args: argparse.Namespace) -> int:
     target = load_target_spec(args.target, device=args.device, dtype=args.dtype)
     spec = resolve_method(args.method, target_spec=args.target, checkpoint=args.checkpoint, random_drafter=args.random_drafter)
     messages, prompt_ids = _read_prompts(args, target.tokenizer)
-    drafter, selector = load_method(spec, target)
-    costs = None
-    if args.verify_length == "cost" and not spec.is_ar:
-        costs = verify_costs(target, drafter, selector, target_spec=args.target, spec=spec)
-    engine = SpeculativeEngine(target, drafter, selector, costs=costs)
+    engine = build_engine(target, spec, args.verify_length, target_spec=args.target)
     if args.compare_ar and not spec.is_ar:
-        result, ar, speedup, speedups = paired_with_ar(engine, SpeculativeEngine(target), prompt_ids, config, args.repeats)
+        ar_engine = build_engine(target, MethodSpec(AR), target_spec=args.target)
+        result, ar, speedup, speedups = paired_with_ar(engine, ar_engine, prompt_ids, config, args.repeats)
     else:
         result = engine.generate(prompt_ids, config)
     report = {"method": args.method, "target": args.target, "verify_length": args.verify_length, **result.stats.summary()}

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 
-from drelay_model.decoding import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
+from drelay_model.decoding import DEFAULT_MAX_NEW_TOKENS, GenerationConfig, SettingsError
 from drelay_model.errors import DRelayError
+from pipelines.common.engines import DEFAULT_VERIFY_LENGTH, VERIFY_LENGTHS
 from pipelines.data.eval_sets import BENCHMARKS
 
 DEFAULT_TARGET = "smollm2-135m"
-_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature"}
+_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "seed": "--seed"}
 
 
 def add_target(p: argparse.ArgumentParser) -> None:
@@ -27,6 +28,14 @@ def add_target(p: argparse.ArgumentParser) -> None:
 
 def add_max_new_tokens(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help=f"per prompt or turn (default: {DEFAULT_MAX_NEW_TOKENS})")
+
+
+def add_verify_length(p: argparse.ArgumentParser) -> None:
+    """--verify-length (generate, eval): how many drafts each round verifies (`pipelines.common.engines`)."""
+    p.add_argument("--verify-length", choices=VERIFY_LENGTHS, default=DEFAULT_VERIFY_LENGTH,
+                   help="cost: each round verifies as many drafts as pays off on this machine (0 = an AR step; "
+                        "costs measured once and cached, see `drelay costs`); fixed: the whole path (the paper's "
+                        f"setting). Default: {DEFAULT_VERIFY_LENGTH}")  # fmt: skip
 
 
 def add_benchmark_set(p: argparse.ArgumentParser) -> None:
@@ -50,10 +59,8 @@ def decode_config(max_new_tokens: int, temperature: float = 0.0, seed: int = 0, 
     """A GenerationConfig from flags; its one-line errors name the flag, not the field."""
     try:
         return GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, draft_sampling=draft_sampling)
-    except DRelayError as exc:
-        msg = str(exc)
-        field = msg.split(" ", 1)[0]
-        raise DRelayError(_FLAGS.get(field, field) + msg[len(field) :]) from None
+    except SettingsError as exc:
+        raise DRelayError(f"{_FLAGS.get(exc.field, exc.field)} {exc.detail}") from None
 
 
 def check_limit(limit: int | None) -> None:

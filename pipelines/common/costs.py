@@ -22,9 +22,6 @@ from drelay_model.kernels import cpu_linear
 from drelay_model.target.loading import cache_root
 from pipelines.common.methods import MethodSpec
 
-VERIFY_LENGTHS = ("cost", "fixed")  # cost-aware per round, or the selector's whole path (the paper's setting)
-
-
 def processor_model(device: str) -> str:
     """The CPU's model name (Linux /proc/cpuinfo; `platform.processor()` elsewhere) or the GPU's."""
     if device == "cuda":

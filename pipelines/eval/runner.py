@@ -37,6 +37,7 @@ from drelay_model.selectors import Selector
 from drelay_model.target import TargetModel
 from pipelines.data.eval_sets import BenchmarkPrompt
 from pipelines.eval.prompts import PromptEncoder
+from pipelines.common.engines import DEFAULT_VERIFY_LENGTH, build_engine, check_verify_length
 from pipelines.common.methods import AR, MethodSpec, load_method
 from pipelines.common.store import JsonStore
 from pipelines.eval.results import CellResult, PassResult, PromptRecord, ReplayResult, fingerprint
@@ -62,8 +63,10 @@ class EvalConfig:
     data_dir: str | None = None
     diagnostics: bool = True
     timing: str = "paired"  # "paired": AR alternates with the method per batch; "phased": AR's cell only
+    verify_length: str = DEFAULT_VERIFY_LENGTH  # of the speculative methods' engines (`pipelines.common.engines`)
 
     def __post_init__(self) -> None:
+        check_verify_length(self.verify_length)
         if self.timing not in TIMINGS:
             raise DRelayError(f"timing must be one of {', '.join(TIMINGS)}, got {self.timing!r}")
         if not self.specs or not self.specs[0].is_ar:
@@ -107,6 +110,7 @@ class EvalConfig:
         target = re.sub(r"[^A-Za-z0-9._+-]+", "_", Path(self.target).name or self.target)
         name = f"{target}-{'+'.join(self.methods)}-T{self.temperature:g}-{self.max_new_tokens}tok"
         name += "-match" if self.match_rule else ""
+        name += "-fixed" if self.verify_length == "fixed" else ""
         return name + (f"-n{self.limit}" if self.limit else "") + ("-random" if self.random_drafter else "")
 
     @property
@@ -120,24 +124,29 @@ class EvalConfig:
              "seeds": self.seeds, "max_new_tokens": self.max_new_tokens, "concurrency": self.concurrency, "limit": self.limit,
              "subset_seed": self.subset_seed, "checkpoints": self.checkpoints, "random_drafter": self.random_drafter,
              "data_dir": self.data_dir, "diagnostics": self.diagnostics, "timing": self.timing,
-             "draft_sampling": self.decode.draft_sampling}  # fmt: skip
+             "draft_sampling": self.decode.draft_sampling, "verify_length": self.verify_length}  # fmt: skip
         return {k: ",".join(map(str, v)) if isinstance(v, tuple) else str(v) for k, v in d.items()}
 
 
 @dataclass
 class MethodUnderTest:
-    """A loaded method: AR has neither drafter nor selector."""
+    """A loaded method: AR has neither drafter nor selector. `spec` keys its cost curve (None: AR)."""
 
     name: str
     drafter: BlockDrafter | None = None
     selector: Selector | None = None
+    spec: MethodSpec | None = None
 
     @classmethod
     def load(cls, spec: MethodSpec, target: TargetModel, label: str | None = None) -> "MethodUnderTest":
-        return cls(label or spec.name, *load_method(spec, target))
+        return cls(label or spec.name, *load_method(spec, target), spec=spec)
 
-    def engine(self, target: TargetModel) -> SpeculativeEngine:
-        return SpeculativeEngine(target, self.drafter, self.selector)
+    def engine(self, target: TargetModel, verify_length: str, *, target_spec: str) -> SpeculativeEngine:
+        """A fresh engine (the factory's), on this method's loaded drafter and selector."""
+        spec = self.spec if self.spec is not None else MethodSpec(AR)
+        if self.drafter is not None and spec.is_ar:
+            raise DRelayError(f"method '{self.name}' has a drafter but no spec to key its costs")
+        return build_engine(target, spec, verify_length, target_spec=target_spec, method=(self.drafter, self.selector))
 
 
 @dataclass
@@ -310,6 +319,7 @@ class Evaluation:
             # AR's own cell is the same either way.
             **({"timing": "paired"} if c.timing == "paired" and method != AR else {}),
             **({"rule": "match"} if c.match_rule and method != AR else {}),
+            **({"verify_length": "cost"} if c.verify_length == "cost" and method != AR else {}),
         })  # fmt: skip
 
     def run(self, on_cell: OnCell | None = None) -> dict[CellKey, CellResult]:
@@ -335,11 +345,11 @@ class Evaluation:
     def run_cell(self, bench: str, name: str, fp: str, *, ar_cell: CellResult | None) -> CellResult:
         c, method, prompts = self.config, self.methods[name], self.prompts[bench]
         t0, meter = time.perf_counter(), CpuMeter()
-        engine = method.engine(self.target)
+        engine = method.engine(self.target, c.verify_length, target_spec=c.target)
         self._warm_up(name, engine, prompts[0])
         reference = None
         if c.timing == "paired" and name != AR:
-            reference = self.methods[AR].engine(self.target)
+            reference = self.methods[AR].engine(self.target, c.verify_length, target_spec=c.target)
             self._warm_up(AR, reference, prompts[0])
         cell = CellResult(benchmark=bench, method=name, fingerprint=fp, passes=[], prompts=[])
         for seed in c.run_seeds:

@@ -11,6 +11,7 @@ import pytest
 from deploy.serve.backends.base import GenRequest, Overloaded
 from deploy.serve.backends.engine import EngineBackend
 from deploy.serve.config import parse_config
+from drelay_model.decoding import GenerationConfig
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +25,8 @@ def backend():
 
 def test_stream_and_slots(backend):
     async def run():
-        unread = backend.submit(GenRequest(prompt_ids=[1, 2, 3], max_tokens=8))
-        chunks = [c async for c in backend.submit(GenRequest(prompt_ids=[4, 5], max_tokens=6))]
+        unread = backend.submit(GenRequest(prompt_ids=[1, 2, 3], settings=GenerationConfig(max_new_tokens=8)))
+        chunks = [c async for c in backend.submit(GenRequest(prompt_ids=[4, 5], settings=GenerationConfig(max_new_tokens=6)))]
         for _ in range(200):
             if not backend._queues:
                 break
@@ -41,10 +42,10 @@ def test_stream_and_slots(backend):
 
 def test_overloaded_beyond_batch_plus_waiting(backend):
     async def run():
-        backend.submit(GenRequest(prompt_ids=[1], max_tokens=200))
-        backend.submit(GenRequest(prompt_ids=[2], max_tokens=200))
+        backend.submit(GenRequest(prompt_ids=[1], settings=GenerationConfig(max_new_tokens=200)))
+        backend.submit(GenRequest(prompt_ids=[2], settings=GenerationConfig(max_new_tokens=200)))
         with pytest.raises(Overloaded, match="max_batch 1 \\+ max_waiting 1"):
-            backend.submit(GenRequest(prompt_ids=[3], max_tokens=5))
+            backend.submit(GenRequest(prompt_ids=[3], settings=GenerationConfig(max_new_tokens=5)))
 
     asyncio.run(run())
 

@@ -9,6 +9,7 @@ import pytest
 from deploy.serve.backends.base import GenRequest
 from deploy.serve.backends.sglang import chunk_from_event, launch_command, sampling_params
 from deploy.serve.config import load_serve_config
+from drelay_model.decoding import GenerationConfig
 from pathlib import Path
 
 QWEN = Path(__file__).resolve().parents[2] / "platform" / "serve" / "qwen3-4b.yaml"
@@ -28,7 +29,7 @@ def test_stream_events_keep_spec_statistics():
     chunk, sent = chunk_from_event({"output_ids": [5, 6, 7, 8], "meta_info": meta}, 3)
     assert chunk.token_ids == [8] and chunk.finish_reason == "length"
     assert chunk.spec.verify_ct == 2 and chunk.spec.accept_length == 2.0 and chunk.spec.accept_histogram == [0, 1, 1]
-    assert sampling_params(GenRequest(prompt_ids=[1], max_tokens=3))["top_k"] == -1
+    assert sampling_params(GenRequest(prompt_ids=[1], settings=GenerationConfig(max_new_tokens=3)))["top_k"] == -1
 
 
 @pytest.mark.sglang
@@ -48,7 +49,7 @@ def test_live_sglang_server_returns_spec_stats():  # pragma: no cover - GPU host
         ids = backend.tokenizer("The capital of France is")["input_ids"]
 
         async def run():
-            return [c async for c in backend.submit(GenRequest(prompt_ids=ids, max_tokens=32))]
+            return [c async for c in backend.submit(GenRequest(prompt_ids=ids, settings=GenerationConfig(max_new_tokens=32)))]
 
         chunks = asyncio.run(run())
         spec = chunks[-1].spec

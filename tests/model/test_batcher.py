@@ -7,7 +7,7 @@ import torch
 
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine
 from drelay_model.decoding.batcher import ContinuousBatcher
-from drelay_model.decoding.sampling import SamplingParams, filtered_logits
+from drelay_model.decoding.sampling import filtered_logits
 from drelay_model.errors import DRelayError
 from drelay_model.selectors import default_registry
 
@@ -38,7 +38,7 @@ def _staggered(batcher: ContinuousBatcher, prompts, budgets, *, cancel_after: in
     step = 0
     while step <= max(joins) or not batcher.idle:
         for b in joins.get(step, []):
-            rid = batcher.submit(prompts[b], SamplingParams(max_new_tokens=budgets[b]), on_update)
+            rid = batcher.submit(prompts[b], GenerationConfig(max_new_tokens=budgets[b]), on_update)
             assert rid == b
         if cancel_after is not None and step == cancel_after:
             batcher.cancel(1)
@@ -96,8 +96,8 @@ def test_stop_predicate_and_eos(target, make_drafter, prompts_of):
     stop_tok = alone[7]
     first = alone.index(stop_tok)
     batcher = ContinuousBatcher(engine)
-    batcher.submit(prompts[0], SamplingParams(max_new_tokens=12, stop=lambda toks: toks[-1] == stop_tok))
-    batcher.submit(prompts[0], SamplingParams(max_new_tokens=12))
+    batcher.submit(prompts[0], GenerationConfig(max_new_tokens=12, stop=lambda toks: toks[-1] == stop_tok))
+    batcher.submit(prompts[0], GenerationConfig(max_new_tokens=12))
     out = batcher.run()
     assert out[0] == alone[: first + 1]
     assert out[1] == alone
@@ -110,9 +110,9 @@ def test_sampling_is_seeded_and_top_k1_is_greedy(target, make_drafter, prompts_o
     runs = []
     for _ in range(2):
         batcher = ContinuousBatcher(engine)
-        batcher.submit(prompts[0], SamplingParams(max_new_tokens=10, temperature=0.9, seed=4))
-        batcher.submit(prompts[1], SamplingParams(max_new_tokens=10, temperature=1.5, top_p=0.8, seed=5))
-        batcher.submit(prompts[0], SamplingParams(max_new_tokens=10, temperature=1.0, top_k=1, seed=6))
+        batcher.submit(prompts[0], GenerationConfig(max_new_tokens=10, temperature=0.9, seed=4))
+        batcher.submit(prompts[1], GenerationConfig(max_new_tokens=10, temperature=1.5, top_p=0.8, seed=5))
+        batcher.submit(prompts[0], GenerationConfig(max_new_tokens=10, temperature=1.0, top_k=1, seed=6))
         runs.append(batcher.run())
     assert runs[0] == runs[1]
     assert runs[0][2] == greedy
@@ -120,7 +120,7 @@ def test_sampling_is_seeded_and_top_k1_is_greedy(target, make_drafter, prompts_o
 
 def test_filtered_logits_keeps_top_k_and_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    keep = lambda **kw: torch.isfinite(filtered_logits(logits, SamplingParams(temperature=1.0, **kw)))[0].tolist()  # noqa: E731
+    keep = lambda **kw: torch.isfinite(filtered_logits(logits, GenerationConfig(temperature=1.0, **kw)))[0].tolist()  # noqa: E731
     assert keep(top_k=2) == [True, True, False, False]
     assert keep(top_p=0.5) == [True, False, False, False]
     assert keep(top_p=0.81) == [True, True, True, False]
@@ -132,10 +132,10 @@ def test_capacity_grows_and_shrinks(target, prompts_of):
     batcher = ContinuousBatcher(engine)
     short, long = prompts_of(target.vocab_size, (4, 30))
     got: list[int] = []
-    batcher.submit(short, SamplingParams(max_new_tokens=100), lambda u: got.extend(u.new_tokens))
+    batcher.submit(short, GenerationConfig(max_new_tokens=100), lambda u: got.extend(u.new_tokens))
     batcher.step()
     cap0 = batcher._state.cache.capacity
-    batcher.submit(long, SamplingParams(max_new_tokens=600))
+    batcher.submit(long, GenerationConfig(max_new_tokens=600))
     batcher.step()
     assert batcher._state.cache.capacity > cap0  # grew for the longer request
     batcher.cancel(1)
@@ -159,7 +159,7 @@ def test_capacity_grows_and_shrinks(target, prompts_of):
 )
 def test_bad_requests_are_clear_errors(target, prompt, kwargs, message):
     with pytest.raises(DRelayError, match=message):
-        ContinuousBatcher(SpeculativeEngine(target)).submit(prompt, SamplingParams(**kwargs))
+        ContinuousBatcher(SpeculativeEngine(target)).submit(prompt, GenerationConfig(**kwargs))
 
 
 @pytest.mark.parametrize("block_ms", [0.1, 1000.0])
@@ -167,7 +167,7 @@ def test_cost_aware_length_in_the_batcher_is_lossless(target, make_drafter, prom
     """With measured costs the batcher cuts each round's verification (down to AR rounds when
     drafting never pays); joining requests still decode exactly as alone."""
     from drelay_model.decoding import SpeculativeEngine
-    from drelay_model.decoding.verify_length import VerifyCosts
+    from drelay_model.decoding.verify_costs import VerifyCosts
 
     prompts = prompts_of(target.vocab_size, LENGTHS)
     drafter = make_drafter(target, top_k=16)
@@ -179,3 +179,16 @@ def test_cost_aware_length_in_the_batcher_is_lossless(target, make_drafter, prom
     for b, p in enumerate(prompts):
         assert streamed[b] == reference.generate([p], GenerationConfig(max_new_tokens=JOIN_BUDGETS[b])).tokens[0]
         _check_stats(finals[b], streamed[b])
+
+
+def test_the_batcher_drives_the_engine_through_its_public_phases():
+    """No reach-ins: every engine attribute the batcher touches is public (prefill, round, ...)."""
+    import ast
+    import inspect
+
+    from drelay_model.decoding import batcher
+
+    tree = ast.parse(inspect.getsource(batcher))
+    private = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+               and isinstance(n.value, ast.Attribute) and n.value.attr == "engine"]  # fmt: skip
+    assert private == []

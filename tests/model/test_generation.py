@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from drelay_model.decoding import DEFAULT_MAX_NEW_TOKENS, DecodeStats, GenerationConfig
+from drelay_model.decoding import DEFAULT_MAX_NEW_TOKENS, DecodeStats, GenerationConfig, SettingsError
 from drelay_model.decoding.verify import accepted_prefix
 from drelay_model.errors import DRelayError
 
@@ -23,11 +23,20 @@ from drelay_model.errors import DRelayError
         ({"temperature": -0.1}, "temperature must be in"),
         ({"temperature": math.nan}, "temperature must be in"),
         ({"temperature": 101.0}, "temperature must be in"),
+        ({"temperature": math.inf}, "temperature must be in"),
+        ({"top_p": 0.0}, "top_p must be in"),
+        ({"top_p": math.nan}, "top_p must be in"),
+        ({"top_p": 1.5}, "top_p must be in"),
+        ({"top_k": -1}, "top_k must be an integer"),
+        ({"top_k": 2.0}, "top_k must be an integer"),
+        ({"seed": 1.5}, "seed must be an integer"),
     ],
 )
-def test_bad_settings_are_one_line_errors(kwargs, message):
-    with pytest.raises(DRelayError, match=message):
+def test_bad_settings_are_one_line_errors_naming_the_field(kwargs, message):
+    with pytest.raises(SettingsError, match=message) as caught:
         GenerationConfig(**kwargs)
+    assert caught.value.field == next(iter(kwargs)) and isinstance(caught.value, DRelayError)
+    assert str(caught.value) == f"{caught.value.field} {caught.value.detail}"
 
 
 def test_defaults_greedy_and_context_budget():
@@ -40,6 +49,7 @@ def test_defaults_greedy_and_context_budget():
     g.check_prompt(37, max_positions=64, num_slots=15)
     with pytest.raises(DRelayError, match="prompt 3 has 38 tokens.*at most 37 with max_new_tokens=10"):
         g.check_prompt(38, max_positions=64, num_slots=15, what="prompt 3")
+    assert g.check_prompt(37, max_positions=64, num_slots=15) == 64  # the KV positions its row needs
 
 
 def test_accepted_prefix_is_the_leading_run_of_matches():

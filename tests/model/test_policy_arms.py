@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine
-from drelay_model.decoding.verify_length import CostAwareLength, VerifyCosts
+from drelay_model.decoding.length_bandit import BanditSettings, CostAwareLength
+from drelay_model.decoding.verify_costs import VerifyCosts
 from drelay_model.errors import DRelayError
 from drelay_model.selectors import SelectionContext, default_registry
 from tests.model.test_verify_length import set_counts
@@ -44,7 +45,7 @@ def test_the_selector_arm_starts_from_the_native_arms_rates():
     rounds); the selector keeps the native path unless it repairs it, so it starts from that path's."""
     policy = CostAwareLength(costs(select=0.5), H, native_arm=True)
     set_counts(policy, [100.0] * H, [10.0] * H, 1)
-    assert policy.slot_rates(0) == pytest.approx(policy.arms[1].base_rates(policy.base_prior)) and policy.slot_rates(0)[0] < 0.12
+    assert policy.slot_rates(0) == pytest.approx(policy.arms[1].base_rates(policy.settings.base_prior)) and policy.slot_rates(0)[0] < 0.12
     priced = CostAwareLength(VerifyCosts(verify_ms=(30.0, 30.5, 31.0, 31.5, 32.0), block_ms=8.0, head_ms=0.1, select_ms=0.5), H, native_arm=True)
     set_counts(priced, [100.0] * H, [10.0] * H, 1)
     set_counts(priced, [30.0] * H, [3.0] * H, 0)
@@ -52,7 +53,7 @@ def test_the_selector_arm_starts_from_the_native_arms_rates():
 
 
 def test_observations_go_to_the_arm_that_ran_and_probes_take_the_best_upper_estimate():
-    policy = CostAwareLength(costs(select=0.5), H, native_arm=True, probe=1)
+    policy = CostAwareLength(costs(select=0.5), H, BanditSettings(probe=1), native_arm=True)
     set_counts(policy, [200.0] * H, [2.0] * H, 1)  # the native arm: well known and hopeless
     set_counts(policy, [2.0] * H, [0.0] * H, 0)  # the selector's: two misses, little evidence
     assert policy.plan() > 0 and policy._probing and policy.arm == 0  # AR wins; the probe goes where â⁺ is highest

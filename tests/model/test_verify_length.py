@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine
-from drelay_model.decoding.verify_length import CostAwareLength, VerifyCosts, expected_committed, measure_costs
+from drelay_model.decoding.length_bandit import BanditSettings, CostAwareLength, expected_committed
+from drelay_model.decoding.verify_costs import VerifyCosts, measure_costs
 from drelay_model.errors import DRelayError
 from drelay_model.selectors import default_registry
 
@@ -49,7 +50,7 @@ def test_choices_follow_the_costs():
     expensive = CostAwareLength(costs(verify=(10.0, 100.0, 200.0, 300.0, 400.0)), H)
     assert expensive.choose(sure * 0.6, H).tolist() == [0, 0]
     # plan: with low running acceptance an AR round wins, but every `probe` rounds it drafts anyway
-    slow = CostAwareLength(costs(block=200.0), H, probe=3)
+    slow = CostAwareLength(costs(block=200.0), H, BanditSettings(probe=3))
     set_counts(slow, [100.0] * H, [5.0] * H)
     plans = [slow.plan() for _ in range(9)]
     assert plans.count(0) == 7 and plans[2] > 0  # probes at rounds 3 and 3 + 6 (the interval doubles)
@@ -59,7 +60,7 @@ def test_choices_follow_the_costs():
 
 
 def test_observe_learns_acceptance_and_calibration():
-    policy = CostAwareLength(costs(), H, prior=1.0)
+    policy = CostAwareLength(costs(), H, BanditSettings(prior=1.0))
     q = torch.full((4, H), 0.95)
     for _ in range(30):  # confident drafts that are always rejected at the first slot
         policy.observe(q, torch.full((4,), H), torch.zeros(4, dtype=torch.long))
@@ -202,7 +203,7 @@ def test_rounds_extend_the_drafter_context_lazily_and_exactly(target, make_draft
 
 
 def test_isotonic_fit_is_non_decreasing_and_pools_outliers():
-    from drelay_model.decoding.verify_length import isotonic
+    from drelay_model.decoding.verify_costs import isotonic
 
     assert isotonic([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
     assert isotonic([3.0, 1.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])
@@ -259,10 +260,10 @@ def test_measured_times_rescale_the_curve_and_move_the_plan():
     assert slow.draft_ms(H) == pytest.approx(12 * base.draft_ms(H), rel=0.05)
     assert slow.plan() == 0
     with pytest.raises(DRelayError, match="time_decay"):
-        CostAwareLength(base, H, time_decay=1.0)
+        CostAwareLength(base, H, BanditSettings(time_decay=1.0))
     for bad in ({"probe": 0}, {"probe": 8, "max_probe": 4}):  # the probe interval halves and doubles
         with pytest.raises(DRelayError, match="probe and max_probe"):
-            CostAwareLength(base, H, **bad)
+            CostAwareLength(base, H, BanditSettings(**bad))
 
 
 def test_measure_costs_is_interleaved_and_monotone(target, make_drafter):
@@ -293,7 +294,7 @@ def test_rarely_reached_slots_borrow_the_rate_below_and_wide_verifies_learn_thei
         policy.observe_times(verify_width=5, verify_ms=48.0, head_slots=H, decided=H, draft_ms=c.draft_ms(H))
     assert policy.verify_ms(1) == pytest.approx(30.0) and policy.verify_ms(5) == pytest.approx(48.0, rel=0.02)
     with pytest.raises(DRelayError, match="rate_prior"):
-        CostAwareLength(c, H, rate_prior=0.0)
+        CostAwareLength(c, H, BanditSettings(rate_prior=0.0))
 
 
 def test_the_policy_carries_what_it_learned_across_generate_calls(target, make_drafter, prompts_of):
@@ -316,13 +317,13 @@ def test_evidence_fades_towards_the_long_run_rate_not_an_optimistic_prior():
     look worth a losing drafted round), while a short bad stretch of text that usually accepts
     gives way to drafting again before any probe."""
     c = costs(verify=(30.0, 30.5, 31.0, 31.5, 32.0), block=8.0, head=0.1, select=0.1)  # break-even ≈ 0.29
-    policy = CostAwareLength(c, H, max_probe=10_000, probe=10_000, idle_decay=0.9)
+    policy = CostAwareLength(c, H, BanditSettings(max_probe=10_000, probe=10_000, idle_decay=0.9))
     q = torch.full((1, H), 0.5)
     for _ in range(60):  # κ = 16 pseudo-counts: it takes a few dozen rejecting rounds to be sure
         policy.observe(q, torch.tensor([H]), torch.tensor([0]))
     plans = [policy.plan() for _ in range(200)]
     assert plans == [0] * 200 and policy.slot_rates()[0] < 0.2
-    usual = CostAwareLength(c, H, max_probe=10_000, probe=10_000, idle_decay=0.9)
+    usual = CostAwareLength(c, H, BanditSettings(max_probe=10_000, probe=10_000, idle_decay=0.9))
     rates = usual.arms[0]
     rates.base_seen, rates.base_hits = [50.0] * H, [45.0] * H  # the long run: 90% accepted
     rates.seen, rates.hits = [60.0] * H, [0.0] * H  # the last few dozen rounds: nothing accepted
@@ -330,14 +331,14 @@ def test_evidence_fades_towards_the_long_run_rate_not_an_optimistic_prior():
     plans = [usual.plan() for _ in range(200)]
     assert plans[0] == 0 and any(p > 0 for p in plans)
     with pytest.raises(DRelayError, match="idle_decay"):
-        CostAwareLength(c, H, idle_decay=1.0)
+        CostAwareLength(c, H, BanditSettings(idle_decay=1.0))
     with pytest.raises(DRelayError, match="base_decay"):
-        CostAwareLength(c, H, base_decay=-0.1)
+        CostAwareLength(c, H, BanditSettings(base_decay=-0.1))
 
 
 def test_a_probe_verifies_at_least_one_draft_and_a_hit_moves_the_estimate_at_once():
     c = costs(verify=(30.0, 30.5, 31.0, 31.5, 32.0), block=8.0, head=0.1, select=0.1)
-    policy = CostAwareLength(c, H, probe=2)
+    policy = CostAwareLength(c, H, BanditSettings(probe=2))
     set_counts(policy, [40.0] * H, [4.0] * H)
     assert [policy.plan(), policy.plan()][0] == 0 and policy._probing  # the second plan is a probe
     hopeless = torch.full((1, 1), 0.01)
@@ -346,7 +347,7 @@ def test_a_probe_verifies_at_least_one_draft_and_a_hit_moves_the_estimate_at_onc
     for _ in range(300):  # fading during AR rounds: back to the long-run rate (~0.2), not ½
         policy.plan()
     faded = policy.slot_rates()[0]
-    assert faded == pytest.approx(policy.arms[0].base_rates(policy.base_prior)[0], abs=0.02) and before < faded < 0.3
+    assert faded == pytest.approx(policy.arms[0].base_rates(policy.settings.base_prior)[0], abs=0.02) and before < faded < 0.3
     policy.observe(torch.full((1, 1), 0.5), torch.tensor([1]), torch.tensor([1]))
     assert policy.slot_rates()[0] > faded + 0.03  # one hit: about (1 − â) / (κ + 1)
 

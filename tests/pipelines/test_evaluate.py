@@ -26,12 +26,13 @@ from pipelines.common.tracking import get_client
 def _methods(target, top_k: int = 16) -> dict[str, MethodUnderTest]:
     torch.manual_seed(0)
     drafter = BlockDrafter(DrafterConfig.for_target(target, num_layers=1, top_k=top_k), target).eval()
-    return {"ar": MethodUnderTest("ar"), "native": MethodUnderTest("native", drafter, NativeSelector())}
+    native = MethodUnderTest("native", drafter, NativeSelector(), spec=MethodSpec("native", random_drafter=True))
+    return {"ar": MethodUnderTest("ar"), "native": native}
 
 
 def _evaluation(target, data_dir, out, *, top_k=16, encoder=None, max_new_tokens=10, temperature=0.0, **overrides) -> Evaluation:
     settings = dict(target="tiny-llama", specs=(MethodSpec("ar"), MethodSpec("native", random_drafter=True)), benchmarks=("gsm8k", "mt_bench"),
-                    decode=GenerationConfig(max_new_tokens, temperature), limit=2, data_dir=str(data_dir))  # fmt: skip
+                    decode=GenerationConfig(max_new_tokens, temperature), limit=2, data_dir=str(data_dir), verify_length="fixed")  # fmt: skip
     config = EvalConfig(**{**settings, **overrides})
     prompts = {b: load_benchmark(b, limit=config.limit, data_dir=data_dir) for b in config.benchmarks}
     enc = encoder or HashEncoder(target.vocab_size)
@@ -119,6 +120,22 @@ def test_greedy_cells_agree_with_ar_and_replay(tiny, data_dir, tmp_path):
     turns = sorted((r.prompt_id, r.turn) for r in cells[("mt_bench", "ar")].prompts)
     assert turns == [("81", 0), ("81", 1), ("82", 0), ("82", 1)]
     assert (tmp_path / "out" / "cells" / "mt_bench__native.json").is_file()
+
+
+def test_cost_aware_cells_decode_as_ar_and_are_kept_apart_from_fixed_ones(tiny, data_dir, tmp_path):
+    """`verify_length="cost"` (the default) builds the engines through the factory with a measured
+    cost curve: outputs stay AR's, and its cells never resume from fixed-length ones."""
+    out = tmp_path / "out"
+    fixed = _evaluation(tiny, data_dir, out, benchmarks=("gsm8k",), diagnostics=False).run()
+    ev = _evaluation(tiny, data_dir, out, benchmarks=("gsm8k",), diagnostics=False, verify_length="cost")
+    assert ev.config.as_params()["verify_length"] == "cost" and EvalConfig.__dataclass_fields__["verify_length"].default == "cost"
+    assert ev.fingerprint("gsm8k", "native") != fixed[("gsm8k", "native")].fingerprint
+    assert ev.fingerprint("gsm8k", "ar") == fixed[("gsm8k", "ar")].fingerprint  # AR decodes the same either way
+    engine = ev.methods["native"].engine(tiny, "cost", target_spec="tiny-llama")
+    assert engine.costs is not None and engine.policy is not None
+    cells = ev.run()
+    digests = {name: [r.output_digest for r in cells[("gsm8k", name)].prompts] for name in ("ar", "native")}
+    assert digests["native"] == digests["ar"]
 
 
 def test_paired_timing_is_immune_to_load_during_the_ar_phase(tiny, data_dir, tmp_path, monkeypatch):
@@ -213,7 +230,7 @@ def _cli(capsys, *argv):
 
 def _tiny_args(data_dir, out, *extra):
     return ["--target", "tiny-llama", "--random-drafter", "--data-dir", str(data_dir), "--benchmarks", "gsm8k,mt_bench",
-            "--limit", "1", "--max-new-tokens", "6", "--no-progress", "--out", str(out), "--run-name", "t", *extra]  # fmt: skip
+            "--limit", "1", "--max-new-tokens", "6", "--no-progress", "--out", str(out), "--run-name", "t", "--verify-length", "fixed", *extra]  # fmt: skip
 
 
 def _runs(client, status=None):
@@ -235,6 +252,7 @@ def test_mlflow_layout_of_an_evaluation(uri, data_dir, tmp_path, capsys):
     (parent,) = by_level["evaluation"]
     tags = parent.data.tags
     assert parent.info.run_name == "t" and tags["drelay.methods"] == "ar,native" and tags["drelay.checkpoint"] == "random"
+    assert parent.data.params["verify_length"] == "fixed" and parent.data.params["max_new_tokens"] == "6"
     assert tags["drelay.target"] == "tiny-llama" and tags["drelay.hardware"] and tags["drelay.git_commit"]
     methods = {r.info.run_name: r for r in by_level["method"]}
     assert set(methods) == {"ar", "native"}
@@ -341,7 +359,7 @@ def test_eval_resumes_from_cell_files_of_an_older_layout(tmp_path, capsys, monke
     monkeypatch.setattr(Evaluation, "run_cell", no_decoding)
     rc = main(["eval", "--target", "tiny-llama", "--methods", "ar,native", "--random-drafter", "--benchmarks", "gsm8k", "--limit", "2",
                "--data-dir", str(tmp_path / "bench"), "--max-new-tokens", "8", "--no-mlflow", "--out", str(out), "--no-progress",
-               "--timing", "phased"])  # fmt: skip  (the fixture's cells were timed in phases)
+               "--timing", "phased", "--verify-length", "fixed"])  # fmt: skip  (the fixture's cells were timed in phases, at fixed length)
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     old = json.loads((Path(__file__).parent / "fixtures" / "cells_before_layout_summary.json").read_text())  # the metrics the fixture's cells gave

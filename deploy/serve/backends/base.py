@@ -6,9 +6,10 @@ Chunks carry token ids; the app detokenises them (one tokenizer, whichever backe
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from drelay_model.decoding import GenerationConfig
 from drelay_model.errors import DRelayError
 
 
@@ -18,13 +19,10 @@ class Overloaded(DRelayError):
 
 @dataclass(frozen=True)
 class GenRequest:
+    """A tokenized prompt and its validated decode settings (token budget, sampling, stop predicate)."""
+
     prompt_ids: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    stop: Callable[[list[int]], bool] | None = None  # predicate on generated ids (stop strings)
+    settings: GenerationConfig = GenerationConfig()
 
 
 @dataclass(frozen=True)

@@ -14,16 +14,13 @@ import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-
 from deploy.serve.backends.base import Backend, GenChunk, GenRequest, Overloaded, SpecStats
 from deploy.serve.config import EngineSection, LimitsSection
-from drelay_model.decoding import SpeculativeEngine
 from drelay_model.decoding.batcher import ContinuousBatcher, RequestUpdate
-from drelay_model.decoding.sampling import SamplingParams
 from drelay_model.errors import DRelayError
 from drelay_model.target import SMOLLM2, load_target
-from pipelines.common.costs import verify_costs
-from pipelines.common.methods import load_method, resolve_method
+from pipelines.common.engines import build_engine
+from pipelines.common.methods import resolve_method
 
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -55,12 +52,8 @@ class EngineBackend(Backend):
     def __init__(self, cfg: EngineSection, limits: LimitsSection) -> None:
         target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype)  # a one-line error without CUDA
         spec = resolve_method(cfg.method, target_spec=cfg.target, checkpoint=_repo_path(cfg.checkpoint), random_drafter=cfg.random_drafter)
-        drafter, selector = load_method(spec, target)
         self.method = cfg.method
-        costs = None
-        if cfg.verify_length == "cost" and drafter is not None:
-            costs = verify_costs(target, drafter, selector, target_spec=cfg.target, spec=spec)
-        self.engine = SpeculativeEngine(target, drafter, selector, costs=costs)
+        self.engine = build_engine(target, spec, cfg.verify_length, target_spec=cfg.target)
         self.batcher = ContinuousBatcher(self.engine, max_batch=cfg.max_batch)
         self.tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else target.tokenizer
         if self.tokenizer is None:
@@ -99,9 +92,6 @@ class EngineBackend(Backend):
     def ready(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    def check_prompt(self, prompt_ids: list[int], max_tokens: int) -> None:
-        self.batcher.check_prompt(prompt_ids, max_tokens)
-
     def submit(self, request: GenRequest) -> AsyncIterator[GenChunk]:
         """Validate and queue now (raising DRelayError / Overloaded before any response is sent);
         the returned iterator streams the request's chunks."""
@@ -109,10 +99,6 @@ class EngineBackend(Backend):
         if in_flight >= self.batcher.max_batch + self.max_waiting:
             raise Overloaded(f"replica saturated: {in_flight} requests in flight "
                              f"(max_batch {self.batcher.max_batch} + max_waiting {self.max_waiting})")
-        params = SamplingParams(
-            max_new_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
-            top_k=request.top_k, seed=request.seed, stop=request.stop,
-        )
         loop, queue, rid_box = asyncio.get_running_loop(), asyncio.Queue(), []
 
         def on_update(update: RequestUpdate) -> None:
@@ -123,7 +109,7 @@ class EngineBackend(Backend):
             if update.finished:  # free the slot even if no one ever reads the stream (client gone early)
                 loop.call_soon_threadsafe(self._queues.pop, rid_box[0], None)
 
-        rid = self.batcher.submit(request.prompt_ids, params, on_update)
+        rid = self.batcher.submit(request.prompt_ids, request.settings, on_update)
         rid_box.append(rid)  # set before the loop runs any callback scheduled above
         self._queues[rid] = (loop, queue)
         self._wake.set()

@@ -36,8 +36,9 @@ def launch_command(cfg: SGLangSection) -> list[str]:
 
 
 def sampling_params(request: GenRequest) -> dict:
-    return {"max_new_tokens": request.max_tokens, "temperature": request.temperature, "top_p": request.top_p,
-            "top_k": request.top_k if request.top_k > 0 else -1, "sampling_seed": request.seed}
+    s = request.settings
+    return {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
+            "top_k": s.top_k if s.top_k > 0 else -1, "sampling_seed": s.seed}
 
 
 def chunk_from_event(event: dict, sent: int) -> tuple[GenChunk, int]:
@@ -100,7 +101,7 @@ class SGLangBackend(Backend):
             raise DRelayError(f"prompt has {len(prompt_ids)} tokens; with max_tokens={max_tokens} it exceeds the context window ({self.context_window})")
 
     def submit(self, request: GenRequest) -> AsyncIterator[GenChunk]:
-        self.check_prompt(request.prompt_ids, request.max_tokens)
+        self.check_prompt(request.prompt_ids, request.settings.max_new_tokens)
         if self._inflight >= self.max_waiting + 1024:
             raise Overloaded(f"replica saturated: {self._inflight} requests in flight")
         return self._stream(request)
@@ -121,7 +122,7 @@ class SGLangBackend(Backend):
                         continue
                     chunk, sent = chunk_from_event(json.loads(line[5:]), sent)
                     ids += chunk.token_ids
-                    if chunk.finish_reason is None and request.stop is not None and chunk.token_ids and request.stop(ids):
+                    if chunk.finish_reason is None and request.settings.stop is not None and chunk.token_ids and request.settings.stop(ids):
                         # A stop string completed: end here (closing the stream aborts the request in SGLang).
                         yield GenChunk(token_ids=chunk.token_ids, finish_reason="stop",
                                        spec=SpecStats(verify_ct=0, completion_tokens=len(ids)))

@@ -1,0 +1,55 @@
+"""The one engine factory: a target, a method spec and a verification length → a decoding engine.
+
+    build_engine(target, spec, verify_length, target_spec=…) → SpeculativeEngine
+
+Every command that decodes (`drelay generate`, `drelay eval`, `drelay compare`, the serve engine
+backend, the speed benchmarks) builds its engines here, so the steps target → method → measured
+costs → engine and the default verification length are written once.
+
+Verification lengths:
+    cost   each round verifies as many drafts as pay off on this machine (0 = an AR round), from the
+           cost curve measured once per machine and cached (`pipelines.common.costs`, `drelay costs`)
+    fixed  every round verifies the selector's whole path (the paper's setting)
+AR decodes the same either way.
+"""
+
+from __future__ import annotations
+
+from drelay_model.decoding import SpeculativeEngine
+from drelay_model.drafter import BlockDrafter
+from drelay_model.errors import DRelayError
+from drelay_model.selectors import Selector
+from drelay_model.target import TargetModel
+from pipelines.common.costs import verify_costs
+from pipelines.common.methods import MethodSpec, load_method
+
+VERIFY_LENGTHS = ("cost", "fixed")
+DEFAULT_VERIFY_LENGTH = "cost"
+
+
+def check_verify_length(value: str, where: str = "verify_length") -> str:
+    if value not in VERIFY_LENGTHS:
+        raise DRelayError(f"{where} must be one of {', '.join(VERIFY_LENGTHS)}, got {value!r}")
+    return value
+
+
+def build_engine(
+    target: TargetModel,
+    spec: MethodSpec,
+    verify_length: str = DEFAULT_VERIFY_LENGTH,
+    *,
+    target_spec: str,
+    method: tuple[BlockDrafter | None, Selector | None] | None = None,
+    remeasure: bool = False,
+) -> SpeculativeEngine:
+    """The engine that decodes `spec` on `target` with `verify_length`.
+
+    target_spec: the target's spec string (it keys the cached cost curve); method: the spec's
+    (drafter, selector) when the caller has loaded them already (None: loaded here); remeasure:
+    measure the cost curve again instead of reading the cache."""
+    check_verify_length(verify_length)
+    drafter, selector = load_method(spec, target) if method is None else method
+    costs = None
+    if verify_length == "cost" and drafter is not None:
+        costs = verify_costs(target, drafter, selector, target_spec=target_spec, spec=spec, remeasure=remeasure)
+    return SpeculativeEngine(target, drafter, selector, costs=costs)
