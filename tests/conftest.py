@@ -11,8 +11,8 @@ import torch
 def _one_intra_op_thread(request):
     """Tiny models gain nothing from a second intra-op thread, and its spinning costs several times the
     work on a busy 2-core machine (the batched-replay test: 25 s of CPU with two threads, 5 s with one).
-    Tests on the real SmolLM2 target (marked `slow`, or taking `smol`) keep the threads its matmuls use."""
-    if request.node.get_closest_marker("slow") or "smol" in request.fixturenames:
+    Tests taking the real SmolLM2 target (`smol`) keep the threads its matmuls use."""
+    if "smol" in request.fixturenames:
         yield
         return
     before = torch.get_num_threads()
