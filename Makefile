@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEMO_MESSAGE ?= Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?
 
-.PHONY: install demo test test-heavy lint bench clean vllm-env test-vllm
+.PHONY: install demo test test-heavy lint bench clean vllm-env test-vllm sglang-env test-sglang
 
 install: $(STAMP)
 
@@ -63,6 +63,29 @@ $(VLLM_STAMP):
 # The tests marked `vllm` (our venv drives vLLM in the other one): export, AR = DFlash, τ against ours.
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	DRELAY_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m vllm tests/deploy/test_vllm_peer.py tests/deploy/test_vllm_serve.py
+
+# SGLang 0.5.23 in its own venv (it pins torch 2.14.1 and transformers 5.19, which our venv cannot
+# share): SGLang's own torch + torchvision pins (CUDA builds of ~5.5 GB that run on the CPU; a CPU torch
+# cannot load PyPI's torchvision, which SGLang's configs import), sglang itself without its GPU-only
+# dependencies, the pure-Python packages its modules import (deploy/sglang/requirements-cpu.txt), and
+# this project without dependencies (the `sglang.srt.plugins` entry point). See docs/sglang.md.
+SGLANG_VENV  ?= .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+
+sglang-env: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): deploy/sglang/requirements-cpu.txt
+	python3 -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps sglang==0.5.23
+	$(SGLANG_VENV)/bin/python -m pip install -q -r deploy/sglang/requirements-cpu.txt
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(SGLANG_STAMP)
+
+# The tests marked `sglang_cpu`: the plugin, argument handling, request pool and registry against
+# SGLang's real modules, on CPU.
+test-sglang: $(SGLANG_STAMP)
+	$(SGLANG_VENV)/bin/python -m pytest -q -m sglang_cpu tests/sglang_cpu
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -96,26 +96,31 @@ def check_kernels() -> dict:
     return out
 
 
-def _random_qwen3_target(path: Path) -> None:
+def _random_qwen3_target(path: Path):
+    """Save a random Qwen3-shaped target (no tokenizer: the servers run --skip-tokenizer-init) and
+    return it as our TargetModel (built in memory: `load_target` wants a tokenizer)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from drelay_model.target import TargetModel
 
     s = QWEN3_4B
     cfg = Qwen3Config(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=9728, num_hidden_layers=4,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
                       tie_word_embeddings=True, torch_dtype="bfloat16")
     torch.manual_seed(0)
-    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(path)
+    return TargetModel(model.float(), name="random-qwen3")
 
 
-def _export_random_drafter(target_dir: Path, out: Path) -> None:
+def _export_random_drafter(target, out: Path) -> None:
     from deploy.sglang.export import main as export_main
     from drelay_model.drafter import BlockDrafter, DrafterConfig, save_drafter
     from drelay_model.selectors import default_registry
-    from drelay_model.target import load_target
-
-    target = load_target(str(target_dir))
     torch.manual_seed(0)
-    drafter = BlockDrafter(DrafterConfig.for_target(target, num_layers=1, target_layer_ids=(0, 1, 2, 3)), target).eval()
+    # Feature layers 0..2 of 4: SGLang captures a layer's output before the next layer runs, so the
+    # last layer (3) cannot be one.
+    drafter = BlockDrafter(DrafterConfig.for_target(target, num_layers=1, target_layer_ids=(0, 1, 2)), target).eval()
     sel = default_registry().create("drelay", drafter=drafter).eval()
     extra = {f"selector.{k}": v for k, v in sel.state_dict().items()}
     ckpt = out.parent / "drafter_ckpt"
@@ -125,7 +130,7 @@ def _export_random_drafter(target_dir: Path, out: Path) -> None:
 
 def _serve(args: list[str], port: int, log: Path) -> subprocess.Popen:
     env = {**os.environ, "SGLANG_EXTERNAL_MODEL_PACKAGE": "deploy.sglang.models", "SGLANG_PLUGINS": "drelay",
-           "PYTHONPATH": str(REPO)}
+           "PYTHONPATH": str(REPO)}  # the same environment as deploy/serve/backends/sglang.py's server_env
     cmd = [sys.executable, "-m", "sglang.launch_server", "--port", str(port), "--skip-tokenizer-init", "--mem-fraction-static", "0.3", *args]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=REPO)
     for _ in range(600):
@@ -168,8 +173,7 @@ def check_server(work: Path) -> dict:
     if not any(ep.name == "drelay" for ep in entry_points(group="sglang.srt.plugins")):
         raise RuntimeError("the drelay plugin entry point is not installed: run `pip install -e . --no-deps` here first")
     target, draft = work / "target", work / "draft"
-    _random_qwen3_target(target)
-    _export_random_drafter(target, draft)
+    _export_random_drafter(_random_qwen3_target(target), draft)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, QWEN3_4B["vocab"], (n,), generator=g).tolist() for n in (7, 31, 120)]
     result = {}
@@ -190,7 +194,7 @@ def check_server(work: Path) -> dict:
             proc.wait(60)
     result["draft_paths"] = _log_flags(work / "drelay.log")
     same = [a["output_ids"] == d["output_ids"] for a, d in zip(result["ar"], result["drelay"])]
-    meta = [{k: d["meta_info"].get(k) for k in ("spec_verify_ct", "spec_accept_length", "spec_accept_histogram")} for d in result["drelay"]]
+    meta = [{k: d["meta_info"].get(k) for k in ("spec_verify_ct", "spec_accept_length", "spec_correct_drafts_histogram", "spec_accept_rate")} for d in result["drelay"]]
     print(f"server: greedy identical per prompt {same}; spec stats {meta}; sglext {result.get('sglext')}; "
           f"draft paths {result['draft_paths']}", flush=True)
     return {"identical": same, "spec_meta": meta, "sglext": result.get("sglext"), "draft_paths": result["draft_paths"]}

@@ -59,8 +59,16 @@ def hf_config(config: DrafterConfig, meta: dict, *, dtype: torch.dtype, has_sele
     return doc
 
 
-def export_sglang(checkpoint: str | Path, out: str | Path) -> Path:
-    """Export `checkpoint` to the new directory `out` (must not exist or be empty)."""
+EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def export_sglang(checkpoint: str | Path, out: str | Path, *, dtype: str = "bfloat16") -> Path:
+    """Export `checkpoint` to the new directory `out` (must not exist or be empty), its floating
+    weights cast to `dtype` (bfloat16 by default: the serving dtype of the Qwen3 targets; give the
+    target's dtype otherwise). `torch_dtype` in config.json says the same, so SGLang's `--dtype auto`
+    loads the draft in it (a float32 draft config would become float16 beside a bf16 target)."""
+    if dtype not in EXPORT_DTYPES:
+        raise DRelayError(f"--dtype: unknown dtype '{dtype}' (choose from: {', '.join(EXPORT_DTYPES)})")
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -70,23 +78,22 @@ def export_sglang(checkpoint: str | Path, out: str | Path) -> Path:
     ids = list(config.target_layer_ids)
     if ids != sorted(set(ids)):  # SGLang concatenates the captured layers in layer order
         raise DRelayError(f"checkpoint '{checkpoint}': target_layer_ids {ids} are not strictly ascending (SGLang captures features in layer order)")
+    n_layers = config.target.num_layers if config.target is not None else None
+    if n_layers is not None and max(ids) >= n_layers - 1:
+        raise DRelayError(f"checkpoint '{checkpoint}': target_layer_ids {ids} include the target's last layer {n_layers - 1} "
+                          "(SGLang captures layer k's output before layer k+1 runs, so the last layer cannot be a feature layer)")
     has_selector = any(k.startswith("selector.") for k in tensors)
     if has_selector and not (meta.get("selector") or {}).get("name"):
         raise DRelayError(f"checkpoint '{checkpoint}' holds selector tensors but no meta.selector name")
-    renamed = {exported_name(k): v.contiguous() for k, v in tensors.items()}
+    cast = EXPORT_DTYPES[dtype]
+    renamed = {exported_name(k): (v.to(cast) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
     if len(renamed) != len(tensors):
         raise DRelayError(f"checkpoint '{checkpoint}': two tensors map to the same exported name")
-    dtype = config_dtype(tensors)
     with atomic_directory(out) as tmp:
         save_file(renamed, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        doc = hf_config(config, meta, dtype=dtype, has_selector=has_selector)
+        doc = hf_config(config, meta, dtype=cast, has_selector=has_selector)
         (tmp / CONFIG).write_text(json.dumps(doc, indent=2))
     return out
-
-
-def config_dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype:
-    """The floating dtype of the weights (float32 when there are none)."""
-    return next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -101,11 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", required=True, help=f"output format ({', '.join(FORMATS)})")
     parser.add_argument("checkpoint", help="drafter checkpoint directory (drafter.safetensors + drafter_config.json)")
     parser.add_argument("out", help="new output directory")
+    parser.add_argument("--dtype", default="bfloat16", help=f"weight dtype ({', '.join(EXPORT_DTYPES)}; default bfloat16)")
     args = parser.parse_args(argv)
     if args.format not in FORMATS:
         parser.error(f"--format: unknown format '{args.format}' (choose from: {', '.join(FORMATS)})")
     try:
-        path = export_sglang(args.checkpoint, args.out)
+        path = export_sglang(args.checkpoint, args.out, dtype=args.dtype)
     except DRelayError as exc:
         parser.error(str(exc))
     print(f"exported {args.checkpoint} → {path} ({ARCHITECTURE})")

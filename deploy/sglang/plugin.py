@@ -6,22 +6,25 @@ TP worker; `SGLANG_PLUGINS=drelay` whitelists it).
 What `register()` does (SGLang ≥ 0.5.23 seams, see docs/sglang.md):
   - `SpeculativeAlgorithm.register("DRELAY", supports_overlap=True, validate_server_args=…,
     spec_class=DRelaySpecAlgo)` with a factory `ServerArgs → worker class`. `DRelaySpecAlgo` answers
-    `is_dflash_family()` (and `is_dflash()`) with True, so the scheduler and model runner take their
-    DFLASH branches (target hidden-state capture, draft KV materialisation, V2 overlap schema).
+    every question SGLang asks of an algorithm as DFLASH does (`is_dflash*`, `supports_*`,
+    `need_topk`, `carries_draft_hidden_states`, `handle_server_args`, …), so the scheduler, overlap
+    utilities, model runner and argument handling take DFLASH's paths and derive DFLASH's fields
+    (speculative_num_steps = topk = 1, the draft attention backend, max_running_requests 48).
   - the worker class subclasses SGLang's `DFlashWorkerV2`: drafting, verification, acceptance and
     the `sglext` statistics stay SGLang's; DRelay enters as the draft model's `candidate_selector`
     (seam.py), i.e. inside the captured draft graph, before verification.
 The draft model class is registered separately by `SGLANG_EXTERNAL_MODEL_PACKAGE=deploy.sglang.models`.
 
-Read in SGLang 0.5.23's source (wheel, not run): DFlashWorkerV2 calls
+Checked against SGLang 0.5.23's modules on CPU (`make test-sglang`): plugin loading, registration,
+argument handling, the spec-class answers, the request pool's slot range. Read in its source (needs
+a GPU to run): DFlashWorkerV2 calls
 `draft_model.compute_candidates(hidden [N, D])` and `draft_model.candidate_selector.build_lattice /
 sample_path` (`_selector_lattice`, `_SelectorDraftSampler`), and materialises target features
 through `_append_target_hidden_to_draft_kv_by_loc(target_hidden [T, L·D], …, commit_lens |
 extend_lens)`, which DRelayWorker extends to feed the ring; it also binds the exported selector
 to the target's input embedding (`bind_selector`) before installing the seam. The draft model's
-runner forward is runner.py's (RadixAttention over the paged draft KV). Not verified here (no GPU;
-SGLang cannot serve on CPU): any of this inside an SGLang process; benchmarks/gpu/sglang_check.py
-exercises it on the first GPU machine.
+runner forward is runner.py's (RadixAttention over the paged draft KV); benchmarks/gpu/sglang_check.py
+runs the server on a GPU machine.
 """
 
 from __future__ import annotations
@@ -61,19 +64,63 @@ def feed_ring(ring, slots, target_hidden, *, commit_lens=None, extend_lens=None)
     ring.append(slots, target_hidden[idx], lens)
 
 
+# SpeculativeAlgorithm members that are not questions about the algorithm (class-level API) or
+# that DRELAY answers itself: its worker (create_worker, get_platform_worker_cls) and the overlap
+# future map, which must hold DRELAY's spec object (create_future_map).
+_NOT_DELEGATED = frozenset({"register", "from_string", "create_worker", "get_platform_worker_cls", "create_future_map"})
+
+
 def _spec_class():
+    """`DRelaySpecAlgo`: every question SGLang asks of a speculative algorithm (`is_*`,
+    `supports_*`, `has_draft_kv`, `carries_draft_hidden_states`, `need_topk`,
+    `handle_server_args`, …) is answered by DFLASH's own enum member, so the scheduler, overlap
+    utilities, model runner and argument handling take DFLASH's paths (target hidden-state capture,
+    draft KV materialisation, V2 overlap schema, DFLASH's derived server args). The method set is
+    read from `SpeculativeAlgorithm` itself, so predicates SGLang adds later answer as DFLASH too."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
+    dflash = SpeculativeAlgorithm.DFLASH
+
     class DRelaySpecAlgo(CustomSpecAlgo):
-        """DRELAY behaves as a DFLASH-family algorithm everywhere outside the worker."""
+        def create_future_map(self, device, req_to_token_pool, needs_cpu_seq_lens=True, needs_confidence_relay=False):
+            """The overlap scheduler's FutureMap, holding DRELAY (it asks the predicates above)."""
+            return SpeculativeAlgorithm.create_future_map(self, device, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
 
-        def is_dflash(self) -> bool:
-            return True
+        def get_platform_worker_cls(self):
+            """None: DRELAY always runs its own worker (no platform ships a DRELAY worker)."""
+            return None
 
-        def is_dflash_family(self) -> bool:
-            return True
+    def as_dflash(name: str):
+        def answer(self, *args, **kwargs):
+            return getattr(dflash, name)(*args, **kwargs)
 
+        answer.__name__ = answer.__qualname__ = name
+        answer.__doc__ = f"DFLASH's answer to `{name}`."
+        return answer
+
+    for name, member in vars(SpeculativeAlgorithm).items():
+        if callable(member) and not name.startswith("_") and name not in _NOT_DELEGATED and name.isidentifier():
+            if name not in SpeculativeAlgorithm.__members__:
+                setattr(DRelaySpecAlgo, name, as_dflash(name))
     return DRelaySpecAlgo
+
+
+def request_pool_rows(req_to_token_pool) -> int:
+    """Rows of SGLang's request pool, i.e. the largest `req_pool_idx` + 1: slots run 1..size (row 0
+    is padding for CUDA-graph batches) plus any pre-allocated rows. The verified-feature ring and
+    the seam's slot buffer get one row per pool row, so every slot and every batch (prefill and
+    eager ones included, which can exceed the largest captured batch) fits."""
+    return int(req_to_token_pool.req_to_token.shape[0])
+
+
+def install_selector_seam(draft_model, req_to_token_pool, *, device):
+    """Build the draft model's `candidate_selector` (seam.py) for a request pool, once the pool
+    exists; returns it (None when the export holds no selector)."""
+    rows = request_pool_rows(req_to_token_pool)
+    seam = draft_model.selector_seam(max_requests=rows, max_bs=rows, device=device)
+    draft_model.candidate_selector = seam
+    return seam
 
 
 def _worker_class():
@@ -82,21 +129,20 @@ def _worker_class():
 
     class DRelayWorker(DFlashWorkerV2):
         """DFLASH drafting and verification with DRelay's selector on the pool, fed by a
-        per-request ring of verified target features."""
+        per-request ring of verified target features. SGLang builds the worker before the memory
+        pools, so the seam (whose ring has one row per request-pool row) is installed in
+        `alloc_memory_pool`, which runs before `init_cuda_graphs` captures the draft graph."""
 
         def __init__(self, server_args, *args, **kwargs):
-            from sglang.srt.runtime_context import get_exec, get_schedule
-
             super().__init__(server_args, *args, **kwargs)
             # The selector shares the target's input embedding (as in training).
             self.draft_model.bind_selector(self._target_worker.model_runner.model.get_input_embeddings().weight)
-            seam = self.draft_model.selector_seam(
-                max_requests=int(get_schedule().max_running_requests),
-                max_bs=max(get_exec().graph.cuda_graph_config.decode.bs),
-                device=self.device,
-            )
-            self.draft_model.candidate_selector = seam
-            self.selector = seam
+
+        def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None):
+            super().alloc_memory_pool(memory_pool_config=memory_pool_config, req_to_token_pool=req_to_token_pool,
+                                      token_to_kv_pool_allocator=token_to_kv_pool_allocator)
+            # The target's pool: its slots are the batches' req_pool_indices.
+            self.selector = install_selector_seam(self.draft_model, self.model_runner.req_to_token_pool, device=self.device)
 
         def forward_batch_generation(self, batch, *args, **kwargs):
             # Stage the rows' request-pool slots before any draft graph replay reads the ring.

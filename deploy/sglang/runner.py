@@ -51,10 +51,11 @@ class DRelayRunnerModel(DraftRunner):
     def __setattr__(self, name, value) -> None:
         # The worker attaches the target's LM head module here before graph capture. Kept as a
         # plain attribute (not a submodule: its weights stay the target's), and the draft head
-        # [V_draft, D] (rows d2t) is built once now, outside any captured graph.
+        # [V_draft, D] (rows d2t, in the drafter's dtype) is built once now, outside any captured
+        # graph, so no call copies the vocabulary head.
         if name == "lm_head":
             object.__setattr__(self, "lm_head", value)
-            object.__setattr__(self, "_draft_head", None if value is None else self.draft_head(value.weight).contiguous())
+            object.__setattr__(self, "_draft_head", None if value is None else self.draft_head(value.weight).to(self.fc.weight.dtype).contiguous())
             return
         super().__setattr__(name, value)
 

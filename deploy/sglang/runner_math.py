@@ -223,8 +223,12 @@ class DraftRunner(nn.Module):
 
     def candidates(self, hidden: torch.Tensor, head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Difference (c). hidden [N, D], head [V_draft, D] → (target ids [N, K] int64,
-        log q [N, K] float32 under the full draft-vocabulary softmax), by decreasing q."""
-        logq = torch.log_softmax(F.linear(hidden, head.to(hidden.dtype)).float(), dim=-1)  # [N, V_draft]
+        log q [N, K] float32 under the full draft-vocabulary softmax), by decreasing q. `head` must
+        already be in hidden's dtype (built once, runner.py): casting here would copy V_draft × D
+        values on every call."""
+        if head.dtype != hidden.dtype:
+            raise DRelayError(f"draft head dtype {head.dtype} differs from the hidden states' {hidden.dtype}")
+        logq = torch.log_softmax(F.linear(hidden, head).float(), dim=-1)  # [N, V_draft]
         cand_logq, cand = logq.topk(self.drafter_config.top_k, dim=-1)
         return (cand if self.d2t is None else self.d2t[cand]), cand_logq
 

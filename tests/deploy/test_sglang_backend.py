@@ -7,9 +7,10 @@ import importlib.util
 import pytest
 
 from deploy.serve.backends.base import GenRequest
-from deploy.serve.backends.sglang import chunk_from_event, launch_command, sampling_params
+from deploy.serve.backends.sglang import chunk_from_event, context_window, launch_command, sampling_params, server_env
 from deploy.serve.config import load_serve_config
 from drelay_model.decoding import GenerationConfig
+from drelay_model.errors import DRelayError
 from pathlib import Path
 
 QWEN = Path(__file__).resolve().parents[2] / "platform" / "serve" / "qwen3-4b.yaml"
@@ -25,11 +26,27 @@ def test_launch_command_enables_drelay():
 def test_stream_events_keep_spec_statistics():
     chunk, sent = chunk_from_event({"output_ids": [5, 6, 7], "meta_info": {"finish_reason": None}}, 1)
     assert chunk.token_ids == [6, 7] and sent == 3 and chunk.finish_reason is None and chunk.spec is None
-    meta = {"finish_reason": {"type": "length"}, "completion_tokens": 4, "spec_verify_ct": 2, "spec_accept_histogram": [0, 1, 1]}
+    meta = {"finish_reason": {"type": "length"}, "completion_tokens": 4, "spec_verify_ct": 2,
+            "spec_correct_drafts_histogram": [0, 1, 1], "spec_accept_rate": 0.1, "spec_num_correct_drafts": 3}
     chunk, sent = chunk_from_event({"output_ids": [5, 6, 7, 8], "meta_info": meta}, 3)
     assert chunk.token_ids == [8] and chunk.finish_reason == "length"
     assert chunk.spec.verify_ct == 2 and chunk.spec.accept_length == 2.0 and chunk.spec.accept_histogram == [0, 1, 1]
     assert sampling_params(GenRequest(prompt_ids=[1], settings=GenerationConfig(max_new_tokens=3)))["top_k"] == -1
+
+
+def test_server_env_carries_plugin_package_and_gpus():
+    env = server_env({"PATH": "/bin", "SGLANG_PLUGINS": "other"}, gpu_ids=["2", "3"])
+    assert env["SGLANG_PLUGINS"] == "other,drelay" and env["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "deploy.sglang.models"
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["PATH"] == "/bin"
+    with pytest.raises(DRelayError, match="^num_gpus: "):
+        server_env({}, gpu_ids=[])
+
+
+def test_context_window_is_the_target_config_length(tmp_path):
+    from transformers import Qwen3Config
+
+    Qwen3Config(max_position_embeddings=40960, num_hidden_layers=1).save_pretrained(tmp_path)
+    assert context_window(str(tmp_path)) == 40960
 
 
 @pytest.mark.sglang

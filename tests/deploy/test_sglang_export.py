@@ -13,6 +13,7 @@ from deploy.sglang.export import export_sglang, main
 from deploy.sglang.model import ARCHITECTURE, DRelayDraftModel, exported_name, internal_name
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine
 from drelay_model.drafter import BlockDrafter, DrafterConfig, save_drafter
+from drelay_model.errors import DRelayError
 from drelay_model.selectors import SelectionContext, default_registry
 from drelay_model.target import tiny_target
 
@@ -21,7 +22,7 @@ SEL_CFG = {"d_sel": 32, "heads": 4, "read_dim": 16, "history_len": 8, "compact_d
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_target("tiny-qwen3")
+    return tiny_target("tiny-qwen3", layers=4)  # features from layers 1, 2: never the last (SGLang cannot capture it)
 
 
 def trained_checkpoint(target, path, *, draft_vocab: int | None = None):
@@ -54,7 +55,7 @@ def test_names_round_trip():
 @pytest.mark.parametrize("draft_vocab", [None, 200])
 def test_export_round_trip_is_lossless(target, tmp_path, draft_vocab):
     drafter, selector = trained_checkpoint(target, tmp_path / "ckpt", draft_vocab=draft_vocab)
-    assert main(["--format", "sglang", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    assert main(["--format", "sglang", "--dtype", "float32", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["architectures"] == [ARCHITECTURE] and cfg["num_hidden_layers"] == 2
     from transformers import AutoConfig  # SGLang reads the draft config this way while parsing args
@@ -119,7 +120,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(target, tmp_path, capsy
 def test_export_into_an_empty_directory_and_function_api(target, tmp_path):
     trained_checkpoint(target, tmp_path / "ckpt")
     (tmp_path / "empty").mkdir()
-    export_sglang(tmp_path / "ckpt", tmp_path / "empty")
+    export_sglang(tmp_path / "ckpt", tmp_path / "empty", dtype="float32")
     assert (tmp_path / "empty" / "model.safetensors").is_file()
 
 
@@ -129,10 +130,52 @@ def test_drelay_export_command_writes_the_same_directory(tmp_path, capsys):
     from drelay_model.target import tiny_target
     from pipelines.cli import main
 
-    tiny = tiny_target("tiny-llama")
+    tiny = tiny_target("tiny-llama", layers=4)
     save_drafter(BlockDrafter(DrafterConfig.for_target(tiny, num_layers=1), tiny), tmp_path / "ckpt")
     assert main(["export", "--format", "sglang", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "config.json").is_file()
     assert main(["export", "--format", "sglang", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "already exists" in err and err.count("\n") == 1
+
+
+def test_export_is_bf16_by_default_with_a_matching_torch_dtype(target, tmp_path):
+    """SGLang's `--dtype auto` reads `torch_dtype`: a float32 draft config would load as float16
+    beside a bf16 target. The default export is bf16 throughout; `--dtype` picks another."""
+    from safetensors.torch import load_file
+
+    trained_checkpoint(target, tmp_path / "ckpt")
+    assert main(["--format", "sglang", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    weights = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert cfg["torch_dtype"] == "bfloat16"
+    assert {t.dtype for t in weights.values() if t.is_floating_point()} == {torch.bfloat16}
+    export_sglang(tmp_path / "ckpt", tmp_path / "f16", dtype="float16")
+    assert json.loads((tmp_path / "f16" / "config.json").read_text())["torch_dtype"] == "float16"
+    with pytest.raises(SystemExit) as exc:
+        main(["--format", "sglang", "--dtype", "int8", str(tmp_path / "ckpt"), str(tmp_path / "bad")])
+    assert exc.value.code == 2 and not (tmp_path / "bad").exists()
+
+
+def test_export_refuses_the_last_target_layer_as_a_feature_layer(tmp_path):
+    """SGLang captures layer k's output before layer k+1 runs: the last layer never gets captured."""
+    t = tiny_target("tiny-qwen3", layers=3)
+    drafter = BlockDrafter(DrafterConfig.for_target(t, num_layers=1, target_layer_ids=(0, 2)), t)
+    save_drafter(drafter, tmp_path / "ckpt")
+    with pytest.raises(DRelayError, match="last layer 2"):
+        export_sglang(tmp_path / "ckpt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_gpu_check_exports_its_random_drafter_on_a_tokenizer_less_target(tmp_path):
+    """benchmarks/gpu/sglang_check.py's export step, on a tiny 4-layer target built in memory."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "sglang_check.py"
+    spec = importlib.util.spec_from_file_location("sglang_check", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    check._export_random_drafter(tiny_target("tiny-qwen3", layers=4), tmp_path / "draft")
+    cfg = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert cfg["dflash_config"]["target_layer_ids"] == [0, 1, 2] and cfg["torch_dtype"] == "bfloat16"

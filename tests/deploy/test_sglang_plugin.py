@@ -84,8 +84,8 @@ def test_exported_checkpoint_loads_through_sglang_model_registry(tmp_path):
     from tests.deploy.test_sglang_export import trained_checkpoint
     from drelay_model.target import tiny_target
 
-    trained_checkpoint(tiny_target("tiny-qwen3"), tmp_path / "ckpt")
-    out = export_sglang(tmp_path / "ckpt", tmp_path / "out")
+    trained_checkpoint(tiny_target("tiny-qwen3", layers=4), tmp_path / "ckpt")
+    out = export_sglang(tmp_path / "ckpt", tmp_path / "out", dtype="float32")
     code = ("from sglang.srt.models.registry import ModelRegistry; "
             "cls, arch = ModelRegistry.resolve_model_cls(['DRelayDraftModel']); print(cls.__module__)")
     env = {"PYTHONPATH": str(ROOT), "SGLANG_EXTERNAL_MODEL_PACKAGE": "deploy.sglang.models", "PATH": "/usr/bin:/bin"}

@@ -31,7 +31,7 @@ ATOL = 1e-5  # float32; our drafter batches rows under one masked SDPA, the refe
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_target("tiny-qwen3")
+    return tiny_target("tiny-qwen3", layers=4)  # features from layers 1, 2: never the last (SGLang cannot capture it)
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +46,7 @@ def exported(target, tmp_path, draft_vocab=None):
     from safetensors.torch import load_file
 
     drafter, selector = trained_checkpoint(target, tmp_path / "ckpt", draft_vocab=draft_vocab)
-    out = export_sglang(tmp_path / "ckpt", tmp_path / "out")
+    out = export_sglang(tmp_path / "ckpt", tmp_path / "out", dtype="float32")
     return drafter, selector, out, load_file(str(out / "model.safetensors"))
 
 
@@ -236,7 +236,7 @@ def test_export_names_a_mask_token_id_for_the_worker(target, tmp_path):
     unsorted = DrafterConfig.for_target(target, num_layers=1, target_layer_ids=(1, 0))
     save_drafter(BlockDrafter(unsorted, target), tmp_path / "unsorted")
     with pytest.raises(DRelayError, match="ascending"):
-        export_sglang(tmp_path / "unsorted", tmp_path / "out2")
+        export_sglang(tmp_path / "unsorted", tmp_path / "out2", dtype="float32")
 
 
 @pytest.mark.sglang
@@ -256,3 +256,16 @@ def test_interface_matches_sglangs_dflash_draft_model():
 
     for h in ("kv_proj_only", "apply_k_norm", "apply_k_rope"):
         assert callable(getattr(DraftAttention, h)) and hasattr(DFlashAttention, h)
+
+
+def test_draft_head_is_built_once_in_the_drafter_dtype(target, tmp_path):
+    """The worker attaches the target's head (bf16 on GPUs) to a draft model in another dtype: the
+    draft head is cast once at attach time, and `candidates` never copies a head per call."""
+    drafter, selector, out, tensors = exported(target, tmp_path, draft_vocab=200)
+    model = runner_from(out, tensors, cls=DRelayRunnerModel)
+    model.lm_head = SimpleNamespace(weight=target.lm_head_weight.to(torch.bfloat16))
+    assert model._draft_head.dtype == model.fc.weight.dtype == torch.float32
+    hidden = torch.randn(4, model.drafter_config.hidden_size)
+    model.compute_candidates(hidden)
+    with pytest.raises(DRelayError, match="draft head dtype"):
+        model.candidates(hidden, model._draft_head.to(torch.bfloat16))

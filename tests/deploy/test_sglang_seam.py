@@ -77,9 +77,9 @@ def test_exported_model_exposes_the_seam(tmp_path):
     from drelay_model.target import tiny_target
     from tests.deploy.test_sglang_export import trained_checkpoint
 
-    target = tiny_target("tiny-qwen3")
+    target = tiny_target("tiny-qwen3", layers=4)
     drafter, selector = trained_checkpoint(target, tmp_path / "ckpt")
-    model = DRelayDraftModel.from_pretrained(export_sglang(tmp_path / "ckpt", tmp_path / "out"), target)
+    model = DRelayDraftModel.from_pretrained(export_sglang(tmp_path / "ckpt", tmp_path / "out", dtype="float32"), target)
     seam = model.selector_seam(max_requests=4, max_bs=2)
     hidden = torch.randn(2 * drafter.config.num_slots, target.hidden_size)
     ids, logq = model.compute_candidates(hidden)

@@ -4,13 +4,17 @@ extra; the algorithm itself is registered by deploy/sglang's plugin).
 The replica launches `python -m sglang.launch_server` on 127.0.0.1, waits for its /health, and
 forwards each request to SGLang's native `/generate` with token ids (the app renders prompts with the
 same tokenizer for both backends) and streaming on. SGLang's `meta_info` carries the speculative
-statistics (`spec_verify_ct`, `spec_accept_histogram`, `completion_tokens`); they are kept and
-returned as `sglext`, which Ray Serve's stock SGLang server drops.
+statistics (deploy/sglang/stats.py: `spec_verify_ct`, `spec_correct_drafts_histogram`, …, and
+`completion_tokens`); they are kept and returned as `sglext`, which Ray Serve's stock SGLang server
+drops. The server process gets the plugin's environment (`SGLANG_PLUGINS`,
+`SGLANG_EXTERNAL_MODEL_PACKAGE`) and the replica's GPUs; the context window is the target's
+`max_position_embeddings` from its config (SGLang's `/get_model_info` carries none).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -18,6 +22,7 @@ from collections.abc import AsyncIterator
 
 from deploy.serve.backends.base import Backend, GenChunk, GenRequest, Overloaded, SpecStats
 from deploy.serve.config import LimitsSection, SGLangSection
+from deploy.sglang.stats import spec_fields
 from drelay_model.errors import DRelayError
 
 
@@ -35,6 +40,39 @@ def launch_command(cfg: SGLangSection) -> list[str]:
     ]
 
 
+def server_env(base: dict[str, str], *, gpu_ids: list[str]) -> dict[str, str]:
+    """The SGLang server's environment: the DRelay plugin whitelisted, our draft-model package
+    registered, and the replica's GPUs visible (Ray sets CUDA_VISIBLE_DEVICES for the actor; it is
+    passed on explicitly). No GPU is one line: the replica needs `num_gpus` ≥ 1."""
+    if not gpu_ids:
+        raise DRelayError("num_gpus: the sglang backend needs at least one GPU per replica (set num_gpus ≥ 1 in the serve config)")
+    plugins = [p for p in base.get("SGLANG_PLUGINS", "").split(",") if p.strip()]
+    return {**base, "SGLANG_PLUGINS": ",".join(dict.fromkeys([*plugins, "drelay"])),
+            "SGLANG_EXTERNAL_MODEL_PACKAGE": "deploy.sglang.models", "CUDA_VISIBLE_DEVICES": ",".join(gpu_ids)}
+
+
+def _replica_gpu_ids() -> list[str]:
+    """The GPUs Ray gave this replica (its CUDA_VISIBLE_DEVICES outside Ray)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return [str(g) for g in ray.get_gpu_ids()]
+    except ImportError:
+        pass
+    return [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+
+
+def context_window(model_path: str) -> int:
+    """The target's context length: `max_position_embeddings` of its config (what SGLang serves)."""
+    from transformers import AutoConfig
+
+    n = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    if not n:
+        raise DRelayError(f"sglang.model_path: '{model_path}' config has no max_position_embeddings (the context length)")
+    return int(n)
+
+
 def sampling_params(request: GenRequest) -> dict:
     s = request.settings
     return {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
@@ -49,8 +87,8 @@ def chunk_from_event(event: dict, sent: int) -> tuple[GenChunk, int]:
     spec = None
     if finish is not None:
         finish = "length" if finish == "length" else "stop"
-        spec = SpecStats(verify_ct=int(meta.get("spec_verify_ct") or 0),
-                         accept_histogram=list(meta.get("spec_accept_histogram") or []),
+        stats = spec_fields(meta)
+        spec = SpecStats(verify_ct=stats["verify_ct"], accept_histogram=stats["accept_histogram"],
                          completion_tokens=int(meta.get("completion_tokens") or len(ids)))
     return GenChunk(token_ids=ids[sent:], finish_reason=finish, spec=spec), len(ids)
 
@@ -64,10 +102,9 @@ class SGLangBackend(Backend):
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         self.max_waiting = limits.max_waiting
         self._inflight = 0
-        self.proc = subprocess.Popen(launch_command(cfg))
+        self.context_window = context_window(cfg.model_path)
+        self.proc = subprocess.Popen(launch_command(cfg), env=server_env(os.environ, gpu_ids=_replica_gpu_ids()))
         self._wait_healthy()
-        info = self._get("/get_model_info")
-        self.context_window = int(info.get("max_context_length") or info.get("context_length") or 0) or 10**9
 
     def _get(self, path: str) -> dict:
         import requests
