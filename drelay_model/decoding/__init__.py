@@ -10,4 +10,15 @@ from drelay_model.decoding.stats import DecodeStats
 from drelay_model.decoding.replay import oracle_path, replay
 from drelay_model.decoding.verify import accept, pick_tokens
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "oracle_path", "replay", "DecodeStats", "GenerationConfig", "GenerationResult", "SettingsError", "SpeculativeEngine", "accept", "pick_tokens"]
+__all__ = [
+    "DEFAULT_MAX_NEW_TOKENS",
+    "oracle_path",
+    "replay",
+    "DecodeStats",
+    "GenerationConfig",
+    "GenerationResult",
+    "SettingsError",
+    "SpeculativeEngine",
+    "accept",
+    "pick_tokens",
+]

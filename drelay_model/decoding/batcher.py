@@ -122,7 +122,9 @@ class ContinuousBatcher:
         self._next_id = 0
 
     # ---- public --------------------------------------------------------------------------------
-    def submit(self, prompt: list[int], settings: GenerationConfig = GenerationConfig(), on_update: UpdateCallback | None = None) -> int:
+    def submit(
+        self, prompt: list[int], settings: GenerationConfig = GenerationConfig(), on_update: UpdateCallback | None = None
+    ) -> int:
         """Queue a request; returns its id. Raises DRelayError for a prompt the target cannot take."""
         need = self.engine.check_prompt(prompt, settings)
         stats = RequestStats(num_slots=self.engine.num_slots, prompt_tokens=len(prompt))
@@ -263,4 +265,3 @@ class ContinuousBatcher:
         if r.on_update is not None:
             r.on_update(update)
         return update
-

@@ -84,7 +84,9 @@ class SpeculativeEngine:
         for name, part in (("drafter", self.drafter), ("selector", self.selector)):
             where = {p.device for p in part.parameters()} | {b.device for b in part.buffers()} if part is not None else set()
             if where - {self.device}:
-                raise DRelayError(f"{name} is on {sorted(map(str, where))} but the target is on {self.device}: move it with .to()")
+                raise DRelayError(
+                    f"{name} is on {sorted(map(str, where))} but the target is on {self.device}: move it with .to()"
+                )
 
     # ---- public --------------------------------------------------------------------------------
     def new_policy(self) -> CostAwareLength | None:
@@ -229,7 +231,9 @@ class SpeculativeEngine:
         timer.mark("drafted")
         return block
 
-    def select(self, state: BatchState, block, plan: RoundPlan, policy: CostAwareLength | None, sampler: Sampler | None) -> PathChoice:
+    def select(
+        self, state: BatchState, block, plan: RoundPlan, policy: CostAwareLength | None, sampler: Sampler | None
+    ) -> PathChoice:
         """The path each row submits: the plan's selector (or the sampler) over the block; with a
         policy, each row's path is cut where verifying more stops paying (`CostAwareLength.choose`)."""
         planned, selector = plan.verify_slots, plan.selector

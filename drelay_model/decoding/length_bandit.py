@@ -100,7 +100,9 @@ class CostAwareLength:
     other_ms         [2] o: the rest of an AR and of a drafted round
     """
 
-    def __init__(self, costs: VerifyCosts, num_slots: int, settings: BanditSettings = BanditSettings(), *, native_arm: bool = False) -> None:
+    def __init__(
+        self, costs: VerifyCosts, num_slots: int, settings: BanditSettings = BanditSettings(), *, native_arm: bool = False
+    ) -> None:
         if num_slots > costs.max_slots:
             raise DRelayError(f"costs cover {costs.max_slots} slots, the drafter has {num_slots}: re-measure them")
         self.costs, self.num_slots, self.settings = costs, num_slots, settings
@@ -209,7 +211,14 @@ class CostAwareLength:
         self.arms[self.arm].observe(outcomes, rate_decay=self.settings.rate_decay, base_decay=self.settings.base_decay)
 
     def observe_times(
-        self, *, verify_width: int, verify_ms: float, head_slots: int = 0, decided: int = 0, draft_ms: float = 0.0, round_ms: float | None = None
+        self,
+        *,
+        verify_width: int,
+        verify_ms: float,
+        head_slots: int = 0,
+        decided: int = 0,
+        draft_ms: float = 0.0,
+        round_ms: float | None = None,
     ) -> None:
         """Update the running scales from one round's measured phase times (ms): verification of
         `verify_width` tokens, for a drafted round (head_slots > 0) its drafting phase, and the

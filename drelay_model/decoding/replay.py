@@ -93,7 +93,9 @@ def replay(
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(continuations[i]))
     for lo in range(0, len(order), batch_size):
         rows = order[lo : lo + batch_size]
-        _replay_batch(target, drafter, selector, [prompts[i] for i in rows], [continuations[i] for i in rows], rows, oracle, stats, on_round)
+        _replay_batch(
+            target, drafter, selector, [prompts[i] for i in rows], [continuations[i] for i in rows], rows, oracle, stats, on_round
+        )
     return stats
 
 
@@ -106,7 +108,9 @@ def _replay_batch(target, drafter, selector, prompts, conts, rows: list[int], or
     for b, s in enumerate(seqs):
         seq[b, : len(s)] = torch.tensor(s, device=device)
     cache = target.new_cache(B, N)
-    feats = target(seq, cache, feature_layers=drafter.config.target_layer_ids, logits_at=torch.zeros(B, 1, dtype=torch.long, device=device)).features
+    feats = target(
+        seq, cache, feature_layers=drafter.config.target_layer_ids, logits_at=torch.zeros(B, 1, dtype=torch.long, device=device)
+    ).features
     positions = torch.arange(N, device=device)[None].expand(B, -1)
     ctx_kv = drafter.context_kv(feats, positions)  # per layer [B, n_kv, N, hd]
     H = drafter.config.num_slots
@@ -130,7 +134,13 @@ def _replay_batch(target, drafter, selector, prompts, conts, rows: list[int], or
             if hist_len:
                 wins = [history_window(feats[b : b + 1], anchor[b], hist_len) for b in live]
                 hist, hmask = torch.cat([w[0] for w in wins]), torch.cat([w[1] for w in wins])
-            sctx = SelectionContext(anchor_ids=seq[idx, a], anchor_pos=a, row_ids=torch.tensor([rows[b] for b in live], device=device), history=hist, history_mask=hmask)
+            sctx = SelectionContext(
+                anchor_ids=seq[idx, a],
+                anchor_pos=a,
+                row_ids=torch.tensor([rows[b] for b in live], device=device),
+                history=hist,
+                history_mask=hmask,
+            )
             sel = selector.select(block, sctx)
             lengths = sel.length.tolist()
             paths = [sel.path_ids[g, : lengths[g]] for g in range(len(live))]
@@ -142,7 +152,17 @@ def _replay_batch(target, drafter, selector, prompts, conts, rows: list[int], or
             accepted.append(n)
             committed.append(c)
             if on_round is not None:
-                on_round(ReplayRound(row=rows[b], anchor_pos=anchor[b], block=_row_block(block, g), path=paths[g], ref=refs[g], accepted=n, committed=c))
+                on_round(
+                    ReplayRound(
+                        row=rows[b],
+                        anchor_pos=anchor[b],
+                        block=_row_block(block, g),
+                        path=paths[g],
+                        ref=refs[g],
+                        accepted=n,
+                        committed=c,
+                    )
+                )
             anchor[b] += n + 1
             left[b] -= c
         stats.record_round(accepted, committed)

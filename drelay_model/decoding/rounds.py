@@ -1,10 +1,10 @@
 """What one round of the engine passes from phase to phase, and its timer.
 
-    RoundPlan    plan → draft/select: how many path tokens the round may verify, which selector runs
-    PathChoice   select → verify/commit: the path each row submits, and its drafts' probabilities q
-    Verified     verify → commit: what the target accepted, and what the caches keep
-    RoundResult  what the round returns to the decoding loop
-    RoundTimer   wall-clock marks of the phases → `DecodeStats` times and the policy's time scales
+RoundPlan    plan → draft/select: how many path tokens the round may verify, which selector runs
+PathChoice   select → verify/commit: the path each row submits, and its drafts' probabilities q
+Verified     verify → commit: what the target accepted, and what the caches keep
+RoundResult  what the round returns to the decoding loop
+RoundTimer   wall-clock marks of the phases → `DecodeStats` times and the policy's time scales
 """
 
 from __future__ import annotations

@@ -71,7 +71,9 @@ class VerifyCosts:
         if any(not (t >= 0 and math.isfinite(t)) for t in others):
             raise DRelayError("block_ms, head_ms, select_ms, select_slot_ms and extend_ms must be finite and ≥ 0")
         if any(not (t > 0 and math.isfinite(t)) for t in self.draft_slots_ms) or len(self.draft_slots_ms) > self.max_slots:
-            raise DRelayError(f"draft_slots_ms must hold at most {self.max_slots} positive finite times, got {self.draft_slots_ms}")
+            raise DRelayError(
+                f"draft_slots_ms must hold at most {self.max_slots} positive finite times, got {self.draft_slots_ms}"
+            )
 
     @property
     def max_slots(self) -> int:
