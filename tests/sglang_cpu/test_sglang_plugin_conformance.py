@@ -115,3 +115,17 @@ def test_validator_rejects_missing_draft_with_one_line(drelay_registered, dirs):
     args = ServerArgs(model_path=str(dirs["target"]), speculative_algorithm="DRELAY", device="cuda", skip_tokenizer_init=True)
     with pytest.raises(ValueError, match="needs --speculative-draft-model-path"):
         args.resolve_once()
+
+
+def test_factory_gives_a_worker_that_waits_for_the_request_pool(drelay_registered, dirs):
+    """SGLang's create_worker (overlap on) returns our DFlashWorkerV2 subclass. SGLang builds the
+    worker before the memory pools, when max_running_requests may still be unset: the worker's
+    constructor reads no such value and installs the seam in alloc_memory_pool instead."""
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    args = _server_args(dirs, "DRELAY")
+    args.resolve_once()
+    worker = drelay_registered.create_worker(args)
+    assert issubclass(worker, DFlashWorkerV2) and worker.__name__ == "DRelayWorker"
+    assert "max_running_requests" not in worker.__init__.__code__.co_names
+    assert "install_selector_seam" in worker.alloc_memory_pool.__code__.co_names
