@@ -50,7 +50,7 @@ def test_context_window_is_the_target_config_length(tmp_path):
 
 
 @pytest.mark.sglang
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs the sglang extra and a GPU")
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs SGLang installed (docs/sglang.md) and a GPU")
 def test_live_sglang_server_returns_spec_stats():  # pragma: no cover - GPU hosts only
     import asyncio
 

@@ -19,7 +19,7 @@ from drelay_model.decoding.history import VerifiedHistory
 
 ROOT = Path(__file__).resolve().parents[2]
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
-needs_sglang = pytest.mark.skipif(not (HAVE_SGLANG and torch.cuda.is_available()), reason="needs the sglang extra and a GPU")
+needs_sglang = pytest.mark.skipif(not (HAVE_SGLANG and torch.cuda.is_available()), reason="needs SGLang installed (docs/sglang.md) and a GPU")
 
 
 def test_plugin_and_model_package_import_without_sglang():

@@ -25,7 +25,7 @@ from drelay_model.target import tiny_target
 from tests.deploy.test_sglang_export import trained_checkpoint
 
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
-needs_sglang = pytest.mark.skipif(not (HAVE_SGLANG and torch.cuda.is_available()), reason="needs the sglang extra and a GPU")
+needs_sglang = pytest.mark.skipif(not (HAVE_SGLANG and torch.cuda.is_available()), reason="needs SGLang installed (docs/sglang.md) and a GPU")
 ATOL = 1e-5  # float32; our drafter batches rows under one masked SDPA, the reference loops them
 
 
