@@ -62,7 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def collect(target, drafter, prompts, conts, span: int, *, first_row: int = 0) -> list[tuple[int, list[int], torch.Tensor, int, list[int]]]:
+def collect(
+    target, drafter, prompts, conts, span: int, *, first_row: int = 0
+) -> list[tuple[int, list[int], torch.Tensor, int, list[int]]]:
     """(prompt index, verified prefix, pool at the error [K], target token, drafted suffix) per
     qualifying round; prompt indices start at `first_row`."""
     rounds = []
@@ -144,7 +146,9 @@ def main(argv=None) -> int:
     for name, ev in {**table, "all": total}.items():
         lift = 100 * (ev.real_accuracy - ev.control_accuracy)
         n = used.get(name, sum(used.values()))
-        print(f"{name:<12}{n:>8}{ev.samples:>8}{ev.real_correct:>5}/{ev.samples:<4}{ev.control_correct:>5}/{ev.samples:<4}{lift:>11.1f}")
+        print(
+            f"{name:<12}{n:>8}{ev.samples:>8}{ev.real_correct:>5}/{ev.samples:<4}{ev.control_correct:>5}/{ev.samples:<4}{lift:>11.1f}"
+        )
     result = {
         k: {"prompts": used[k], "samples": v.samples, "real_correct": v.real_correct, "control_correct": v.control_correct}
         for k, v in table.items()
@@ -155,7 +159,9 @@ def main(argv=None) -> int:
         from pipelines.common.tracking import tracked_run
 
         with tracked_run("drelay-benchmarks", run_name="continuation_evidence", params=vars(args)) as run:
-            run.log_metrics({"real_accuracy": total.real_accuracy, "control_accuracy": total.control_accuracy, "samples": total.samples})
+            run.log_metrics(
+                {"real_accuracy": total.real_accuracy, "control_accuracy": total.control_accuracy, "samples": total.samples}
+            )
     return 0
 
 

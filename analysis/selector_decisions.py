@@ -31,7 +31,9 @@ BINS = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, float("inf"))
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="drafter checkpoint holding a trained drelay selector")
-    p.add_argument("--config", default=str(ROOT / "platform/experiments/smollm2-135m/train-drelay.yaml"), help="run config (data paths)")
+    p.add_argument(
+        "--config", default=str(ROOT / "platform/experiments/smollm2-135m/train-drelay.yaml"), help="run config (data paths)"
+    )
     p.add_argument("--seqs", type=int, default=32, help="held-out sequences")
     p.add_argument("--anchors", type=int, default=96, help="anchors per sequence (all eligible up to this many)")
     p.add_argument("--threads", type=int, default=2)
@@ -56,7 +58,9 @@ def main() -> None:
     module = DraftTrainModule(drafter.eval(), selector.eval())
     _, val = load_data(cfg, target)
     H, gen = drafter.config.num_slots, torch.Generator().manual_seed(0)
-    per_slot = {k: torch.zeros(H, dtype=torch.long) for k in ("valid", "native", "chosen", "repairs", "fixed", "broke", "swapped")}
+    per_slot = {
+        k: torch.zeros(H, dtype=torch.long) for k in ("valid", "native", "chosen", "repairs", "fixed", "broke", "swapped")
+    }
     by_margin = [dict.fromkeys(("repairs", "fixed", "broke", "swapped"), 0) for _ in BINS[:-1]]
     for seq in val[: args.seqs]:
         ids, mask = collate([seq])
@@ -65,10 +69,16 @@ def main() -> None:
             anchors, ok = sample_uniform_anchors(eligible_anchors(mask), args.anchors, gen)
             blocks = make_blocks(ids, mask, anchors, ok, H)
             labels, valid = blocks.labels.reshape(-1, H), blocks.valid.reshape(-1, H)
-            history, hmask = history_windows(feats, anchors, selector.capabilities.history_len) if selector.capabilities.history_len else (None, None)
+            history, hmask = (
+                history_windows(feats, anchors, selector.capabilities.history_len)
+                if selector.capabilities.history_len
+                else (None, None)
+            )
             head, _ = module(torch.gather(ids, 1, anchors), anchors, feats, labels, valid)
             block = head.block
-            out = selector.forward_train(block, anchor_ids=ids.gather(1, anchors).reshape(-1), prefix_tokens=labels, history=history, history_mask=hmask)
+            out = selector.forward_train(
+                block, anchor_ids=ids.gather(1, anchors).reshape(-1), prefix_tokens=labels, history=history, history_mask=hmask
+            )
         outcome = decision_outcomes(out.gate, out.rank, block.cand_ids, labels, valid)
         margin, _ = repair_margin(out.gate, out.rank)
         for k, hits in outcome.items():
@@ -86,7 +96,9 @@ def main() -> None:
     for i in range(H):
         s = {k: int(v[i]) for k, v in per_slot.items()}
         v = max(s["valid"], 1)
-        print(f"{i + 1:>4} | {s['valid']:>5} | {s['native'] / v:>12.3f} | {s['chosen'] / v:>14.3f} | {s['repairs']:>7} | {s['fixed']:>5} | {s['broke']:>5}")
+        print(
+            f"{i + 1:>4} | {s['valid']:>5} | {s['native'] / v:>12.3f} | {s['chosen'] / v:>14.3f} | {s['repairs']:>7} | {s['fixed']:>5} | {s['broke']:>5}"
+        )
     print("\nrepair margin m | repairs | fixed | broke | swapped | selector right if REPAIR needs m > lower bound")
     for b, (lo, hi) in enumerate(zip(BINS[:-1], BINS[1:])):
         m = by_margin[b]

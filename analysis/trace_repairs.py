@@ -84,7 +84,9 @@ def main() -> None:
     print("slot | reached | native right | repairs | fixed | broke")
     for i, slot in enumerate(per_slot):
         if slot["reached"]:
-            print(f"{i + 1:>4} | {slot['reached']:>7} | {slot['native_right']:>12} | {slot['repairs']:>7} | {slot['fixed']:>5} | {slot['broke']:>5}")
+            print(
+                f"{i + 1:>4} | {slot['reached']:>7} | {slot['native_right']:>12} | {slot['repairs']:>7} | {slot['fixed']:>5} | {slot['broke']:>5}"
+            )
 
 
 if __name__ == "__main__":

@@ -61,16 +61,27 @@ def parse_args() -> argparse.Namespace:
 
 
 def machine_info(threads: int) -> dict:
-    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                if l.startswith("model name")), platform.processor() or "unknown")
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "torch_threads": threads,
-            "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
+    cpu = next(
+        (l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name")),
+        platform.processor() or "unknown",
+    )
+    return {
+        "cpu": cpu,
+        "cores": len(os.sched_getaffinity(0)),
+        "torch_threads": threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
 
 
 def contention(meter, wall: float) -> dict:
     """Share of the machine's CPU capacity used by *other* processes since `meter` started."""
-    return {"other_processes_cpu_pct": round(100 * meter.other_share(), 1),
-            "loadavg_1min_end": os.getloadavg()[0], "bench_wall_s": round(wall, 1)}
+    return {
+        "other_processes_cpu_pct": round(100 * meter.other_share(), 1),
+        "loadavg_1min_end": os.getloadavg()[0],
+        "bench_wall_s": round(wall, 1),
+    }
 
 
 def chat_prompts(target, n: int) -> list[list[int]]:
@@ -98,8 +109,9 @@ def run_hf(target, prompts, max_new: int) -> tuple[list[list[int]], float]:
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = target.hf.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                                 pad_token_id=pad, eos_token_id=eos)
+        out = target.hf.generate(
+            ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, pad_token_id=pad, eos_token_id=eos
+        )
     seconds = time.perf_counter() - t0
     rows = []
     for row in out[:, width:].tolist():
@@ -167,8 +179,13 @@ def verify_cost(target, prompts, context: int = 200, reps: int = 20, widths=(1, 
     ms = {w: 1e3 * median(t[2:]) for w, t in times.items()}  # the first 2 reps are warm-up
     lo, hi = min(widths), max(widths)
     paired = median(b / a for a, b in zip(times[lo][2:], times[hi][2:]))
-    return {"context": len(ctx), "reps": reps, **{f"ms_T{w}": v for w, v in ms.items()},
-            "ratio": ms[hi] / ms[lo], "ratio_paired_median": paired}
+    return {
+        "context": len(ctx),
+        "reps": reps,
+        **{f"ms_T{w}": v for w, v in ms.items()},
+        "ratio": ms[hi] / ms[lo],
+        "ratio_paired_median": paired,
+    }
 
 
 # ---- 3. speculative engine overhead ------------------------------------------------------------
@@ -191,29 +208,43 @@ def spec_overhead(target, prompts, max_new: int) -> dict:
         steps, committed, rounds = steps + stats.steps, committed + stats.committed, rounds + stats.rounds
     ms = {f"ms_{k}": 1e3 * v / steps for k, v in phases.items()}
     step_ms = sum(ms.values())
-    return {"block_size": drafter.config.block_size, "steps": steps, "tau": committed / rounds, **ms,
-            "ms_step": step_ms, "overhead_pct": 100 * (ms["ms_select"] + ms["ms_other"]) / step_ms}
+    return {
+        "block_size": drafter.config.block_size,
+        "steps": steps,
+        "tau": committed / rounds,
+        **ms,
+        "ms_step": step_ms,
+        "overhead_pct": 100 * (ms["ms_select"] + ms["ms_other"]) / step_ms,
+    }
 
 
 # ---- reporting ---------------------------------------------------------------------------------
 def print_report(r: dict) -> None:
     m = r["machine"]
-    print(f"\nmachine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads); "
-          f"other processes used {m['other_processes_cpu_pct']}% of the CPU during the run")
+    print(
+        f"\nmachine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads); "
+        f"other processes used {m['other_processes_cpu_pct']}% of the CPU during the run"
+    )
     for key in ("ar_batch1", "ar_batched"):
         if key in r:
             a = r[key]
             eq = sum(a["tokens_equal"])
-            print(f"AR batch={a['batch_size']}: ours {a['ours_tok_s']:.1f} tok/s | HF {a['hf_tok_s']:.1f} tok/s | "
-                  f"ratio {a['ratio']:.2f}x | tokens equal to HF: {eq}/{len(a['tokens_equal'])} "
-                  f"(first mismatch per prompt: {a['first_mismatch']})")
+            print(
+                f"AR batch={a['batch_size']}: ours {a['ours_tok_s']:.1f} tok/s | HF {a['hf_tok_s']:.1f} tok/s | "
+                f"ratio {a['ratio']:.2f}x | tokens equal to HF: {eq}/{len(a['tokens_equal'])} "
+                f"(first mismatch per prompt: {a['first_mismatch']})"
+            )
     v = r["verify"]
-    print(f"verify on {v['context']} cached tokens: T=1 {v['ms_T1']:.1f} ms | T=16 {v['ms_T16']:.1f} ms | "
-          f"ratio {v['ratio']:.2f}x (paired median {v['ratio_paired_median']:.2f}x)")
+    print(
+        f"verify on {v['context']} cached tokens: T=1 {v['ms_T1']:.1f} ms | T=16 {v['ms_T16']:.1f} ms | "
+        f"ratio {v['ratio']:.2f}x (paired median {v['ratio_paired_median']:.2f}x)"
+    )
     s = r["spec_native"]
-    print(f"speculative (native, untrained drafter, tau {s['tau']:.2f}) ms/step: draft {s['ms_draft']:.1f} | "
-          f"select {s['ms_select']:.2f} | verify {s['ms_verify']:.1f} | other {s['ms_other']:.2f} | "
-          f"step {s['ms_step']:.1f} | overhead {s['overhead_pct']:.2f}%")
+    print(
+        f"speculative (native, untrained drafter, tau {s['tau']:.2f}) ms/step: draft {s['ms_draft']:.1f} | "
+        f"select {s['ms_select']:.2f} | verify {s['ms_verify']:.1f} | other {s['ms_other']:.2f} | "
+        f"step {s['ms_step']:.1f} | overhead {s['overhead_pct']:.2f}%"
+    )
 
 
 def flat_metrics(d: dict, prefix: str = "") -> dict[str, float]:
@@ -254,13 +285,23 @@ def main() -> int:
     hf_logging.set_verbosity_error()
     machine = machine_info(torch.get_num_threads())
     print(f"torch {machine['torch']} | threads {machine['torch_threads']} | CPU {machine['cpu']} ({machine['cores']} cores)")
-    params = {"target": args.target, "quick": args.quick, "n_prompts": args.n_prompts, "reps": args.reps,
-              "max_new_tokens": args.max_new_tokens, "batched": not args.no_batched}
+    params = {
+        "target": args.target,
+        "quick": args.quick,
+        "n_prompts": args.n_prompts,
+        "reps": args.reps,
+        "max_new_tokens": args.max_new_tokens,
+        "batched": not args.no_batched,
+    }
     if args.no_mlflow:
         run_and_save(args, machine, params, None)
         return 0
-    with tracked_run(EXPERIMENT, run_name="bench_engine" + ("-quick" if args.quick else ""),
-                     tags={"git_commit": git_commit(), "benchmark": "engine"}, params={**params, **machine}) as run:
+    with tracked_run(
+        EXPERIMENT,
+        run_name="bench_engine" + ("-quick" if args.quick else ""),
+        tags={"git_commit": git_commit(), "benchmark": "engine"},
+        params={**params, **machine},
+    ) as run:
         run_and_save(args, machine, params, run)
         print(f"MLflow run {run.run_id} in experiment '{EXPERIMENT}'")
     return 0

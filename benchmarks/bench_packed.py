@@ -81,6 +81,7 @@ def main(argv=None) -> int:
             out = target(block_ids[:, :T], cache).logits
             cache.crop(L)
             return out
+
         return run
 
     phases = {"ar_step": verify(1), "verify_2": verify(2), "verify_4": verify(4), "verify_16": verify(16),
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
     times: dict[str, dict[bool, list[float]]] = {p: {True: [], False: []} for p in phases}
     with torch.inference_mode():
         for rep in range(args.reps):
-            for on in ((True, False) if rep % 2 else (False, True)):
+            for on in (True, False) if rep % 2 else (False, True):
                 cpu_linear.set_enabled(on)
                 for name, fn in phases.items():
                     times[name][on].append(best_of(fn))
@@ -119,7 +120,9 @@ def main(argv=None) -> int:
     if not args.no_mlflow:
         from pipelines.common.tracking import tracked_run
 
-        with tracked_run("drelay-benchmarks", run_name="bench_packed", params={k: v for k, v in vars(args).items() if k != "out"}) as run:
+        with tracked_run(
+            "drelay-benchmarks", run_name="bench_packed", params={k: v for k, v in vars(args).items() if k != "out"}
+        ) as run:
             run.log_metrics({f"{p}_{k}": v for p, row in table.items() for k, v in row.items()})
     return 0 if same else 1
 

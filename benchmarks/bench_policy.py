@@ -46,7 +46,14 @@ from drelay_model.selectors.native import NativeSelector  # noqa: E402
 
 MAX_CORPUS_PROMPTS = 13  # Alpaca from index 4,500 in steps of 40: 13 prompts in the 5,000-row subset
 # (κ, κ_b, min_gain, z): little shrinkage with a 5% margin, equal κ and κ_b, then the shipped κ/κ_b with z from 0 to 2
-SETTINGS = [(2.0, 2.0, 0.05, 0.0), (16.0, 16.0, 0.0, 0.0), (16.0, 2.0, 0.0, 0.0), (16.0, 2.0, 0.0, 0.5), (16.0, 2.0, 0.0, 1.0), (16.0, 2.0, 0.0, 2.0)]
+SETTINGS = [
+    (2.0, 2.0, 0.05, 0.0),
+    (16.0, 16.0, 0.0, 0.0),
+    (16.0, 2.0, 0.0, 0.0),
+    (16.0, 2.0, 0.0, 0.5),
+    (16.0, 2.0, 0.0, 1.0),
+    (16.0, 2.0, 0.0, 2.0),
+]
 
 
 class OneDraft(NativeSelector):
@@ -92,7 +99,9 @@ def simulate(seqs, costs: VerifyCosts, rule: str | tuple[float, ...], *, one_pol
     for seq in seqs:
         if isinstance(rule, tuple) and (policy is None or not one_policy):
             kappa, base_kappa, min_gain, z = rule
-            policy = CostAwareLength(costs, 1, BanditSettings(rate_prior=kappa, base_prior=base_kappa, min_gain=min_gain, optimism=z))
+            policy = CostAwareLength(
+                costs, 1, BanditSettings(rate_prior=kappa, base_prior=base_kappa, min_gain=min_gain, optimism=z)
+            )
         for hit, q in seq:
             if policy is None:
                 drafts = rule == "always" or hit
@@ -148,7 +157,9 @@ def main(argv=None) -> int:
         seqs = {name: record(ar_engine, engine.drafter, msgs, args.max_new_tokens) for name, msgs in sets.items()}
     else:
         seqs, corpus, bench = recorded
-    print(f"costs: verify(1) {costs.verify_ms[0]:.1f} ms, verify(2) {costs.verify_ms[1]:.1f} ms, draft(1) + extension {costs.draft_ms(1, 0):.1f} ms")
+    print(
+        f"costs: verify(1) {costs.verify_ms[0]:.1f} ms, verify(2) {costs.verify_ms[1]:.1f} ms, draft(1) + extension {costs.draft_ms(1, 0):.1f} ms"
+    )
     rules = ["always", "oracle", *SETTINGS]
     header = ["always draft", "oracle"] + [f"κ {k:g}, κ_b {b:g}, margin {m:g}, z {z:g}" for k, b, m, z in SETTINGS]
     table = {name: [simulate(s, costs, rule) for rule in rules] for name, s in seqs.items()}
@@ -167,7 +178,9 @@ def main(argv=None) -> int:
         print(f"| {name} | {statistics.mean(hits):.3f} | " + " | ".join(f"{x:.3f}" for x in row) + " |")
     if recorded is None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"header": header, "table": table, "corpus": corpus, "bench": bench, "seqs": seqs}, indent=1))
+        Path(args.out).write_text(
+            json.dumps({"header": header, "table": table, "corpus": corpus, "bench": bench, "seqs": seqs}, indent=1)
+        )
     return 0
 
 

@@ -74,7 +74,12 @@ def main(argv=None) -> int:
             wall = time.perf_counter() - t0
             key = (stats.rounds, stats.committed, stats.accept_hist.tolist())
             ref = ref or key
-            results[f"{method}/bs{bs}"] = {"prompts_per_min": 60 * len(prompts) / wall, "wall_s": wall, "tau": stats.tau, "same_as_bs1": key == ref}
+            results[f"{method}/bs{bs}"] = {
+                "prompts_per_min": 60 * len(prompts) / wall,
+                "wall_s": wall,
+                "tau": stats.tau,
+                "same_as_bs1": key == ref,
+            }
     base = {m: results[f"{m}/bs{args.batch_sizes[0]}"]["prompts_per_min"] for m in args.methods.split(",")}
     print(f"{'variant':<16}{'prompts/min':>12}{'× bs' + str(args.batch_sizes[0]):>10}{'tau':>8}  same counters")
     for name, r in results.items():
@@ -88,7 +93,9 @@ def main(argv=None) -> int:
 
         params = {"benchmark": args.benchmark, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens}
         with tracked_run(EXPERIMENT, run_name="bench_replay", params=params) as run:
-            run.log_metrics({f"{k.replace('/', '_')}_{m}": v for k, r in results.items() for m, v in r.items() if isinstance(v, float)})
+            run.log_metrics(
+                {f"{k.replace('/', '_')}_{m}": v for k, r in results.items() for m, v in r.items() if isinstance(v, float)}
+            )
     if not all(r["same_as_bs1"] for r in results.values()):
         print("error: batched replay disagrees with batch size 1", file=sys.stderr)
         return 1

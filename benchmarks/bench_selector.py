@@ -80,8 +80,11 @@ def setup(args):
     hist.push(res.features, torch.tensor([args.context]))
     anchor = res.logits[:, 0].argmax(-1)  # [1]
     sctx = SelectionContext(
-        anchor_ids=anchor, anchor_pos=cache.lengths.clone(), row_ids=torch.tensor([0]),
-        history=hist.feats, history_mask=hist.mask(),
+        anchor_ids=anchor,
+        anchor_pos=cache.lengths.clone(),
+        row_ids=torch.tensor([0]),
+        history=hist.feats,
+        history_mask=hist.mask(),
     )
     return target, drafter, selector, cache, ctx_cache, anchor, sctx
 
@@ -114,9 +117,11 @@ def compiled_select(args, drafter, selector, ctx_cache, anchor, sctx) -> None:
     for _ in range(args.reps):
         te.append(timed(eager, selector, block, sctx)[1] * 1e3)
         tc.append(timed(compiled, block, sctx)[1] * 1e3)
-    print(f"  torch.compile(select): first call {t_compile:.1f} s; eager {statistics.median(te):.2f} ms, "
-          f"compiled {statistics.median(tc):.2f} ms (compiled ÷ eager {statistics.median(tc) / statistics.median(te):.2f}); "
-          f"same path: {same}")
+    print(
+        f"  torch.compile(select): first call {t_compile:.1f} s; eager {statistics.median(te):.2f} ms, "
+        f"compiled {statistics.median(tc):.2f} ms (compiled ÷ eager {statistics.median(tc) / statistics.median(te):.2f}); "
+        f"same path: {same}"
+    )
 
 
 def repairing_copy(selector, drafter, args):
@@ -158,18 +163,24 @@ def measure(args, target, drafter, selector, repairing, cache, ctx_cache, anchor
     round_ms = med["draft"] + med["select"] + med["verify"]
     n_params = sum(p.numel() for p in selector.parameters())
     cfg = drafter.config
-    print(f"target {args.target}: D={cfg.hidden_size} H={cfg.num_slots} K={cfg.top_k} "
-          f"F={len(cfg.target_layer_ids) * cfg.hidden_size} V={target.vocab_size}; "
-          f"torch threads={args.threads}, reps={args.reps}, context={args.context}")
+    print(
+        f"target {args.target}: D={cfg.hidden_size} H={cfg.num_slots} K={cfg.top_k} "
+        f"F={len(cfg.target_layer_ids) * cfg.hidden_size} V={target.vocab_size}; "
+        f"torch threads={args.threads}, reps={args.reps}, context={args.context}"
+    )
     print(f"selector: drelay {selector.config.to_dict()}")
     print(f"selector parameters: {n_params:,} trainable ({n_params / 1e6:.2f}M; frozen embedding shared, not counted)")
     print(f"  draft            {med['draft']:7.2f} ms")
     if args.checkpoint:
-        print(f"  select           {med['select']:7.2f} ms   trained selector of {args.checkpoint}, {trained_repairs / args.reps:.1f} repairs per block")
+        print(
+            f"  select           {med['select']:7.2f} ms   trained selector of {args.checkpoint}, {trained_repairs / args.reps:.1f} repairs per block"
+        )
     else:
         print(f"  select           {med['select']:7.2f} ms   fresh selector (keeps every native token: one pass)")
     print(f"  select, 2 slots  {med['select_p2']:7.2f} ms   SelectionContext.max_slots=2 (cost-aware length planned 2 drafts)")
-    print(f"  select repairing {med['select_repairing']:7.2f} ms   randomised residual heads, {repairs / args.reps:.1f} repairs per block")
+    print(
+        f"  select repairing {med['select_repairing']:7.2f} ms   randomised residual heads, {repairs / args.reps:.1f} repairs per block"
+    )
     print(f"    of which       {med['evidence']:7.2f} ms   Global Read + prefix-independent evidence (once per block)")
     print(f"                   {med['decide']:7.2f} ms   decisions by parallel passes (decide_block, repairing)")
     print(f"                   {med['loop']:7.2f} ms   the same decisions slot by slot (sequential, for reference)")

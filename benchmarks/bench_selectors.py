@@ -49,7 +49,9 @@ def main() -> None:
     for item in args.trained:
         name, eq, path = item.partition("=")
         if not eq or name not in trainable_selectors() or not Path(path).is_dir():
-            raise DRelayError(f"--trained {item}: expected NAME=DIR with NAME one of {', '.join(trainable_selectors())} and DIR a checkpoint directory")
+            raise DRelayError(
+                f"--trained {item}: expected NAME=DIR with NAME one of {', '.join(trainable_selectors())} and DIR a checkpoint directory"
+            )
         trained[name] = path
     if args.reps < 1 or args.threads < 1:
         raise DRelayError("--reps and --threads must be ≥ 1")
@@ -64,7 +66,9 @@ def main() -> None:
             heads[name] = registry.from_checkpoint(name, drafter=d, tensors=extra, meta=meta)
             continue
         torch.manual_seed(0)
-        heads[name] = registry.create(name, drafter=drafter, config={"d_sel": 256, "heads": 4, "history_len": 64} if name == "drelay" else None)
+        heads[name] = registry.create(
+            name, drafter=drafter, config={"d_sel": 256, "heads": 4, "history_len": 64} if name == "drelay" else None
+        )
         for param in heads[name].parameters():
             torch.nn.init.normal_(param, std=0.02)
         heads[name].eval()

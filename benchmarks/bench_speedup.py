@@ -80,7 +80,9 @@ def main(argv=None) -> int:
         spec = resolve_method(method, target_spec=args.target, checkpoint=args.checkpoint)
         parts = load_method(spec, target)  # one drafter and selector for both lengths
         for length in ("fixed", "cost"):
-            engines[f"{method}/{length}"] = build_engine(target, spec, length, target_spec=args.target, method=parts, remeasure=args.remeasure)
+            engines[f"{method}/{length}"] = build_engine(
+                target, spec, length, target_spec=args.target, method=parts, remeasure=args.remeasure
+            )
     names = list(engines)
     ratios = {b: {n: [] for n in names[1:]} for b in args.benchmarks.split(",")}
     taus = {b: {n: [] for n in names[1:]} for b in ratios}
@@ -89,7 +91,7 @@ def main(argv=None) -> int:
     for bench in ratios:
         prompts = [encoder.encode(p.turns[:1], []) for p in load_benchmark(bench, limit=args.limit)]
         for i, prompt in enumerate(tqdm(prompts, desc=bench)):
-            order = names[i % len(names):] + names[: i % len(names)]  # rotate who goes first
+            order = names[i % len(names) :] + names[: i % len(names)]  # rotate who goes first
             runs = {n: [] for n in names}
             for r in range(args.repeats):  # A B C … then C B A …
                 for n in order if r % 2 == 0 else order[::-1]:
@@ -118,13 +120,22 @@ def main(argv=None) -> int:
                                                    "drafted_share": st.drafted_steps / max(st.steps, 1),
                                                    "selector_share": st.selector_steps / max(st.drafted_steps, 1)}
                  for n, st in phases.items()}  # fmt: skip
-    print("\nms per round by phase, all prompts (draft = drafter + context extension; other = the engine's own work;"
-          " drafted = share of rounds that drafted, selector = share of those that ran the selector)")
-    print(f"{'engine':<14}" + "".join(f"{k:>9}" for k in ("draft", "select", "verify", "other")) + f"{'ms/token':>10}{'drafted':>9}{'selector':>9}")
+    print(
+        "\nms per round by phase, all prompts (draft = drafter + context extension; other = the engine's own work;"
+        " drafted = share of rounds that drafted, selector = share of those that ran the selector)"
+    )
+    print(
+        f"{'engine':<14}"
+        + "".join(f"{k:>9}" for k in ("draft", "select", "verify", "other"))
+        + f"{'ms/token':>10}{'drafted':>9}{'selector':>9}"
+    )
     for n, row in per_round.items():
         ms_token = sum(row[k] for k in ("draft", "select", "verify", "other")) * row["rounds_per_token"]
-        print(f"{n:<14}" + "".join(f"{row[k]:>9.2f}" for k in ("draft", "select", "verify", "other"))
-              + f"{ms_token:>10.2f}{row['drafted_share']:>9.0%}{row['selector_share']:>9.0%}")
+        print(
+            f"{n:<14}"
+            + "".join(f"{row[k]:>9.2f}" for k in ("draft", "select", "verify", "other"))
+            + f"{ms_token:>10.2f}{row['drafted_share']:>9.0%}{row['selector_share']:>9.0%}"
+        )
     out = {"args": vars(args), "table": table, "mean_S": mean, "phases_ms_per_round": per_round,
            "other_processes_cpu_pct": other_pct, "wall_s": wall}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -135,7 +146,9 @@ def main(argv=None) -> int:
         params = {k: v for k, v in vars(args).items() if k != "out"}
         with tracked_run("drelay-benchmarks", run_name="bench_speedup", params=params) as run:
             run.log_metrics({f"S_{n.replace('/', '_')}_{b}": row[n]["S"] for b, row in table.items() for n in names[1:]})
-            run.log_metrics({f"S_mean_{n.replace('/', '_')}": v for n, v in mean.items()} | {"other_processes_cpu_pct": other_pct})
+            run.log_metrics(
+                {f"S_mean_{n.replace('/', '_')}": v for n, v in mean.items()} | {"other_processes_cpu_pct": other_pct}
+            )
     return 0
 
 

@@ -66,10 +66,17 @@ def run_once(workers: int, threads: int, steps: int, data: str, tmp: Path) -> di
     cfg = load_config(
         ROOT / "platform/experiments/smollm2-135m/train.yaml",
         [
-            f"data.regenerated={data}", f"train.max_steps={warm + steps}", f"train.checkpoint_every={warm}",
-            f"train.validate_every={10 * (warm + steps)}", "train.validation_prompts=0",
-            f"ray.num_workers={workers}", f"ray.cpus_per_worker={threads}", f"ray.storage_path={tmp}/ray",
-            f"ray.run_name=bench-w{workers}", f"output_dir={tmp}/out", "mlflow.experiment=drelay-benchmarks",
+            f"data.regenerated={data}",
+            f"train.max_steps={warm + steps}",
+            f"train.checkpoint_every={warm}",
+            f"train.validate_every={10 * (warm + steps)}",
+            "train.validation_prompts=0",
+            f"ray.num_workers={workers}",
+            f"ray.cpus_per_worker={threads}",
+            f"ray.storage_path={tmp}/ray",
+            f"ray.run_name=bench-w{workers}",
+            f"output_dir={tmp}/out",
+            "mlflow.experiment=drelay-benchmarks",
         ],
     )
     shutil.rmtree(tmp / "ray" / f"bench-w{workers}", ignore_errors=True)
@@ -103,11 +110,19 @@ def main() -> None:
     report = {"one_worker": one, "two_workers": two, "ratio_2_over_1": ratio, "hardware": hardware_description()}
     (ROOT / "outputs" / "bench_train.json").write_text(json.dumps(report, indent=2))
     with tracked_run("drelay-benchmarks", run_name="bench_train", tags={"git_commit": git_commit()}) as run:
-        run.log_metrics({"train_samples_per_s_1w": one["samples_per_s"], "train_samples_per_s_2w": two["samples_per_s"],
-                         "ratio_2w_over_1w": ratio, "peak_rss_gib": max(one["peak_rss_gib"], two["peak_rss_gib"])})
+        run.log_metrics(
+            {
+                "train_samples_per_s_1w": one["samples_per_s"],
+                "train_samples_per_s_2w": two["samples_per_s"],
+                "ratio_2w_over_1w": ratio,
+                "peak_rss_gib": max(one["peak_rss_gib"], two["peak_rss_gib"]),
+            }
+        )
     print(json.dumps(report, indent=2))
-    print(f"\n2 workers × 1 thread vs 1 worker × 2 threads: {ratio:.2f}× training throughput; "
-          f"peak job memory {max(one['peak_rss_gib'], two['peak_rss_gib']):.1f} GiB")
+    print(
+        f"\n2 workers × 1 thread vs 1 worker × 2 threads: {ratio:.2f}× training throughput; "
+        f"peak job memory {max(one['peak_rss_gib'], two['peak_rss_gib']):.1f} GiB"
+    )
 
 
 if __name__ == "__main__":

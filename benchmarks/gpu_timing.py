@@ -66,7 +66,10 @@ def main() -> int:
     drafter = BlockDrafter(DrafterConfig.for_target(target, num_layers=1), target).to(device=target.device, dtype=torch.bfloat16)
     prompts = [torch.randint(0, target.vocab_size, (256,)).tolist() for _ in range(4)]
     cfg = GenerationConfig(max_new_tokens=128)
-    for name, engine in (("AR", SpeculativeEngine(target)), ("speculative (native, untrained drafter)", SpeculativeEngine(target, drafter))):
+    for name, engine in (
+        ("AR", SpeculativeEngine(target)),
+        ("speculative (native, untrained drafter)", SpeculativeEngine(target, drafter)),
+    ):
         engine.generate(prompts[:1], GenerationConfig(max_new_tokens=8))  # warm-up
         _sync(target.device)
         res = engine.generate(prompts, cfg)

@@ -1,7 +1,7 @@
 """Device and dtype names as users write them (configs, CLI flags) → torch objects.
 
-    device  auto (CUDA when present, else CPU) | cpu | cuda | cuda:N
-    dtype   float32 | bfloat16 | float16  (also accepts a torch.dtype)
+device  auto (CUDA when present, else CPU) | cpu | cuda | cuda:N
+dtype   float32 | bfloat16 | float16  (also accepts a torch.dtype)
 """
 
 from __future__ import annotations

@@ -186,7 +186,9 @@ class ContinuationEvidence:
         return self.control_correct / self.samples if self.samples else 0.0
 
 
-def continuation_samples(cand: torch.Tensor, path: torch.Tensor, ref: torch.Tensor, span: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+def continuation_samples(
+    cand: torch.Tensor, path: torch.Tensor, ref: torch.Tensor, span: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Which rounds qualify for the §3.2 test, and their first-error slot.
 
     cand [N, H, K], path/ref [N, H] (padded as in `pad_rounds`) → (ok [N] bool, A [N] int64).

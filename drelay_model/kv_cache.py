@@ -64,9 +64,7 @@ class KVCache:
         start = self.lengths
         end_max = int(start.max()) + T
         if end_max > self.capacity:
-            raise DRelayError(
-                f"sequence too long for the KV cache: needs {end_max} positions, capacity is {self.capacity}"
-            )
+            raise DRelayError(f"sequence too long for the KV cache: needs {end_max} positions, capacity is {self.capacity}")
         positions = start[:, None] + torch.arange(T, device=start.device)  # [B, T]
         self._write_pos = positions
         lo, hi = int(start.min()), int(start.max())

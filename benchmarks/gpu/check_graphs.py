@@ -24,9 +24,19 @@ from drelay_model.selectors import SelectionContext, default_registry
 DESCRIPTION = "CUDA-graph capture + replay of draft + select (bf16, batch 1/8/32) equal to eager, timed"
 NEEDS = ("cuda",)
 SHAPES = {
-    "full": dict(target=QWEN3_4B, layers=6, features=5, drafter_layers=5, capacity=1024, batches=(1, 8, 32), reps=20, selector=None),
-    "tiny": dict(target=QWEN3_TINY, layers=6, features=2, drafter_layers=1, capacity=48, batches=(2,), reps=1,
-                 selector=dict(d_sel=32, read_dim=16, compact_dim=16, heads=2, history_len=8)),
+    "full": dict(
+        target=QWEN3_4B, layers=6, features=5, drafter_layers=5, capacity=1024, batches=(1, 8, 32), reps=20, selector=None
+    ),
+    "tiny": dict(
+        target=QWEN3_TINY,
+        layers=6,
+        features=2,
+        drafter_layers=1,
+        capacity=48,
+        batches=(2,),
+        reps=1,
+        selector=dict(d_sel=32, read_dim=16, compact_dim=16, heads=2, history_len=8),
+    ),
 }
 
 
@@ -72,8 +82,13 @@ class StaticRound:
         self.history.copy_(torch.randn(self.history.shape, device=self.anchor_ids.device, generator=g))
 
     def context(self) -> SelectionContext:
-        return SelectionContext(anchor_ids=self.anchor_ids, anchor_pos=self.cache.lengths, row_ids=self.row_ids,
-                                history=self.history, history_mask=self.history_mask)
+        return SelectionContext(
+            anchor_ids=self.anchor_ids,
+            anchor_pos=self.cache.lengths,
+            row_ids=self.row_ids,
+            history=self.history,
+            history_mask=self.history_mask,
+        )
 
     def __call__(self) -> tuple[torch.Tensor, ...]:
         """→ (cand_ids [B, H, K], cand_logq [B, H, K], pool_index [B, H], path_ids [B, H])."""
@@ -94,9 +109,11 @@ class StaticRound:
 
 def _compare(a: tuple, b: tuple) -> dict:
     names = ("cand_ids", "cand_logq", "pool_index", "path_ids")
-    return {"bitwise_equal": all(bool(torch.equal(x, y)) for x, y in zip(a, b)),
-            "differs": [n for n, x, y in zip(names, a, b) if not torch.equal(x, y)],
-            "logq_max_abs_diff": max_abs_diff(a[1], b[1])}
+    return {
+        "bitwise_equal": all(bool(torch.equal(x, y)) for x, y in zip(a, b)),
+        "differs": [n for n, x, y in zip(names, a, b) if not torch.equal(x, y)],
+        "logq_max_abs_diff": max_abs_diff(a[1], b[1]),
+    }
 
 
 def _capture(fn, device: str):
@@ -120,9 +137,11 @@ def run(device: str, scale: str) -> dict:
     s = SHAPES[scale]
     drafter, selector = build(s, device)
     vocab = drafter.embed_weight.shape[0]
-    report: dict = {"shapes": {k: v for k, v in s.items() if k not in ("target", "reps")},
-                    "mode": "cuda graph" if torch.device(device).type == "cuda" else "torch.compile fullgraph (dynamo)",
-                    "batches": {}}
+    report: dict = {
+        "shapes": {k: v for k, v in s.items() if k not in ("target", "reps")},
+        "mode": "cuda graph" if torch.device(device).type == "cuda" else "torch.compile fullgraph (dynamo)",
+        "batches": {},
+    }
     ok = True
     for B in s["batches"]:
         rnd = StaticRound(drafter, selector, B, s["capacity"])

@@ -20,13 +20,25 @@ from drelay_model.drafter import DraftBlock
 from drelay_model.selectors import SelectionContext
 from drelay_model.selectors.drelay import DRelayConfig, DRelaySelector
 
-DESCRIPTION = "Triton candidate attention + decision walk vs PyTorch, paper-sized selector, Qwen3-4B shapes, bf16, batch 1/8/32, timed"
+DESCRIPTION = (
+    "Triton candidate attention + decision walk vs PyTorch, paper-sized selector, Qwen3-4B shapes, bf16, batch 1/8/32, timed"
+)
 NEEDS = ("cuda", "triton")
 TOL = 2e-2  # bf16 storage of the outputs (the kernels compute in float32)
 SHAPES = {
-    "full": dict(hidden=QWEN3_4B["hidden_size"], features=5, vocab=QWEN3_4B["vocab_size"], H=15, K=16, batches=(1, 8, 32), reps=30),
-    "tiny": dict(hidden=64, features=2, vocab=512, H=5, K=4, batches=(1, 2), reps=1,
-                 selector=dict(d_sel=32, read_dim=16, compact_dim=16, heads=2, history_len=8)),
+    "full": dict(
+        hidden=QWEN3_4B["hidden_size"], features=5, vocab=QWEN3_4B["vocab_size"], H=15, K=16, batches=(1, 8, 32), reps=30
+    ),
+    "tiny": dict(
+        hidden=64,
+        features=2,
+        vocab=512,
+        H=5,
+        K=4,
+        batches=(1, 2),
+        reps=1,
+        selector=dict(d_sel=32, read_dim=16, compact_dim=16, heads=2, history_len=8),
+    ),
 }
 
 
@@ -38,8 +50,13 @@ def _selectors(s: dict, device: str) -> dict[str, DRelaySelector]:
     embed = torch.randn(s["vocab"], s["hidden"]) * 0.02
     out = {}
     for backend in ("torch", "triton"):
-        sel = DRelaySelector(DRelayConfig.from_dict({**config, "kernels": backend}), embed_weight=embed,
-                             num_slots=s["H"], top_k=s["K"], feature_dim=s["features"] * s["hidden"])
+        sel = DRelaySelector(
+            DRelayConfig.from_dict({**config, "kernels": backend}),
+            embed_weight=embed,
+            num_slots=s["H"],
+            top_k=s["K"],
+            feature_dim=s["features"] * s["hidden"],
+        )
         if backend == "torch":
             with torch.no_grad():
                 for p in sel.residual_heads():
@@ -56,10 +73,13 @@ def _inputs(s: dict, B: int, device: str, history_len: int) -> tuple[DraftBlock,
     logq = torch.log_softmax(torch.randn(B, H, s["vocab"], device=device, generator=g) * 2, -1)
     cand_logq, cand_ids = logq.topk(K, dim=-1)
     block = DraftBlock(hidden=torch.randn(B, H, D, device=device, generator=g).bfloat16(), cand_ids=cand_ids, cand_logq=cand_logq)
-    ctx = SelectionContext(anchor_ids=torch.randint(0, s["vocab"], (B,), device=device, generator=g),
-                           anchor_pos=torch.full((B,), 100, dtype=torch.long, device=device), row_ids=torch.arange(B, device=device),
-                           history=torch.randn(B, history_len, F, device=device, generator=g).bfloat16(),
-                           history_mask=torch.ones(B, history_len, dtype=torch.bool, device=device))
+    ctx = SelectionContext(
+        anchor_ids=torch.randint(0, s["vocab"], (B,), device=device, generator=g),
+        anchor_pos=torch.full((B,), 100, dtype=torch.long, device=device),
+        row_ids=torch.arange(B, device=device),
+        history=torch.randn(B, history_len, F, device=device, generator=g).bfloat16(),
+        history_mask=torch.ones(B, history_len, dtype=torch.bool, device=device),
+    )
     return block, ctx
 
 
@@ -78,9 +98,12 @@ def _attention_check(sel: DRelaySelector, B: int, reps: int, device: str) -> dic
         ref = copy.deepcopy(gr).float().attend(q.float(), k.float(), v.float(), logq.float(), mask)
         got = candidate_attention(q, k, v, logq, rel, mask)
         err = max_abs_diff(got, ref)
-        return {"max_abs_err": err, "ok": err <= TOL * max(1.0, float(ref.abs().max())),
-                "triton_ms": median_ms(lambda: candidate_attention(q, k, v, logq, rel, mask), device, reps=reps, warmup=min(reps, 3)),
-                "torch_ms": median_ms(lambda: gr.attend(q, k, v, logq, mask), device, reps=reps, warmup=min(reps, 3))}
+        return {
+            "max_abs_err": err,
+            "ok": err <= TOL * max(1.0, float(ref.abs().max())),
+            "triton_ms": median_ms(lambda: candidate_attention(q, k, v, logq, rel, mask), device, reps=reps, warmup=min(reps, 3)),
+            "torch_ms": median_ms(lambda: gr.attend(q, k, v, logq, mask), device, reps=reps, warmup=min(reps, 3)),
+        }
 
 
 def _walk_check(sel: DRelaySelector, block, ctx, reps: int, device: str) -> dict:
@@ -94,29 +117,42 @@ def _walk_check(sel: DRelaySelector, block, ctx, reps: int, device: str) -> dict
         ref, got = walk(w32), walk_triton(w)
         err = max(max_abs_diff(got.gate, ref.gate), max_abs_diff(got.rank, ref.rank))
         same = bool(torch.equal(got.pool_index, ref.pool_index))
-        return {"same_picks": same, "repairs": int(ref.pool_index.ne(0).sum()), "max_abs_err": err,
-                "ok": same and err <= TOL * max(1.0, float(ref.rank.abs().max())),
-                "triton_ms": median_ms(lambda: walk_triton(w), device, reps=reps, warmup=min(reps, 3)),
-                "torch_ms": median_ms(lambda: walk(w), device, reps=reps, warmup=min(reps, 3))}
+        return {
+            "same_picks": same,
+            "repairs": int(ref.pool_index.ne(0).sum()),
+            "max_abs_err": err,
+            "ok": same and err <= TOL * max(1.0, float(ref.rank.abs().max())),
+            "triton_ms": median_ms(lambda: walk_triton(w), device, reps=reps, warmup=min(reps, 3)),
+            "torch_ms": median_ms(lambda: walk(w), device, reps=reps, warmup=min(reps, 3)),
+        }
 
 
 def run(device: str, scale: str) -> dict:
     s = SHAPES[scale]
     sels = _selectors(s, device)
     n = sels["torch"].config.history_len
-    report: dict = {"shapes": {k: v for k, v in s.items() if k != "reps"}, "selector_params": sum(p.numel() for p in sels["torch"].parameters()),
-                    "batches": {}}
+    report: dict = {
+        "shapes": {k: v for k, v in s.items() if k != "reps"},
+        "selector_params": sum(p.numel() for p in sels["torch"].parameters()),
+        "batches": {},
+    }
     ok = True
     for B in s["batches"]:
         block, ctx = _inputs(s, B, device, n)
         with torch.inference_mode():
             a, b = (sels[k].select_with_scores(block, ctx) for k in ("torch", "triton"))
-        row = {"attention": _attention_check(sels["triton"], B, s["reps"], device),
-               "walk": _walk_check(sels["triton"], block, ctx, s["reps"], device),
-               "selector": {"same_paths": bool(torch.equal(a.selection.path_ids, b.selection.path_ids)),
-                            "repairs": int(a.selection.pool_index.ne(0).sum()),
-                            "torch_ms": median_ms(lambda: sels["torch"].select(block, ctx), device, reps=s["reps"], warmup=min(s["reps"], 3)),
-                            "triton_ms": median_ms(lambda: sels["triton"].select(block, ctx), device, reps=s["reps"], warmup=min(s["reps"], 3))}}
+        row = {
+            "attention": _attention_check(sels["triton"], B, s["reps"], device),
+            "walk": _walk_check(sels["triton"], block, ctx, s["reps"], device),
+            "selector": {
+                "same_paths": bool(torch.equal(a.selection.path_ids, b.selection.path_ids)),
+                "repairs": int(a.selection.pool_index.ne(0).sum()),
+                "torch_ms": median_ms(lambda: sels["torch"].select(block, ctx), device, reps=s["reps"], warmup=min(s["reps"], 3)),
+                "triton_ms": median_ms(
+                    lambda: sels["triton"].select(block, ctx), device, reps=s["reps"], warmup=min(s["reps"], 3)
+                ),
+            },
+        }
         row["selector"]["ok"] = row["selector"]["same_paths"]
         ok &= all(part["ok"] for part in row.values())
         report["batches"][f"B={B}"] = row

@@ -20,7 +20,9 @@ DESCRIPTION = "greedy lossless, fp32 (= HF generate) and bf16 (argmax up to ties
 NEEDS = ("cuda",)
 BF16_TIE = 0.15  # logit units: the bf16 rounding of one logit at these scales is well below it
 SHAPES = {
-    "full": dict(spec="tiny-qwen3:vocab=151936,hidden=256,layers=4,heads=4,kv_heads=2", new_tokens=48, prompts=(5, 9, 3, 40, 17, 2, 64, 11)),
+    "full": dict(
+        spec="tiny-qwen3:vocab=151936,hidden=256,layers=4,heads=4,kv_heads=2", new_tokens=48, prompts=(5, 9, 3, 40, 17, 2, 64, 11)
+    ),
     "tiny": dict(spec="tiny-qwen3:vocab=512,hidden=64,layers=2,heads=4,kv_heads=2", new_tokens=8, prompts=(5, 9)),
 }
 
@@ -36,7 +38,7 @@ def _engine(target, method: str) -> SpeculativeEngine:
 
 def _hf_greedy(target, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt], device=target.device)
-    return target.hf.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    return target.hf.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(prompt) :].tolist()
 
 
 def _argmax_up_to_ties(target, prompt: list[int], out: list[int]) -> bool:
@@ -65,8 +67,11 @@ def run(device: str, scale: str) -> dict:
             else:
                 lossless = all(_argmax_up_to_ties(target, p, o) for p, o in zip(prompts, res.tokens))
             same_as_ar = sum(a == b for a, b in zip(res.tokens, ar))
-            report["methods"][f"{method}/{dtype}"] = {"lossless": lossless, "rows_equal_to_ar": f"{same_as_ar}/{len(prompts)}",
-                                                      "tau": round(res.stats.tau, 3)}
+            report["methods"][f"{method}/{dtype}"] = {
+                "lossless": lossless,
+                "rows_equal_to_ar": f"{same_as_ar}/{len(prompts)}",
+                "tau": round(res.stats.tau, 3),
+            }
             ok &= lossless
     report["ok"] = ok
     return report

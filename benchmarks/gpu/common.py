@@ -19,11 +19,27 @@ PAPER_CONFIG = REPO / "platform" / "experiments" / "qwen3-4b" / "train.yaml"
 SCALES = ("full", "tiny")
 
 # Qwen3-4B's config.json (the shapes `drelay plan` knows as Qwen/Qwen3-4B).
-QWEN3_4B = dict(vocab_size=151_936, hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=128, intermediate_size=9728, tie_word_embeddings=True)
+QWEN3_4B = dict(
+    vocab_size=151_936,
+    hidden_size=2560,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=9728,
+    tie_word_embeddings=True,
+)
 # The same architecture at test size, for the CPU runs of each step.
-QWEN3_TINY = dict(vocab_size=2048, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, intermediate_size=128, tie_word_embeddings=True)
+QWEN3_TINY = dict(
+    vocab_size=2048,
+    hidden_size=64,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    tie_word_embeddings=True,
+)
 
 
 def paper_setting() -> dict:
@@ -32,8 +48,12 @@ def paper_setting() -> dict:
     import yaml
 
     doc = yaml.safe_load(PAPER_CONFIG.read_text())
-    return {"drafter": doc["drafter"], "selector": doc["selector"]["config"], "train": doc["train"],
-            "max_seq_len": doc["data"]["max_seq_len"]}
+    return {
+        "drafter": doc["drafter"],
+        "selector": doc["selector"]["config"],
+        "train": doc["train"],
+        "max_seq_len": doc["data"]["max_seq_len"],
+    }
 
 
 def random_qwen3_target(shape: dict, *, layers: int | None = None, device: str, dtype: torch.dtype, seed: int = 0):
@@ -43,8 +63,13 @@ def random_qwen3_target(shape: dict, *, layers: int | None = None, device: str, 
 
     from drelay_model.target import TargetModel
 
-    cfg = Qwen3Config(**{**shape, "num_hidden_layers": layers or shape["num_hidden_layers"]},
-                      max_position_embeddings=8192, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = Qwen3Config(
+        **{**shape, "num_hidden_layers": layers or shape["num_hidden_layers"]},
+        max_position_embeddings=8192,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)

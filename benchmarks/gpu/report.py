@@ -33,25 +33,41 @@ def _details(step: str, r: dict) -> list[str]:
         return lines + [f"- failed: {name}" for name in r.get("failed", [])]
     if step == "lossless":
         head = ["| method / dtype | lossless | rows = AR | τ |", "|---|---|---|---|"]
-        return [f"target {r['target']}, {r['prompts']} prompts × {r['new_tokens']} tokens", "", *head,
-                *(f"| {m} | {v['lossless']} | {v['rows_equal_to_ar']} | {v['tau']} |" for m, v in r["methods"].items())]
+        return [
+            f"target {r['target']}, {r['prompts']} prompts × {r['new_tokens']} tokens",
+            "",
+            *head,
+            *(f"| {m} | {v['lossless']} | {v['rows_equal_to_ar']} | {v['tau']} |" for m, v in r["methods"].items()),
+        ]
     if step == "kernels":
-        head = ["| batch | attention err | attention triton / torch ms | walk same picks | walk triton / torch ms | "
-                "selector same paths | selector triton / torch ms |", "|---|---|---|---|---|---|---|"]
-        rows = [f"| {b} | {v['attention']['max_abs_err']:.2e} | {v['attention']['triton_ms']} / {v['attention']['torch_ms']} | "
-                f"{v['walk']['same_picks']} | {v['walk']['triton_ms']} / {v['walk']['torch_ms']} | {v['selector']['same_paths']} | "
-                f"{v['selector']['triton_ms']} / {v['selector']['torch_ms']} |" for b, v in r["batches"].items()]
+        head = [
+            "| batch | attention err | attention triton / torch ms | walk same picks | walk triton / torch ms | "
+            "selector same paths | selector triton / torch ms |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        rows = [
+            f"| {b} | {v['attention']['max_abs_err']:.2e} | {v['attention']['triton_ms']} / {v['attention']['torch_ms']} | "
+            f"{v['walk']['same_picks']} | {v['walk']['triton_ms']} / {v['walk']['torch_ms']} | {v['selector']['same_paths']} | "
+            f"{v['selector']['triton_ms']} / {v['selector']['torch_ms']} |"
+            for b, v in r["batches"].items()
+        ]
         return [f"selector parameters: {r['selector_params']:,}", "", *head, *rows]
     if step == "graphs":
         head = ["| batch | replay = eager (3 inputs) | eager ms | replay ms | = engine draft |", "|---|---|---|---|---|"]
-        rows = [f"| {b} | {all(i['bitwise_equal'] for i in v['inputs'])} | {v['eager_ms']} | {v['replay_ms']} | "
-                f"{sum(i['vs_engine_draft']['bitwise_equal'] for i in v['inputs'])}/{len(v['inputs'])} |" for b, v in r["batches"].items()]
+        rows = [
+            f"| {b} | {all(i['bitwise_equal'] for i in v['inputs'])} | {v['eager_ms']} | {v['replay_ms']} | "
+            f"{sum(i['vs_engine_draft']['bitwise_equal'] for i in v['inputs'])}/{len(v['inputs'])} |"
+            for b, v in r["batches"].items()
+        ]
         return [f"mode: {r['mode']}", "", *head, *rows]
     if step == "joint_step":
-        return [f"- measured peak {r['measured_peak_gib']} GiB vs plan {r['plan_total_gib']} GiB (×{r['measured_over_plan']}, "
-                f"attention path {r['plan_attention']}); resident before the step {r['resident_gib']} GiB",
-                f"- params {r['params']}; loss {r['loss']}; step seconds {r['step_seconds']}",
-                f"- plan components (GiB): {r['plan_components_gib']}", f"- plan activation stages (GiB): {r['plan_activation_stages_gib']}"]
+        return [
+            f"- measured peak {r['measured_peak_gib']} GiB vs plan {r['plan_total_gib']} GiB (×{r['measured_over_plan']}, "
+            f"attention path {r['plan_attention']}); resident before the step {r['resident_gib']} GiB",
+            f"- params {r['params']}; loss {r['loss']}; step seconds {r['step_seconds']}",
+            f"- plan components (GiB): {r['plan_components_gib']}",
+            f"- plan activation stages (GiB): {r['plan_activation_stages_gib']}",
+        ]
     if step == "timing":
         return [f"- {line}" for line in r]
     return [f"```\n{json.dumps(r, indent=2)}\n```"]
@@ -67,15 +83,23 @@ def main(argv: list[str] | None = None) -> int:
     records = {}
     for step in ORDER:
         path = work / f"{step}.json"
-        records[step] = json.loads(path.read_text()) if path.is_file() else {"step": step, "ok": False, "error": "no record (the step did not finish)"}
+        records[step] = (
+            json.loads(path.read_text())
+            if path.is_file()
+            else {"step": step, "ok": False, "error": "no record (the step did not finish)"}
+        )
     if "timing" not in {p.stem for p in work.glob("*.json")}:
         records["timing"] = {"step": "timing", "ok": True, "skipped": "not run (no CUDA device or no time left)"}
     ok = all(r.get("ok") for r in records.values())
     failed = sum(not r.get("ok") for r in records.values())
     skipped = sum("skipped" in r for r in records.values())
     verdict = f"{'PASSED' if ok else 'FAILED'}: {len(records) - failed - skipped} passed, {failed} failed, {skipped} skipped"
-    lines = [f"# GPU check {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {verdict}, {args.seconds} s", "",
-             "| step | status | seconds |", "|---|---|---|"]
+    lines = [
+        f"# GPU check {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {verdict}, {args.seconds} s",
+        "",
+        "| step | status | seconds |",
+        "|---|---|---|",
+    ]
     lines += [f"| {s} | {_status(r)} | {r.get('seconds', '')} |" for s, r in records.items()]
     for step, rec in records.items():
         if "result" in rec:

@@ -60,8 +60,11 @@ def run_step(step: str, device: str, scale: str) -> dict:
         record.update(ok=bool(result.get("ok")), result=result)
     except Exception as exc:  # a step that raises is reported (with where), not a lost report
         tb = traceback.extract_tb(exc.__traceback__)[-1]
-        record.update(ok=False, error=f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''} "
-                                      f"({Path(tb.filename).name}:{tb.lineno})")
+        record.update(
+            ok=False,
+            error=f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''} "
+            f"({Path(tb.filename).name}:{tb.lineno})",
+        )
         traceback.print_exc()
     record["seconds"] = round(time.perf_counter() - start, 1)
     return record

@@ -80,13 +80,19 @@ def check_kernels() -> dict:
         g = torch.Generator(device="cuda").manual_seed(B)
         logq = torch.log_softmax(torch.randn(B, s["H"], s["vocab"], device="cuda", generator=g) * 2, -1)
         cand_logq, cand_ids = logq.topk(s["K"], dim=-1)
-        block = DraftBlock(hidden=torch.randn(B, s["H"], s["hidden"], device="cuda", generator=g).bfloat16(),
-                           cand_ids=cand_ids, cand_logq=cand_logq)
+        block = DraftBlock(
+            hidden=torch.randn(B, s["H"], s["hidden"], device="cuda", generator=g).bfloat16(),
+            cand_ids=cand_ids,
+            cand_logq=cand_logq,
+        )
         n = DRelayConfig().history_len
-        ctx = SelectionContext(anchor_ids=torch.randint(0, s["vocab"], (B,), device="cuda", generator=g),
-                               anchor_pos=torch.zeros(B, dtype=torch.long, device="cuda"), row_ids=torch.arange(B, device="cuda"),
-                               history=torch.randn(B, n, feat, device="cuda", generator=g).bfloat16(),
-                               history_mask=torch.ones(B, n, dtype=torch.bool, device="cuda"))
+        ctx = SelectionContext(
+            anchor_ids=torch.randint(0, s["vocab"], (B,), device="cuda", generator=g),
+            anchor_pos=torch.zeros(B, dtype=torch.long, device="cuda"),
+            row_ids=torch.arange(B, device="cuda"),
+            history=torch.randn(B, n, feat, device="cuda", generator=g).bfloat16(),
+            history_mask=torch.ones(B, n, dtype=torch.bool, device="cuda"),
+        )
         picks = {k: v.select(block, ctx).pool_index for k, v in sels.items()}
         row = {f"{k}_ms": round(_timed(lambda v=v: v.select(block, ctx)), 3) for k, v in sels.items()}
         row["same_paths"] = bool(torch.equal(picks["torch"], picks["triton"]))
@@ -104,9 +110,18 @@ def _random_qwen3_target(path: Path):
     from drelay_model.target import TargetModel
 
     s = QWEN3_4B
-    cfg = Qwen3Config(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=9728, num_hidden_layers=4,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
-                      tie_word_embeddings=True, torch_dtype="bfloat16")
+    cfg = Qwen3Config(
+        vocab_size=s["vocab"],
+        hidden_size=s["hidden"],
+        intermediate_size=9728,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+    )
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(path)
@@ -117,6 +132,7 @@ def _export_random_drafter(target, out: Path) -> None:
     from deploy.sglang.export import main as export_main
     from drelay_model.drafter import BlockDrafter, DrafterConfig, save_drafter
     from drelay_model.selectors import default_registry
+
     torch.manual_seed(0)
     # Feature layers 0..2 of 4: SGLang captures a layer's output before the next layer runs, so the
     # last layer (3) cannot be one.
@@ -129,9 +145,23 @@ def _export_random_drafter(target, out: Path) -> None:
 
 
 def _serve(args: list[str], port: int, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "SGLANG_EXTERNAL_MODEL_PACKAGE": "deploy.sglang.models", "SGLANG_PLUGINS": "drelay",
-           "PYTHONPATH": str(REPO)}  # the same environment as deploy/serve/backends/sglang.py's server_env
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--port", str(port), "--skip-tokenizer-init", "--mem-fraction-static", "0.3", *args]
+    env = {
+        **os.environ,
+        "SGLANG_EXTERNAL_MODEL_PACKAGE": "deploy.sglang.models",
+        "SGLANG_PLUGINS": "drelay",
+        "PYTHONPATH": str(REPO),
+    }  # the same environment as deploy/serve/backends/sglang.py's server_env
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--port",
+        str(port),
+        "--skip-tokenizer-init",
+        "--mem-fraction-static",
+        "0.3",
+        *args,
+    ]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=REPO)
     for _ in range(600):
         if proc.poll() is not None:
@@ -146,14 +176,20 @@ def _serve(args: list[str], port: int, log: Path) -> subprocess.Popen:
 
 
 def _post(port: int, route: str, body: dict) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{route}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{route}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.loads(r.read())
 
 
 def _generate(port: int, prompts: list[list[int]]) -> list[dict]:
-    return [_post(port, "/generate", {"input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}})
-            for p in prompts]
+    return [
+        _post(
+            port, "/generate", {"input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}}
+        )
+        for p in prompts
+    ]
 
 
 LOG_MARKERS = {  # SGLang 0.5.23's log lines (tp rank 0) for the draft paths DRELAY should take
@@ -177,15 +213,33 @@ def check_server(work: Path) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, QWEN3_4B["vocab"], (n,), generator=g).tolist() for n in (7, 31, 120)]
     result = {}
-    for name, extra in {"ar": [], "drelay": ["--speculative-algorithm", "DRELAY", "--speculative-draft-model-path", str(draft),
-                                            "--speculative-num-draft-tokens", "16"]}.items():
+    for name, extra in {
+        "ar": [],
+        "drelay": [
+            "--speculative-algorithm",
+            "DRELAY",
+            "--speculative-draft-model-path",
+            str(draft),
+            "--speculative-num-draft-tokens",
+            "16",
+        ],
+    }.items():
         proc = _serve(["--model-path", str(target), *extra], 30000 + len(result), work / f"{name}.log")
         try:
             result[name] = _generate(30000 + len(result), prompts)
             if name == "drelay":
                 try:
-                    comp = _post(30000 + len(result), "/v1/completions", {"model": str(target), "prompt": prompts[0], "max_tokens": 32,
-                                                                          "temperature": 0, "return_spec_tokens_details": True})
+                    comp = _post(
+                        30000 + len(result),
+                        "/v1/completions",
+                        {
+                            "model": str(target),
+                            "prompt": prompts[0],
+                            "max_tokens": 32,
+                            "temperature": 0,
+                            "return_spec_tokens_details": True,
+                        },
+                    )
                     result["sglext"] = comp.get("sglext")
                 except OSError as exc:
                     result["sglext"] = f"unavailable: {exc}"
@@ -194,9 +248,18 @@ def check_server(work: Path) -> dict:
             proc.wait(60)
     result["draft_paths"] = _log_flags(work / "drelay.log")
     same = [a["output_ids"] == d["output_ids"] for a, d in zip(result["ar"], result["drelay"])]
-    meta = [{k: d["meta_info"].get(k) for k in ("spec_verify_ct", "spec_accept_length", "spec_correct_drafts_histogram", "spec_accept_rate")} for d in result["drelay"]]
-    print(f"server: greedy identical per prompt {same}; spec stats {meta}; sglext {result.get('sglext')}; "
-          f"draft paths {result['draft_paths']}", flush=True)
+    meta = [
+        {
+            k: d["meta_info"].get(k)
+            for k in ("spec_verify_ct", "spec_accept_length", "spec_correct_drafts_histogram", "spec_accept_rate")
+        }
+        for d in result["drelay"]
+    ]
+    print(
+        f"server: greedy identical per prompt {same}; spec stats {meta}; sglext {result.get('sglext')}; "
+        f"draft paths {result['draft_paths']}",
+        flush=True,
+    )
     return {"identical": same, "spec_meta": meta, "sglext": result.get("sglext"), "draft_paths": result["draft_paths"]}
 
 
@@ -223,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
             report["server"] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"server: FAILED {report['server']['error']}", flush=True)
     (out / "sglang_check.json").write_text(json.dumps(report, indent=2))
-    ok = all(r["same_paths"] for r in report.get("kernels", {}).values()) and all(report.get("server", {}).get("identical", [True]))
+    ok = all(r["same_paths"] for r in report.get("kernels", {}).values()) and all(
+        report.get("server", {}).get("identical", [True])
+    )
     return 0 if ok and "error" not in report.get("server", {}) else 1
 
 

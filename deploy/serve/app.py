@@ -7,7 +7,6 @@ Routes: POST /v1/chat/completions, POST /v1/completions (SSE when `stream: true`
 GET /health (the replica is alive), GET /ready (the backend has loaded and its driver runs).
 """
 
-
 import logging
 import os
 
@@ -112,9 +111,12 @@ def deployment_options(cfg: ServeConfig) -> dict:
         opts["num_replicas"] = a.max_replicas
     else:
         opts["autoscaling_config"] = {
-            "min_replicas": a.min_replicas, "max_replicas": a.max_replicas, "initial_replicas": max(a.min_replicas, 1),
+            "min_replicas": a.min_replicas,
+            "max_replicas": a.max_replicas,
+            "initial_replicas": max(a.min_replicas, 1),
             "target_ongoing_requests": a.target_ongoing_requests,
-            "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s,
+            "upscale_delay_s": a.upscale_delay_s,
+            "downscale_delay_s": a.downscale_delay_s,
         }
     return opts
 

@@ -50,11 +50,16 @@ class LevelResult:
         taus = [s.tau for s in ok if s.tau is not None]
         tokens = sum(s.tokens for s in ok)
         out = {
-            "concurrency": self.concurrency, "requests": len(self.samples), "failures": len(self.samples) - len(ok),
-            "wall_s": self.wall_s, "tokens_per_s": tokens / self.wall_s if self.wall_s else 0.0,
+            "concurrency": self.concurrency,
+            "requests": len(self.samples),
+            "failures": len(self.samples) - len(ok),
+            "wall_s": self.wall_s,
+            "tokens_per_s": tokens / self.wall_s if self.wall_s else 0.0,
             "req_per_s": len(ok) / self.wall_s if self.wall_s else 0.0,
-            "latency_p50_s": _pct(lat, 50), "latency_p99_s": _pct(lat, 99),
-            "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+            "latency_p50_s": _pct(lat, 50),
+            "latency_p99_s": _pct(lat, 99),
+            "ttft_p50_s": _pct(ttft, 50),
+            "ttft_p99_s": _pct(ttft, 99),
             "tau_mean": statistics.fmean(taus) if taus else 0.0,
         }
         for code in sorted({s.status for s in self.samples}):
@@ -79,8 +84,14 @@ def one_request(url: str, model: str, prompt: str, max_tokens: int, api_key: str
     import requests
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "return_spec_tokens_details": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "return_spec_tokens_details": True,
+    }
     t0 = time.perf_counter()
     try:
         with requests.post(f"{url}/v1/chat/completions", json=body, headers=headers, stream=True, timeout=600) as r:
@@ -106,8 +117,17 @@ def one_request(url: str, model: str, prompt: str, max_tokens: int, api_key: str
         return Sample(status=599, latency=time.perf_counter() - t0)
 
 
-def run_level(url: str, model: str, prompts: list[str], *, concurrency: int, requests_n: int, max_tokens: int,
-              time_limit: float, api_key: str | None) -> LevelResult:
+def run_level(
+    url: str,
+    model: str,
+    prompts: list[str],
+    *,
+    concurrency: int,
+    requests_n: int,
+    max_tokens: int,
+    time_limit: float,
+    api_key: str | None,
+) -> LevelResult:
     lock, sent, samples = threading.Lock(), [0], []
     deadline = time.perf_counter() + time_limit
 
@@ -169,14 +189,29 @@ def run_bench(args: argparse.Namespace) -> int:
     else:
         url, model = args.url.rstrip("/"), args.model
     prompts = load_prompts(max(args.requests, 1))
-    params = {"url": url, "model": model, "requests": args.requests, "max_tokens": args.max_tokens,
-              "time_limit": args.time_limit, "method": cfg.method if cfg else "unknown", "config": args.config or ""}
+    params = {
+        "url": url,
+        "model": model,
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
+        "time_limit": args.time_limit,
+        "method": cfg.method if cfg else "unknown",
+        "config": args.config or "",
+    }
     rows = []
     try:
         with tracked_run(args.experiment, run_name=args.run_name or f"serve-bench-{model}", params=params) as run:
             for c in args.concurrency:
-                level = run_level(url, model, prompts, concurrency=c, requests_n=args.requests, max_tokens=args.max_tokens,
-                                  time_limit=args.time_limit, api_key=args.api_key)
+                level = run_level(
+                    url,
+                    model,
+                    prompts,
+                    concurrency=c,
+                    requests_n=args.requests,
+                    max_tokens=args.max_tokens,
+                    time_limit=args.time_limit,
+                    api_key=args.api_key,
+                )
                 row = level.summary()
                 rows.append(row)
                 with run.child(f"c{c}") as child:

@@ -108,7 +108,9 @@ class ServeConfig(StrictConfig):
         if self.backend == "vllm" and self.vllm is None:
             raise ValueError("backend 'vllm' needs a `vllm:` section")
         if self.backend == "engine" and self.max_ongoing_requests < self.engine.max_batch:
-            raise ValueError(f"max_ongoing_requests ({self.max_ongoing_requests}) is below engine.max_batch ({self.engine.max_batch})")
+            raise ValueError(
+                f"max_ongoing_requests ({self.max_ongoing_requests}) is below engine.max_batch ({self.engine.max_batch})"
+            )
         return self
 
     @property

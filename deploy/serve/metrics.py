@@ -23,11 +23,21 @@ _TAU = [1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 16.0]
 class ServeMetrics:
     def __init__(self, method: str) -> None:
         self.method = method
-        self.latency = metrics.Histogram("drelay_request_latency_s", description="request latency (s)", boundaries=_LATENCY, tag_keys=_TAGS)
-        self.ttft = metrics.Histogram("drelay_time_to_first_token_s", description="time to first token (s)", boundaries=_LATENCY, tag_keys=_TAGS)
-        self.rate = metrics.Histogram("drelay_tokens_per_s", description="decode tokens per second per request", boundaries=_RATE, tag_keys=_TAGS)
-        self.tau = metrics.Histogram("drelay_tau", description="tokens per verification round per request", boundaries=_TAU, tag_keys=_TAGS)
-        self.requests = metrics.Counter("drelay_requests", description="finished requests by HTTP status", tag_keys=(*_TAGS, "status"))
+        self.latency = metrics.Histogram(
+            "drelay_request_latency_s", description="request latency (s)", boundaries=_LATENCY, tag_keys=_TAGS
+        )
+        self.ttft = metrics.Histogram(
+            "drelay_time_to_first_token_s", description="time to first token (s)", boundaries=_LATENCY, tag_keys=_TAGS
+        )
+        self.rate = metrics.Histogram(
+            "drelay_tokens_per_s", description="decode tokens per second per request", boundaries=_RATE, tag_keys=_TAGS
+        )
+        self.tau = metrics.Histogram(
+            "drelay_tau", description="tokens per verification round per request", boundaries=_TAU, tag_keys=_TAGS
+        )
+        self.requests = metrics.Counter(
+            "drelay_requests", description="finished requests by HTTP status", tag_keys=(*_TAGS, "status")
+        )
         self.tokens = metrics.Counter("drelay_completion_tokens", description="generated tokens", tag_keys=_TAGS)
 
     def finished(self, route: str, *, latency: float, ttft: float, tokens: int, tau: float | None) -> None:

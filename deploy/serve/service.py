@@ -66,28 +66,37 @@ class Service:
             raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.cfg.model_id, "object": "model", "created": 0, "owned_by": "drelay",
-                                            "method": self.cfg.method}]}
+        return {
+            "object": "list",
+            "data": [{"id": self.cfg.model_id, "object": "model", "created": 0, "owned_by": "drelay", "method": self.cfg.method}],
+        }
 
     # ---- generation ----------------------------------------------------------------------------
     async def generate(self, route: str, raw: bytes) -> dict | AsyncIterator[str]:
         """route 'chat' or 'completions'; a dict (one body) or an SSE line iterator (stream)."""
         body = parse_body(raw, ChatRequest if route == "chat" else CompletionRequest)
         if body.model != self.cfg.model_id:
-            raise ApiError(404, f"model '{body.model}' does not exist (served: {self.cfg.model_id})", param="model", code="model_not_found")
+            raise ApiError(
+                404, f"model '{body.model}' does not exist (served: {self.cfg.model_id})", param="model", code="model_not_found"
+            )
         prompt_ids, field = self._prompt(route, body)
         stops = body.stop_list()
         settings = self._settings(body, _stop_predicate(self.backend.tokenizer, stops))
         lim = self.cfg.limits
         if len(prompt_ids) > lim.max_prompt_tokens:
-            raise ApiError(400, f"{field}: {len(prompt_ids)} prompt tokens, over the limit of {lim.max_prompt_tokens}",
-                           param=field, code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"{field}: {len(prompt_ids)} prompt tokens, over the limit of {lim.max_prompt_tokens}",
+                param=field,
+                code="context_length_exceeded",
+            )
         request = GenRequest(prompt_ids=prompt_ids, settings=settings)
         try:
             chunks = self.backend.submit(request)
         except Overloaded as exc:
-            raise ApiError(503, str(exc), type="server_error", code="overloaded",
-                           headers={"Retry-After": str(lim.retry_after_s)}) from None
+            raise ApiError(
+                503, str(exc), type="server_error", code="overloaded", headers={"Retry-After": str(lim.retry_after_s)}
+            ) from None
         except DRelayError as exc:
             raise ApiError(400, f"{field}: {exc}", param=field, code="context_length_exceeded") from None
         call = _Call(route, body, len(prompt_ids), _Text(self.backend.tokenizer, stops), self)
@@ -117,10 +126,14 @@ class Service:
             raise ApiError(400, f"max_tokens: must be ≤ {lim.max_tokens} on this server, got {n}", param="max_tokens")
         temperature = 1.0 if body.temperature is None else body.temperature
         if temperature > lim.max_temperature:
-            raise ApiError(400, f"temperature: must be ≤ {lim.max_temperature} on this server, got {temperature}", param="temperature")
+            raise ApiError(
+                400, f"temperature: must be ≤ {lim.max_temperature} on this server, got {temperature}", param="temperature"
+            )
         given = {"top_p": body.top_p, "top_k": body.top_k, "seed": body.seed}
         try:
-            return GenerationConfig(max_new_tokens=n, temperature=temperature, stop=stop, **{k: v for k, v in given.items() if v is not None})
+            return GenerationConfig(
+                max_new_tokens=n, temperature=temperature, stop=stop, **{k: v for k, v in given.items() if v is not None}
+            )
         except SettingsError as exc:
             param = _PARAMS.get(exc.field, exc.field)
             raise ApiError(400, f"{param}: {exc.detail}", param=param) from None
@@ -146,16 +159,29 @@ class _Call:
     def _done(self, spec: SpecStats | None) -> tuple[dict, dict | None]:
         """usage and (when asked) sglext; records the request's metrics."""
         completion = spec.completion_tokens if spec else self.n_tokens
-        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion, "total_tokens": self.prompt_tokens + completion}
+        usage = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+        }
         metrics = self.service.metrics
         if metrics is not None:
             tau = (spec.completion_tokens - 1) / spec.verify_ct if spec and spec.verify_ct else None
-            metrics.finished(self.route, latency=time.perf_counter() - self.t0, ttft=(self.t_first or self.t0) - self.t0,
-                             tokens=completion, tau=tau)
+            metrics.finished(
+                self.route,
+                latency=time.perf_counter() - self.t0,
+                ttft=(self.t_first or self.t0) - self.t0,
+                tokens=completion,
+                tau=tau,
+            )
         sglext = None
         if self.body.return_spec_tokens_details and spec is not None:
-            sglext = {"spec_verify_ct": spec.verify_ct, "spec_accept_length": spec.accept_length,
-                      "spec_accept_histogram": spec.accept_histogram, "method": self.service.cfg.method}
+            sglext = {
+                "spec_verify_ct": spec.verify_ct,
+                "spec_accept_length": spec.accept_length,
+                "spec_accept_histogram": spec.accept_histogram,
+                "method": self.service.cfg.method,
+            }
         return usage, sglext
 
     def _choice(self, text: str, finish: str | None, *, delta: bool) -> dict:

@@ -47,8 +47,12 @@ def hf_config(config: DrafterConfig, meta: dict, *, dtype: torch.dtype, has_sele
         # mask_token(_id): the DFLASH worker fills slots 1..H with this id before embedding them;
         # our model class overwrites those slots with `mask_embedding`, so any in-vocabulary id
         # works. A name no tokenizer has, so SGLang's tokenizer cross-check never conflicts.
-        "dflash_config": {"target_layer_ids": list(config.target_layer_ids), "block_size": config.block_size,
-                          "mask_token": MASK_TOKEN, "mask_token_id": 0},
+        "dflash_config": {
+            "target_layer_ids": list(config.target_layer_ids),
+            "block_size": config.block_size,
+            "mask_token": MASK_TOKEN,
+            "mask_token_id": 0,
+        },
         "torch_dtype": str(dtype).removeprefix("torch."),
         "drelay_drafter": config.to_dict(),
     }
@@ -77,11 +81,15 @@ def export_sglang(checkpoint: str | Path, out: str | Path, *, dtype: str = "bflo
     config, tensors, meta = read_checkpoint(checkpoint)
     ids = list(config.target_layer_ids)
     if ids != sorted(set(ids)):  # SGLang concatenates the captured layers in layer order
-        raise DRelayError(f"checkpoint '{checkpoint}': target_layer_ids {ids} are not strictly ascending (SGLang captures features in layer order)")
+        raise DRelayError(
+            f"checkpoint '{checkpoint}': target_layer_ids {ids} are not strictly ascending (SGLang captures features in layer order)"
+        )
     n_layers = config.target.num_layers if config.target is not None else None
     if n_layers is not None and max(ids) >= n_layers - 1:
-        raise DRelayError(f"checkpoint '{checkpoint}': target_layer_ids {ids} include the target's last layer {n_layers - 1} "
-                          "(SGLang captures layer k's output before layer k+1 runs, so the last layer cannot be a feature layer)")
+        raise DRelayError(
+            f"checkpoint '{checkpoint}': target_layer_ids {ids} include the target's last layer {n_layers - 1} "
+            "(SGLang captures layer k's output before layer k+1 runs, so the last layer cannot be a feature layer)"
+        )
     has_selector = any(k.startswith("selector.") for k in tensors)
     if has_selector and not (meta.get("selector") or {}).get("name"):
         raise DRelayError(f"checkpoint '{checkpoint}' holds selector tensors but no meta.selector name")

@@ -49,7 +49,8 @@ _FIXED = {
     "draft_to_target": "d2t",
 }
 _LAYER = {
-    "in_norm": "input_layernorm", "post_norm": "post_attention_layernorm",
+    "in_norm": "input_layernorm",
+    "post_norm": "post_attention_layernorm",
     **{p: f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")},
     **{p: f"mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")},
 }
@@ -119,13 +120,17 @@ class DRelayDraftModel(nn.Module):
         own = drafter.state_dict()
         missing = sorted(set(own) - set(self._weights))
         if missing:
-            raise DRelayError(f"exported checkpoint is missing drafter tensors: {', '.join(exported_name(n) for n in missing[:5])}")
+            raise DRelayError(
+                f"exported checkpoint is missing drafter tensors: {', '.join(exported_name(n) for n in missing[:5])}"
+            )
         drafter.load_state_dict({k: v for k, v in self._weights.items() if k in own})
         self.drafter = drafter.eval()
         saved = self.hf_config.get("drelay_selector") or {}
         if saved:
             extra = {k: v for k, v in self._weights.items() if k.startswith("selector.")}
-            self.selector = default_registry().from_checkpoint(saved["name"], drafter=self.drafter, tensors=extra, meta={"selector": saved})
+            self.selector = default_registry().from_checkpoint(
+                saved["name"], drafter=self.drafter, tensors=extra, meta={"selector": saved}
+            )
         return self
 
     def compute_candidates(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,8 +144,14 @@ class DRelayDraftModel(nn.Module):
         for `max_requests` request-pool slots; None when the export holds no selector."""
         from deploy.sglang.seam import seam_for
 
-        return seam_for(self.selector, self.drafter_config, dtype=self.drafter.fc.weight.dtype,
-                        max_requests=max_requests, max_bs=max_bs, device=device)
+        return seam_for(
+            self.selector,
+            self.drafter_config,
+            dtype=self.drafter.fc.weight.dtype,
+            max_requests=max_requests,
+            max_bs=max_bs,
+            device=device,
+        )
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target) -> "DRelayDraftModel":
@@ -156,4 +167,3 @@ class DRelayDraftModel(nn.Module):
         model = cls(cfg)
         model.load_weights(load_file(str(path / WEIGHTS)).items())
         return model.bind_target(target)
-

@@ -36,7 +36,9 @@ BLOCK_SIZE = 16  # H = 15 slots + the anchor (the paper's setting)
 def validate_server_args(server_args) -> None:
     """DRELAY needs a draft model path and a block of at least 2 tokens; one-line errors."""
     if not getattr(server_args, "speculative_draft_model_path", None):
-        raise ValueError("--speculative-algorithm DRELAY needs --speculative-draft-model-path (a `drelay export --format sglang` directory)")
+        raise ValueError(
+            "--speculative-algorithm DRELAY needs --speculative-draft-model-path (a `drelay export --format sglang` directory)"
+        )
     n = getattr(server_args, "speculative_num_draft_tokens", None)
     if n is not None and int(n) < 2:
         raise ValueError(f"--speculative-num-draft-tokens must be ≥ 2 for DRELAY (got {n})")
@@ -85,7 +87,9 @@ def _spec_class():
     class DRelaySpecAlgo(CustomSpecAlgo):
         def create_future_map(self, device, req_to_token_pool, needs_cpu_seq_lens=True, needs_confidence_relay=False):
             """The overlap scheduler's FutureMap, holding DRELAY (it asks the predicates above)."""
-            return SpeculativeAlgorithm.create_future_map(self, device, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
+            return SpeculativeAlgorithm.create_future_map(
+                self, device, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay
+            )
 
         def get_platform_worker_cls(self):
             """None: DRELAY always runs its own worker (no platform ships a DRELAY worker)."""
@@ -139,8 +143,11 @@ def _worker_class():
             self.draft_model.bind_selector(self._target_worker.model_runner.model.get_input_embeddings().weight)
 
         def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None):
-            super().alloc_memory_pool(memory_pool_config=memory_pool_config, req_to_token_pool=req_to_token_pool,
-                                      token_to_kv_pool_allocator=token_to_kv_pool_allocator)
+            super().alloc_memory_pool(
+                memory_pool_config=memory_pool_config,
+                req_to_token_pool=req_to_token_pool,
+                token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+            )
             # The target's pool: its slots are the batches' req_pool_indices.
             self.selector = install_selector_seam(self.draft_model, self.model_runner.req_to_token_pool, device=self.device)
 

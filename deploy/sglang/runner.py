@@ -55,7 +55,11 @@ class DRelayRunnerModel(DraftRunner):
         # graph, so no call copies the vocabulary head.
         if name == "lm_head":
             object.__setattr__(self, "lm_head", value)
-            object.__setattr__(self, "_draft_head", None if value is None else self.draft_head(value.weight).to(self.fc.weight.dtype).contiguous())
+            object.__setattr__(
+                self,
+                "_draft_head",
+                None if value is None else self.draft_head(value.weight).to(self.fc.weight.dtype).contiguous(),
+            )
             return
         super().__setattr__(name, value)
 
@@ -70,21 +74,31 @@ class DRelayRunnerModel(DraftRunner):
             raise DRelayError(f"DRELAY draft models run with tensor parallelism 1 (got tp_size={get_parallel().tp_size})")
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
-            a.attn = RadixAttention(num_heads=a.num_heads, head_dim=a.head_dim, scaling=a.head_dim**-0.5,
-                                    num_kv_heads=a.num_kv_heads, layer_id=i, attn_type=AttentionType.ENCODER_ONLY)
+            a.attn = RadixAttention(
+                num_heads=a.num_heads,
+                head_dim=a.head_dim,
+                scaling=a.head_dim**-0.5,
+                num_kv_heads=a.num_kv_heads,
+                layer_id=i,
+                attn_type=AttentionType.ENCODER_ONLY,
+            )
 
     @torch.no_grad()
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, get_embedding=False, pp_proxy_tensors=None):
         from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 
-        return LogitsProcessorOutput(next_token_logits=None, hidden_states=self.draft_hidden(positions, input_embeds, forward_batch))
+        return LogitsProcessorOutput(
+            next_token_logits=None, hidden_states=self.draft_hidden(positions, input_embeds, forward_batch)
+        )
 
     # ---- pure torch -----------------------------------------------------------------------------
     def draft_hidden(self, positions: torch.Tensor, input_embeds: torch.Tensor | None, forward_batch) -> torch.Tensor:
         """The block forward through each layer's `attn(q, k, v, forward_batch)`. positions [N],
         input_embeds [N, D] (the target's embedding of [anchor, mask, …] per row) → [N, D]."""
         if input_embeds is None:
-            raise DRelayError("the DRELAY draft forward needs input_embeds (the worker embeds block tokens with the target's embedding)")
+            raise DRelayError(
+                "the DRELAY draft forward needs input_embeds (the worker embeds block tokens with the target's embedding)"
+            )
         if input_embeds.shape[0] == 0:  # an idle batch
             return input_embeds.to(self.fc.weight.dtype)
         attends = [lambda q, k, v, a=layer.self_attn.attn: a(q, k, v, forward_batch) for layer in self.layers]
@@ -108,8 +122,10 @@ class DRelayRunnerModel(DraftRunner):
         from drelay_model.selectors import default_registry
 
         if self.block_size != self.drafter_config.block_size:
-            raise DRelayError(f"the DRELAY selector was trained for blocks of {self.drafter_config.block_size}; "
-                              f"run with --speculative-num-draft-tokens {self.drafter_config.block_size}")
+            raise DRelayError(
+                f"the DRELAY selector was trained for blocks of {self.drafter_config.block_size}; "
+                f"run with --speculative-num-draft-tokens {self.drafter_config.block_size}"
+            )
         view = SimpleNamespace(config=self.drafter_config, embed_weight=embed_weight)  # what selectors size themselves from
         tensors = {"selector." + k.removeprefix("drelay_selector."): v for k, v in self.extra_tensors.items()}
         with torch.device(embed_weight.device):  # built beside the embedding it shares
@@ -120,5 +136,11 @@ class DRelayRunnerModel(DraftRunner):
         """The `candidate_selector` (seam.py) with its verified-feature ring; None without a selector."""
         from deploy.sglang.seam import seam_for
 
-        return seam_for(self.selector, self.drafter_config, dtype=self.fc.weight.dtype,
-                        max_requests=max_requests, max_bs=max_bs, device=device)
+        return seam_for(
+            self.selector,
+            self.drafter_config,
+            dtype=self.fc.weight.dtype,
+            max_requests=max_requests,
+            max_bs=max_bs,
+            device=device,
+        )

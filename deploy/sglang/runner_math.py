@@ -156,7 +156,9 @@ class DraftRunner(nn.Module):
                     self.extra_tensors[name] = tensor
                 elif name in own:
                     if tuple(tensor.shape) != tuple(own[name].shape):
-                        raise DRelayError(f"exported tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
+                        raise DRelayError(
+                            f"exported tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}"
+                        )
                     own[name].copy_(tensor)
                 else:
                     raise DRelayError(f"exported tensor {name} is not part of this drafter")
@@ -169,7 +171,9 @@ class DraftRunner(nn.Module):
     def set_block_size(self, block_size: int) -> None:
         """The worker's resolved S (`--speculative-num-draft-tokens`); at most the trained one."""
         if not 2 <= int(block_size) <= self.drafter_config.block_size:
-            raise ValueError(f"DRELAY block size {block_size} must be in [2, {self.drafter_config.block_size}] (the drafter's trained block)")
+            raise ValueError(
+                f"DRELAY block size {block_size} must be in [2, {self.drafter_config.block_size}] (the drafter's trained block)"
+            )
         self.block_size = int(block_size)
 
     # ---- context: the worker's materialisation hooks -------------------------------------------

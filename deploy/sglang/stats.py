@@ -14,5 +14,9 @@ SPEC_META_KEYS = (VERIFY_CT, HISTOGRAM, ACCEPT_RATE, NUM_CORRECT)
 def spec_fields(meta: dict) -> dict:
     """meta_info → {verify_ct: int, accept_histogram: list[int], accept_rate: float,
     num_correct_drafts: int}; absent keys (a request that never verified) read as zero/empty."""
-    return {"verify_ct": int(meta.get(VERIFY_CT) or 0), "accept_histogram": list(meta.get(HISTOGRAM) or []),
-            "accept_rate": float(meta.get(ACCEPT_RATE) or 0.0), "num_correct_drafts": int(meta.get(NUM_CORRECT) or 0)}
+    return {
+        "verify_ct": int(meta.get(VERIFY_CT) or 0),
+        "accept_histogram": list(meta.get(HISTOGRAM) or []),
+        "accept_rate": float(meta.get(ACCEPT_RATE) or 0.0),
+        "num_correct_drafts": int(meta.get(NUM_CORRECT) or 0),
+    }

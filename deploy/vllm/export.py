@@ -55,7 +55,9 @@ _LAYER_NAMES = {
 }  # fmt: skip
 
 
-def vllm_tensors(config: DrafterConfig, tensors: dict[str, torch.Tensor], head_weight: torch.Tensor | None) -> dict[str, torch.Tensor]:
+def vllm_tensors(
+    config: DrafterConfig, tensors: dict[str, torch.Tensor], head_weight: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
     """Our drafter tensors → vLLM's DFlash names, with `ctx_norm` and each `in_norm` folded in.
 
     Args:

@@ -34,7 +34,11 @@ def build_llm(req: dict):
     kwargs = dict(model=req["model"], dtype="float32", max_model_len=req.get("max_model_len", 2048), seed=0,
                   disable_log_stats=False, enforce_eager=bool(req.get("eager", False)))  # fmt: skip
     if req.get("draft"):
-        kwargs["speculative_config"] = {"method": "dflash", "model": req["draft"], "num_speculative_tokens": req["num_speculative_tokens"]}
+        kwargs["speculative_config"] = {
+            "method": "dflash",
+            "model": req["draft"],
+            "num_speculative_tokens": req["num_speculative_tokens"],
+        }
     return LLM(**kwargs)
 
 

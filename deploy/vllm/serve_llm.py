@@ -23,7 +23,11 @@ def llm_config(spec: dict):
 
     engine = {"dtype": spec["dtype"], "max_model_len": spec["max_model_len"], "disable_log_stats": False}
     if spec.get("draft"):
-        engine["speculative_config"] = {"method": "dflash", "model": spec["draft"], "num_speculative_tokens": spec["num_speculative_tokens"]}
+        engine["speculative_config"] = {
+            "method": "dflash",
+            "model": spec["draft"],
+            "num_speculative_tokens": spec["num_speculative_tokens"],
+        }
     env = {"VLLM_CPU_KVCACHE_SPACE": str(spec["kv_cache_gib"])} if spec["accelerator"] == "cpu" else {}
     extra = {"accelerator_config": {"kind": "cpu"}} if spec["accelerator"] == "cpu" else {}
     return LLMConfig(

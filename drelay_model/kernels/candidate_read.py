@@ -18,9 +18,23 @@ import triton.language as tl
 
 @triton.jit
 def _candidate_attention_kernel(
-    q_ptr, k_ptr, v_ptr, logq_ptr, rel_ptr, mask_ptr, out_ptr,
-    NH, T, H, K, DG, scale,
-    HAS_MASK: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    logq_ptr,
+    rel_ptr,
+    mask_ptr,
+    out_ptr,
+    NH,
+    T,
+    H,
+    K,
+    DG,
+    scale,
+    HAS_MASK: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid_bh, pid_q = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // NH, pid_bh % NH
@@ -79,8 +93,22 @@ def candidate_attention(
     block_q = 16
     grid = (B * nh, triton.cdiv(T, block_q))
     _candidate_attention_kernel[grid](
-        q, k, v, cand_logq.contiguous(), rel_bias.contiguous(), mask, out,
-        nh, T, H, K, dg, 1.0 / math.sqrt(dg),
-        HAS_MASK=key_mask is not None, BLOCK_Q=block_q, BLOCK_T=_block(T), BLOCK_D=_block(dg),
+        q,
+        k,
+        v,
+        cand_logq.contiguous(),
+        rel_bias.contiguous(),
+        mask,
+        out,
+        nh,
+        T,
+        H,
+        K,
+        dg,
+        1.0 / math.sqrt(dg),
+        HAS_MASK=key_mask is not None,
+        BLOCK_Q=block_q,
+        BLOCK_T=_block(T),
+        BLOCK_D=_block(dg),
     )
     return out

@@ -104,7 +104,9 @@ def draft_precisions() -> tuple[str, ...]:
     """What a drafter runs in below float32 here, for keys of what depends on it (cached cost
     curves): its pool's ranking ("rank-bfloat16" / "rank-int8") and int8 short blocks ("int8-blocks")."""
     rank = rank_dtype()
-    return (() if rank is None else (f"rank-{str(rank).removeprefix('torch.')}",)) + (("int8-blocks",) if int8_available() else ())
+    return (() if rank is None else (f"rank-{str(rank).removeprefix('torch.')}",)) + (
+        ("int8-blocks",) if int8_available() else ()
+    )
 
 
 def int8_pays(rows: int) -> bool:
@@ -148,12 +150,21 @@ def pack(weight: torch.Tensor, dtype: torch.dtype | str = torch.float32) -> torc
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype), BATCH_HINT)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | Int8Weight | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | Int8Weight | None
+) -> torch.Tensor:
     """F.linear(x, weight, bias), through the packed weight when it applies. x [..., in] → [..., out]
     (through a bfloat16-packed or int8 weight, x is rounded to bf16 and the output, rounded to
     bf16 by the kernel, comes back in x's dtype; a bfloat16-packed weight's bias is rounded too, an
     int8 weight's is added in x's dtype)."""
-    if packed is None or not _enabled or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_autocast_enabled("cpu") or torch.is_grad_enabled():
+    if (
+        packed is None
+        or not _enabled
+        or x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or torch.is_autocast_enabled("cpu")
+        or torch.is_grad_enabled()
+    ):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     if isinstance(packed, Int8Weight):
@@ -182,7 +193,16 @@ class PackCache:
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
         if torch.compiler.is_compiling() or torch.is_grad_enabled() or weight.is_inference():
             return None  # a traced graph stays plain aten; an inference tensor keeps no version counter
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, tuple(weight.shape), _enabled, _bf16_enabled, _int8_enabled)
+        key = (
+            weight.data_ptr(),
+            weight._version,
+            weight.dtype,
+            weight.device,
+            tuple(weight.shape),
+            _enabled,
+            _bf16_enabled,
+            _int8_enabled,
+        )
         if key != self._key:
             self._packed, self._key = pack(weight, self.dtype), key
         return self._packed

@@ -23,10 +23,33 @@ from drelay_model.selectors.drelay.walk import WalkInputs, WalkResult
 
 @triton.jit
 def _walk_kernel(
-    query_ptr, pre_ptr, rank0_ptr, gate0_ptr, ak_ptr, av_ptr, aq_ptr, ck_ptr, cv_ptr, cq_ptr,
-    outw_ptr, headw_ptr, headb_ptr, pick_ptr, gate_ptr, rank_ptr,
-    H, K, C, scale, tie_tol,
-    NH: tl.constexpr, DG: tl.constexpr, K1P: tl.constexpr, HP: tl.constexpr, RP: tl.constexpr, CP: tl.constexpr,
+    query_ptr,
+    pre_ptr,
+    rank0_ptr,
+    gate0_ptr,
+    ak_ptr,
+    av_ptr,
+    aq_ptr,
+    ck_ptr,
+    cv_ptr,
+    cq_ptr,
+    outw_ptr,
+    headw_ptr,
+    headb_ptr,
+    pick_ptr,
+    gate_ptr,
+    rank_ptr,
+    H,
+    K,
+    C,
+    scale,
+    tie_tol,
+    NH: tl.constexpr,
+    DG: tl.constexpr,
+    K1P: tl.constexpr,
+    HP: tl.constexpr,
+    RP: tl.constexpr,
+    CP: tl.constexpr,
     CONTRAST: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -61,7 +84,9 @@ def _walk_kernel(
             p = tl.exp(s - tl.max(s, axis=1)[:, None])
             p = p / tl.sum(p, axis=1)[:, None]
             read += tl.dot(p, tl.where(cols, vals, 0.0), input_precision="ieee")
-        pre = tl.load(pre_ptr + ((b * H + i) * K1 + offs_k[:, None]) * C + offs_c[None, :], mask=km[:, None] & cm[None, :], other=0.0)
+        pre = tl.load(
+            pre_ptr + ((b * H + i) * K1 + offs_k[:, None]) * C + offs_c[None, :], mask=km[:, None] & cm[None, :], other=0.0
+        )
         x = pre.to(tl.float32) + tl.dot(read, w_c, input_precision="ieee")  # [K1P, CP]
         act = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))  # exact GELU
         corr_rank = tl.sum(act * hw_rank[None, :], axis=1) + hb_rank  # [K1P]
@@ -98,10 +123,40 @@ def walk_triton(w: WalkInputs) -> WalkResult:
     pick = torch.empty(B, H, dtype=torch.long, device=w.query.device)
     gate = torch.empty(B, H, dtype=w.rank0.dtype, device=w.query.device)
     rank = torch.empty(B, H, K, dtype=w.rank0.dtype, device=w.query.device)
-    c = [t.contiguous() for t in (w.query, w.pre, w.rank0, w.gate0, w.anchor_k, w.anchor_v, w.anchor_q,
-                                  w.cand_k, w.cand_v, w.cand_q, w.out_w, w.head_w, w.head_b)]
+    c = [
+        t.contiguous()
+        for t in (
+            w.query,
+            w.pre,
+            w.rank0,
+            w.gate0,
+            w.anchor_k,
+            w.anchor_v,
+            w.anchor_q,
+            w.cand_k,
+            w.cand_v,
+            w.cand_q,
+            w.out_w,
+            w.head_w,
+            w.head_b,
+        )
+    ]
     _walk_kernel[(B,)](
-        *c, pick, gate, rank, H, K, C, dg ** -0.5, TIE_TOL,
-        NH=nh, DG=dg, K1P=_block(K1), HP=_block(H), RP=_block(nh * dg), CP=_block(C), CONTRAST=w.contrast,
+        *c,
+        pick,
+        gate,
+        rank,
+        H,
+        K,
+        C,
+        dg**-0.5,
+        TIE_TOL,
+        NH=nh,
+        DG=dg,
+        K1P=_block(K1),
+        HP=_block(H),
+        RP=_block(nh * dg),
+        CP=_block(C),
+        CONTRAST=w.contrast,
     )
     return WalkResult(pool_index=pick, gate=gate, rank=rank)

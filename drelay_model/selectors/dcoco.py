@@ -105,6 +105,8 @@ class DCOCOSelector(PoolHead):
         c_gold = c[:, :-1].gather(2, t.index[:, :-1, None, None].expand(-1, -1, 1, c.shape[-1]))  # [B, H−1, 1, d]
         delta = self.delta(c_gold, c[:, 1:], block.hidden[:, :-1])[:, :, 0]  # [B, H−1, K]
         scores = torch.cat([block.cand_logq[:, :1].float(), block.cand_logq[:, 1:].float() + delta.float()], dim=1)  # [B, H, K]
-        trans = PoolTargets(covered=torch.cat([torch.zeros_like(t.covered[:, :1]), t.covered[:, 1:] & t.covered[:, :-1]], 1), index=t.index)
+        trans = PoolTargets(
+            covered=torch.cat([torch.zeros_like(t.covered[:, :1]), t.covered[:, 1:] & t.covered[:, :-1]], 1), index=t.index
+        )
         per_token = pool_nll(scores, trans)
         return SelectorTrainLoss(weighted_sum=per_token.sum(), metrics=choice_metrics(scores, block.cand_ids, labels, valid))

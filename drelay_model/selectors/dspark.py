@@ -94,4 +94,3 @@ class DSparkSelector(PoolHead):
         s = self.scores(block, prev)
         per_token = pool_nll(s, PoolTargets.of(block.cand_ids, labels, valid))
         return SelectorTrainLoss(weighted_sum=per_token.sum(), metrics=choice_metrics(s, block.cand_ids, labels, valid))
-

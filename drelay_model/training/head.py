@@ -61,7 +61,12 @@ def _chunk(drafter: BlockDrafter, top_k: int, hidden: torch.Tensor, target: torc
 
 
 def chunked_head(
-    drafter: BlockDrafter, hidden: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    drafter: BlockDrafter,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> HeadOutput:
     """Support CE and pool of R blocks. hidden [R, H, D]; labels [R, H] target ids; mask [R, H] bool."""
     if chunk_tokens < 1:

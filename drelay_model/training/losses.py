@@ -85,7 +85,9 @@ class SelectorLoss:
     p_label: torch.Tensor
 
 
-def selector_loss(gate: torch.Tensor, rank: torch.Tensor, cand_ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> SelectorLoss:
+def selector_loss(
+    gate: torch.Tensor, rank: torch.Tensor, cand_ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
+) -> SelectorLoss:
     """Eq. 3 per token.
 
     Args:
@@ -203,7 +205,9 @@ class JointLoss:
     coverage: torch.Tensor
 
 
-def repair_weights(sel: SelectorLoss, *, beta: float, floor: float = 0.1, cap: float = 4.0, uniform: bool = False) -> torch.Tensor:
+def repair_weights(
+    sel: SelectorLoss, *, beta: float, floor: float = 0.1, cap: float = 4.0, uniform: bool = False
+) -> torch.Tensor:
     """Prefix-value weights w_t for the selector term: Eq. 5 credit, normalised per block, blended
     with uniform weights by β (`uniform=True`: the "Uniform repair weights" ablation). → [B, H]."""
     valid = sel.covered

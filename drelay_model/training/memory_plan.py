@@ -130,7 +130,9 @@ def _attention_bytes(attention: str, a: int, b: int, nh: int, nkv: int, hd: int,
     return expanded + 4 * b * nh * Q * Ck, 3 * b * Q * Ck
 
 
-def _drafter_step_activations(t: TargetShape, d: DrafterShape, s: SelectorShape | None, st: StepShape, attention: str | bool = SDPA_GQA) -> dict[str, int]:
+def _drafter_step_activations(
+    t: TargetShape, d: DrafterShape, s: SelectorShape | None, st: StepShape, attention: str | bool = SDPA_GQA
+) -> dict[str, int]:
     """Activation stages of the joint step. `attention` is a path name (drelay_model/attention.py);
     True / False mean a fused path without expansion / the math fallback."""
     if isinstance(attention, bool):

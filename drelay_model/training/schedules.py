@@ -19,4 +19,3 @@ def lr_at(step: int, *, base: float, warmup: int, total: int) -> float:
         return base * (step + 1) / warmup
     progress = min((step - warmup) / max(total - warmup, 1), 1.0)
     return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-

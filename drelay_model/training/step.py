@@ -139,7 +139,7 @@ def _plan(core: DraftTrainModule, input_ids, loss_mask, features, labels_src, cf
 def _micro_step(model, core: DraftTrainModule, input_ids, features, plan: _Plan, rows: slice, cfg: StepConfig) -> StepOutput:
     """Eq. 4 on the sequences `rows` of the step, divided by the whole step's Σ m:
 
-        L = [Σ m·w_slot·(−log q(y)) + α_t Σ m·w·ℓ_sel] / Σ m,  the selector's term from its own loss.
+    L = [Σ m·w_slot·(−log q(y)) + α_t Σ m·w·ℓ_sel] / Σ m,  the selector's term from its own loss.
     """
     drafter, selector = core.drafter, core.selector
     H = drafter.config.num_slots
@@ -152,7 +152,11 @@ def _micro_step(model, core: DraftTrainModule, input_ids, features, plan: _Plan,
         if selector.capabilities.history_len:
             history, hmask = history_windows(feats, anchors, selector.capabilities.history_len)
         knobs = SelectorLossKnobs(
-            beta=cfg.beta, credit_floor=cfg.credit_floor, credit_cap=cfg.credit_cap, credit=cfg.switches.credit, progress=cfg.progress
+            beta=cfg.beta,
+            credit_floor=cfg.credit_floor,
+            credit_cap=cfg.credit_cap,
+            credit=cfg.switches.credit,
+            progress=cfg.progress,
         )
         sel_inputs = SelectorTrainInputs(labels=labels, valid=valid, history=history, history_mask=hmask, knobs=knobs)
     head, sel_out = model(torch.gather(input_ids[rows], 1, anchors), anchors, feats, labels, valid, sel_inputs, cfg.chunk_tokens)
@@ -203,7 +207,16 @@ def training_step(
 
 
 def training_step_backward(
-    model, core, input_ids, loss_mask, features, cfg: StepConfig, generator, *, label_ids=None, autocast_dtype: torch.dtype | None = None
+    model,
+    core,
+    input_ids,
+    loss_mask,
+    features,
+    cfg: StepConfig,
+    generator,
+    *,
+    label_ids=None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> StepOutput:
     """`training_step` plus its backward, in `cfg.micro_batches` passes over disjoint sequences.
 
@@ -289,4 +302,15 @@ def unwrap(module: nn.Module) -> nn.Module:
     return getattr(module, "module", module)
 
 
-__all__ = ["DraftBlock", "DraftTrainModule", "StepConfig", "StepOutput", "decision_metrics", "decision_outcomes", "history_windows", "training_step", "training_step_backward", "unwrap"]
+__all__ = [
+    "DraftBlock",
+    "DraftTrainModule",
+    "StepConfig",
+    "StepOutput",
+    "decision_metrics",
+    "decision_outcomes",
+    "history_windows",
+    "training_step",
+    "training_step_backward",
+    "unwrap",
+]

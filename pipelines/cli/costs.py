@@ -17,7 +17,9 @@ def add_parser(sub) -> None:
     add_target(p)
     p.add_argument("--method", default=NATIVE, help=f"selector: {', '.join(method_names()[1:])}")
     p.add_argument("--checkpoint", help="drafter checkpoint directory (default: the one bundled for the target)")
-    p.add_argument("--random-drafter", action="store_true", help="an untrained drafter (timing only: costs do not depend on training)")
+    p.add_argument(
+        "--random-drafter", action="store_true", help="an untrained drafter (timing only: costs do not depend on training)"
+    )
     p.add_argument("--reps", type=int, default=9, help="interleaved repetitions whose median each term is (1–99; default 9)")
     p.add_argument("--show", action="store_true", help="print the cached curve without measuring")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -38,8 +40,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(dataclasses.asdict(costs)))
         return 0
-    print(f"drafter block {costs.block_ms:.1f} ms + LM head {costs.head_ms:.2f} ms/slot + select {costs.select_ms:.1f} ms"
-          f" (+ {costs.select_slot_ms:.2f} ms per further decided slot) + context extension {costs.extend_ms:.1f} ms")
+    print(
+        f"drafter block {costs.block_ms:.1f} ms + LM head {costs.head_ms:.2f} ms/slot + select {costs.select_ms:.1f} ms"
+        f" (+ {costs.select_slot_ms:.2f} ms per further decided slot) + context extension {costs.extend_ms:.1f} ms"
+    )
     if costs.draft_slots_ms:
         print("draft(h slots) ms: " + "  ".join(f"{h}:{ms:.1f}" for h, ms in enumerate(costs.draft_slots_ms, start=1)))
     print("verify(t) ms: " + "  ".join(f"{t}:{ms:.1f}" for t, ms in enumerate(costs.verify_ms, start=1)))

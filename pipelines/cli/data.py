@@ -24,14 +24,20 @@ def add_parser(sub) -> None:
                         "(data.max_seq_len minus the prompt budget) from a training config")  # fmt: skip
     p.add_argument("--target", help="target spec (default: smollm2-135m, or the --config's target.spec)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA when present (bf16 there)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: the --config's target.dtype, else bfloat16 on CUDA, float32 on CPU")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        help="default: the --config's target.dtype, else bfloat16 on CUDA, float32 on CPU",
+    )
     p.add_argument("--sources", default=",".join(DEFAULT_TRAIN_SOURCES), help="comma-separated corpus names")
     p.add_argument("--sharegpt", metavar="FILE", help="a ShareGPT-style JSON/JSONL file instead of the built-in corpus")
     p.add_argument("--out", help="output JSONL (default: data/regenerated/<target>.jsonl)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, help="per answer (default: 256, or data.max_seq_len − 1024 with --config)")
     p.add_argument("--limit", type=int, help="only the first N conversations (smoke runs)")
-    p.add_argument("--shard", metavar="K/N", help="process every N-th conversation from the K-th (parallel processes, one file each)")
+    p.add_argument(
+        "--shard", metavar="K/N", help="process every N-th conversation from the K-th (parallel processes, one file each)"
+    )
     p.set_defaults(run=run_regenerate)
 
 

@@ -64,7 +64,9 @@ def resolve_specs(values: list[str], methods: tuple[str, ...], *, target: str, r
         name, eq, path = v.partition("=")
         if eq and not Path(v).is_dir():
             if name not in method_names() or name == AR:
-                raise DRelayError(f"--checkpoint {v}: '{name}' is not a speculative method (choose from: {', '.join(method_names()[1:])})")
+                raise DRelayError(
+                    f"--checkpoint {v}: '{name}' is not a speculative method (choose from: {', '.join(method_names()[1:])})"
+                )
             if name not in methods:
                 raise DRelayError(f"--checkpoint {v}: method '{name}' is not in --methods")
             per[name] = path
@@ -101,10 +103,14 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_benchmarks(config.benchmarks, limit=config.limit, seed=config.subset_seed, data_dir=config.data_dir)
     target = load_target_spec(config.target, device=args.device, dtype=args.dtype)
     methods = {s.name: MethodUnderTest.load(s, target) for s in config.specs}
-    evaluation = Evaluation(config, target, methods, prompts, encoder_for(target), cell_store(out_dir), progress=not args.no_progress)
+    evaluation = Evaluation(
+        config, target, methods, prompts, encoder_for(target), cell_store(out_dir), progress=not args.no_progress
+    )
     evaluation.check_prompt_lengths()
     with sigterm_as_exit(), ExitStack() as stack:
-        summary = run_session(evaluation, run_name=run_name, out_dir=out_dir, experiment=None if args.no_mlflow else args.experiment, stack=stack)
+        summary = run_session(
+            evaluation, run_name=run_name, out_dir=out_dir, experiment=None if args.no_mlflow else args.experiment, stack=stack
+        )
     print(summary.text)
     for line in summary.warnings:
         print(f"drelay: warning: {line}", file=sys.stderr)

@@ -18,7 +18,9 @@ from pipelines.common.methods import AR, NATIVE, MethodSpec, load_target_spec, m
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text with speculative decoding", description=__doc__)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--chat", action="append", metavar="MESSAGE", help="a user message; the chat template is applied (repeatable)")
+    src.add_argument(
+        "--chat", action="append", metavar="MESSAGE", help="a user message; the chat template is applied (repeatable)"
+    )
     src.add_argument("--prompt", action="append", metavar="TEXT", help="raw prompt text, no template (repeatable)")
     src.add_argument("--prompts-file", metavar="FILE", help="one chat message per line")
     add_target(p)

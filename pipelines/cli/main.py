@@ -17,7 +17,23 @@ from drelay_model.errors import DRelayError
 
 # The command modules under pipelines/cli/, in `drelay --help` order. A new command is a new module
 # plus one entry here.
-COMMANDS = ("generate", "costs", "data", "train", "eval", "report", "compare", "study", "tune", "plan", "serve", "serve_bench", "export", "submit", "jobs")
+COMMANDS = (
+    "generate",
+    "costs",
+    "data",
+    "train",
+    "eval",
+    "report",
+    "compare",
+    "study",
+    "tune",
+    "plan",
+    "serve",
+    "serve_bench",
+    "export",
+    "submit",
+    "jobs",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

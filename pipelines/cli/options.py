@@ -27,7 +27,12 @@ def add_target(p: argparse.ArgumentParser) -> None:
 
 
 def add_max_new_tokens(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help=f"per prompt or turn (default: {DEFAULT_MAX_NEW_TOKENS})")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help=f"per prompt or turn (default: {DEFAULT_MAX_NEW_TOKENS})",
+    )
 
 
 def add_verify_length(p: argparse.ArgumentParser) -> None:
@@ -55,7 +60,9 @@ def add_run_outputs(p: argparse.ArgumentParser, *, kind: str, experiment: str) -
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
-def decode_config(max_new_tokens: int, temperature: float = 0.0, seed: int = 0, *, draft_sampling: bool = True) -> GenerationConfig:
+def decode_config(
+    max_new_tokens: int, temperature: float = 0.0, seed: int = 0, *, draft_sampling: bool = True
+) -> GenerationConfig:
     """A GenerationConfig from flags; its one-line errors name the flag, not the field."""
     try:
         return GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, draft_sampling=draft_sampling)

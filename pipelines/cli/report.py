@@ -16,7 +16,14 @@ from pipelines.eval.tracking import build_table
 
 def add_parser(sub) -> None:
     p = sub.add_parser("report", help="comparison table (Table 1 layout) from MLflow evaluation runs", description=__doc__)
-    p.add_argument("--run", dest="runs", action="append", default=[], metavar="NAME_OR_ID", help="evaluation run (repeatable; default: latest)")
+    p.add_argument(
+        "--run",
+        dest="runs",
+        action="append",
+        default=[],
+        metavar="NAME_OR_ID",
+        help="evaluation run (repeatable; default: latest)",
+    )
     p.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help=f"MLflow experiment (default: {DEFAULT_EXPERIMENT})")
     p.add_argument("--out", metavar="DIR", help="also write report.md, report.csv and relative.csv here")
     p.add_argument("--plots", action="store_true", help="with --out: redraw the plots from the logged metrics")

@@ -1,6 +1,6 @@
 """`drelay tune`: sweep a training config's values with Ray Tune (each trial a Ray Train run).
 
-    drelay tune --config platform/sweeps/smollm2-135m.yaml [--resume]
+drelay tune --config platform/sweeps/smollm2-135m.yaml [--resume]
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from drelay_model.kernels import cpu_linear
 from drelay_model.target.loading import cache_root
 from pipelines.common.methods import MethodSpec
 
+
 def processor_model(device: str) -> str:
     """The CPU's model name (Linux /proc/cpuinfo; `platform.processor()` elsewhere) or the GPU's."""
     if device == "cuda":
@@ -44,7 +45,9 @@ def costs_path(target_spec: str, spec: MethodSpec, device: str = "cpu", *, packe
     return cache_root() / "costs" / name.replace("/", "_")
 
 
-def verify_costs(target, drafter, selector, *, target_spec: str, spec: MethodSpec, remeasure: bool = False, reps: int = 9) -> VerifyCosts:
+def verify_costs(
+    target, drafter, selector, *, target_spec: str, spec: MethodSpec, remeasure: bool = False, reps: int = 9
+) -> VerifyCosts:
     """The cached cost curve, measured (and cached) on first use or when `remeasure` (the median of
     `reps` interleaved repetitions per term)."""
     device = str(target.embed_weight.device.type)
@@ -53,7 +56,10 @@ def verify_costs(target, drafter, selector, *, target_spec: str, spec: MethodSpe
         costs = VerifyCosts.load(path)
         if costs.version >= COSTS_VERSION:
             return costs
-        print(f"the cached costs at {path} predate what is measured now (version {costs.version} < {COSTS_VERSION}): re-measuring", file=sys.stderr)
+        print(
+            f"the cached costs at {path} predate what is measured now (version {costs.version} < {COSTS_VERSION}): re-measuring",
+            file=sys.stderr,
+        )
     print(f"measuring verification costs once for {target_spec}/{spec.name} (cached at {path})", file=sys.stderr)
     costs = measure_costs(target, drafter, selector, reps=reps)
     costs.save(path)

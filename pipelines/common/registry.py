@@ -26,7 +26,9 @@ _REF = re.compile(r"^models:/(?P<name>[A-Za-z0-9][\w.+-]*)(?:@(?P<alias>[\w-]+)|
 _NAME = re.compile(r"^[A-Za-z0-9][\w.+-]{0,99}$")
 
 
-def register_checkpoint(run_id: str, name: str, *, artifact_path: str = "drafter", alias: str | None = CHAMPION, client=None) -> str:
+def register_checkpoint(
+    run_id: str, name: str, *, artifact_path: str = "drafter", alias: str | None = CHAMPION, client=None
+) -> str:
     """Register the run's `artifact_path` folder as a new version of model `name`; point `alias` at it.
     Returns the version (a string, as MLflow numbers them)."""
     from mlflow.exceptions import MlflowException
@@ -82,7 +84,9 @@ def resolve_checkpoint(ref: str, *, client=None) -> str:
     try:
         mv = client.get_model_version_by_alias(name, m["alias"]) if m["alias"] else client.get_model_version(name, m["version"])
     except MlflowException as exc:
-        raise DRelayError(f"checkpoint '{ref}': not in the registry at {client.tracking_uri} ({str(exc).splitlines()[0][:160]})") from exc
+        raise DRelayError(
+            f"checkpoint '{ref}': not in the registry at {client.tracking_uri} ({str(exc).splitlines()[0][:160]})"
+        ) from exc
     dest = local_dir(join(output_root(), "cache", "models", name, str(mv.version)), "checkpoint cache")
     if not (dest / "drafter_config.json").is_file():
         _download(client, mv.source, dest, ref)
@@ -98,7 +102,9 @@ def _download(client, source: str, dest: Path, ref: str) -> None:
 
     try:
         with atomic_directory(dest) as tmp:
-            got = Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp), tracking_uri=client.tracking_uri))
+            got = Path(
+                mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp), tracking_uri=client.tracking_uri)
+            )
             if got != Path(tmp):  # downloaded as tmp/<last component>: flatten
                 for item in got.iterdir():
                     shutil.move(str(item), tmp)

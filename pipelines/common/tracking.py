@@ -97,11 +97,7 @@ class TrackedRun:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [
-            Metric(key, float(v), now, step or 0)
-            for key, v in metrics.items()
-            if v is not None and math.isfinite(float(v))
-        ]
+        batch = [Metric(key, float(v), now, step or 0) for key, v in metrics.items() if v is not None and math.isfinite(float(v))]
         for i in range(0, len(batch), 1000):  # MLflow's batch limit
             self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
 
@@ -177,9 +173,7 @@ def _terminate(client, run_id: str, status: str) -> None:
         logging.getLogger(__name__).warning("could not mark MLflow run %s %s: %s", run_id, status, exc)
 
 
-def fail_stale_runs(
-    experiment: str, *, client=None, older_than_s: float | None = None, run_name: str | None = None
-) -> list[str]:
+def fail_stale_runs(experiment: str, *, client=None, older_than_s: float | None = None, run_name: str | None = None) -> list[str]:
     """Mark RUNNING runs of an experiment FAILED when their process is gone; returns their ids.
 
     A run is stale if it was started on this host by a pid that no longer exists, or — when

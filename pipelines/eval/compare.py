@@ -175,7 +175,9 @@ def select_cost(target, method: MethodUnderTest, prompt_ids: list[int], reps: in
 
 def _replay_one(target, method, bench, prompts, ar_cell, encoder, fp, progress) -> VariantCell:
     t0 = time.perf_counter()
-    with tqdm(total=len(prompts), desc=f"{bench}/{method.name}", unit="prompt", leave=False, disable=not progress, file=sys.stderr) as bar:
+    with tqdm(
+        total=len(prompts), desc=f"{bench}/{method.name}", unit="prompt", leave=False, disable=not progress, file=sys.stderr
+    ) as bar:
         res, per_prompt = replay_cell(target, method, prompts, encoder, ar_cell.outputs, bar=bar)
     return VariantCell(
         benchmark=bench, label=method.name, fingerprint=fp, replay=res,
@@ -220,7 +222,10 @@ class ComparisonSummary:
 
 
 def summarize(
-    cells: Mapping[tuple[str, str], VariantCell], variants: Sequence[Variant], benchmarks: Sequence[str], baseline: str,
+    cells: Mapping[tuple[str, str], VariantCell],
+    variants: Sequence[Variant],
+    benchmarks: Sequence[str],
+    baseline: str,
     costs: Mapping[str, dict[str, float]] | None = None,
 ) -> ComparisonSummary:
     """Means over benchmarks (each benchmark weighs the same, as in the paper's Avg. column), plus
@@ -245,4 +250,13 @@ def summarize(
     return ComparisonSummary(baseline, list(benchmarks), metrics)
 
 
-__all__ = ["ComparisonSummary", "Variant", "VariantCell", "parse_variants", "replay_store", "replay_variants", "select_cost", "summarize"]
+__all__ = [
+    "ComparisonSummary",
+    "Variant",
+    "VariantCell",
+    "parse_variants",
+    "replay_store",
+    "replay_variants",
+    "select_cost",
+    "summarize",
+]

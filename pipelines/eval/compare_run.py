@@ -63,7 +63,9 @@ def run_compare(job: CompareJob) -> int:
     run_name = job.run_name or job.default_run_name([v.label for v in variants])
     if any(q in run_name for q in "'\"`/"):
         raise DRelayError(f"--run-name must not contain quotes or slashes, got {run_name!r}")
-    out_dir = ensure_writable_dir(local_dir(resolve_path(job.out or f"outputs/compare/{run_name}"), "--out"), "--out", create=False)
+    out_dir = ensure_writable_dir(
+        local_dir(resolve_path(job.out or f"outputs/compare/{run_name}"), "--out"), "--out", create=False
+    )
     prompts = load_benchmarks(benchmarks, limit=job.limit, seed=job.subset_seed, data_dir=job.data_dir)
     target = load_target_spec(job.target, device=job.device, dtype=job.dtype)
     encoder = encoder_for(target)
@@ -71,7 +73,9 @@ def run_compare(job: CompareJob) -> int:
     # 1. References: the target's greedy continuations (the AR cell of `drelay eval`, cached).
     config = EvalConfig(target=job.target, specs=(MethodSpec(AR),), benchmarks=benchmarks, decode=job.decode,
                         limit=job.limit, subset_seed=job.subset_seed, data_dir=job.data_dir, diagnostics=False)  # fmt: skip
-    evaluation = Evaluation(config, target, {AR: MethodUnderTest(AR)}, prompts, encoder, cell_store(out_dir), progress=job.progress)
+    evaluation = Evaluation(
+        config, target, {AR: MethodUnderTest(AR)}, prompts, encoder, cell_store(out_dir), progress=job.progress
+    )
     evaluation.check_prompt_lengths()
     with sigterm_as_exit(), ExitStack() as stack:
         ar_cells = {b: c for (b, _), c in evaluation.run().items()}
@@ -108,7 +112,9 @@ def _track(stack, job: CompareJob, run_name, variants, baseline, benchmarks, sum
               "baseline": baseline, **{f"variant.{v.label}": f"{v.checkpoint}:{v.selector}" for v in variants}}  # fmt: skip
     tags = run_tags("compare", target=job.target, method=",".join(v.label for v in variants))
     parent = attach(client, job.parent_run_id) if job.parent_run_id else None
-    run = stack.enter_context(tracked_run(job.experiment, run_name=run_name, tags=tags, params=params, client=client, parent=parent))
+    run = stack.enter_context(
+        tracked_run(job.experiment, run_name=run_name, tags=tags, params=params, client=client, parent=parent)
+    )
     run.log_metrics({f"{v}/{k}": x for v, m in summary.metrics.items() for k, x in m.items()})
     for f in files:
         run.log_artifact(f)

@@ -72,7 +72,11 @@ def _error_bars(v: dict[str, float], benchmarks: Sequence[str], key: str, vals: 
 
 def _highest(spec: dict[str, dict[str, float]], benchmarks: Sequence[str], key: str) -> float:
     """Top of the tallest bar (value + std) or 1, for axis headroom above the legend."""
-    tops = [max(v.get(f"{b}/{key}", 0.0) + v.get(f"{b}/{key}_std", 0.0), v.get(f"{b}/{key}_p75", 0.0)) for v in spec.values() for b in benchmarks]
+    tops = [
+        max(v.get(f"{b}/{key}", 0.0) + v.get(f"{b}/{key}_std", 0.0), v.get(f"{b}/{key}_p75", 0.0))
+        for v in spec.values()
+        for b in benchmarks
+    ]
     return max([1.0] + tops + [v.get(f"mean_{key}", 0.0) for v in spec.values()])
 
 

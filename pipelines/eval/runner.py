@@ -305,7 +305,9 @@ class Evaluation:
         for bench, prompts in self.prompts.items():
             for p in prompts:
                 n = len(self.encoder.encode(p.turns[:1], []))
-                self.config.decode.check_prompt(n, max_positions=self.target.max_positions, num_slots=slots, what=f"{bench} prompt {p.prompt_id!r}")
+                self.config.decode.check_prompt(
+                    n, max_positions=self.target.max_positions, num_slots=slots, what=f"{bench} prompt {p.prompt_id!r}"
+                )
 
     def fingerprint(self, benchmark: str, method: str) -> str:
         c = self.config
@@ -326,7 +328,9 @@ class Evaluation:
         """All cells, benchmark-major (AR first per benchmark); finished cells are loaded, not rerun."""
         c = self.config
         cells: dict[CellKey, CellResult] = {}
-        with tqdm(total=len(c.benchmarks) * len(c.methods), desc="cells", unit="cell", disable=not self.progress, file=sys.stderr) as bar:
+        with tqdm(
+            total=len(c.benchmarks) * len(c.methods), desc="cells", unit="cell", disable=not self.progress, file=sys.stderr
+        ) as bar:
             for bench in c.benchmarks:
                 for name in c.methods:
                     bar.set_postfix_str(f"{bench}/{name}")
@@ -355,15 +359,26 @@ class Evaluation:
         for seed in c.run_seeds:
             for conc in c.concurrency:
                 desc = f"{bench}/{name} seed={seed} c={conc}"
-                with tqdm(total=len(prompts), desc=desc, unit="prompt", leave=False, disable=not self.progress, file=sys.stderr) as bar:
-                    po = decode_pass(engine, prompts, self.encoder, config=c, seed=seed, concurrency=conc, reference=reference, bar=bar)
+                with tqdm(
+                    total=len(prompts), desc=desc, unit="prompt", leave=False, disable=not self.progress, file=sys.stderr
+                ) as bar:
+                    po = decode_pass(
+                        engine, prompts, self.encoder, config=c, seed=seed, concurrency=conc, reference=reference, bar=bar
+                    )
                 cell.passes.append(PassResult(seed, conc, po.totals))
                 if conc == c.concurrency[0]:
                     cell.prompts += po.records
                     if name == AR and c.greedy and seed == c.run_seeds[0]:
                         cell.outputs = po.outputs
         if c.greedy and c.diagnostics and method.drafter is not None and ar_cell is not None:
-            with tqdm(total=len(prompts), desc=f"{bench}/{name} replay", unit="prompt", leave=False, disable=not self.progress, file=sys.stderr) as bar:
+            with tqdm(
+                total=len(prompts),
+                desc=f"{bench}/{name} replay",
+                unit="prompt",
+                leave=False,
+                disable=not self.progress,
+                file=sys.stderr,
+            ) as bar:
                 cell.replay, per_prompt = replay_cell(self.target, method, prompts, self.encoder, ar_cell.outputs, bar=bar)
             for r in cell.prompts:
                 r.tau_replay, r.oracle_tau = per_prompt.get((r.prompt_id, r.turn), (None, None))

@@ -67,11 +67,15 @@ def connect(experiment: str, run_name: str):
         fail_stale_runs(experiment, client=client, run_name=run_name)
     except (MlflowException, OSError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DRelayError(f"MLflow tracking store {client.tracking_uri} is not usable ({first}); pass --no-mlflow to skip it") from exc
+        raise DRelayError(
+            f"MLflow tracking store {client.tracking_uri} is not usable ({first}); pass --no-mlflow to skip it"
+        ) from exc
     return client
 
 
-def run_session(evaluation: Evaluation, *, run_name: str, out_dir: Path, experiment: str | None, stack: ExitStack) -> SessionSummary:
+def run_session(
+    evaluation: Evaluation, *, run_name: str, out_dir: Path, experiment: str | None, stack: ExitStack
+) -> SessionSummary:
     """Run all cells; with `experiment`, inside a tracked parent run (ended by `stack`'s owner)."""
     c = evaluation.config
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -100,7 +104,9 @@ def run_session(evaluation: Evaluation, *, run_name: str, out_dir: Path, experim
         tracker.parent.set_tags({"drelay.resumed_cells": summary.resumed_cells})
         tracker.log_summary(summary.method_metrics, summary.files, summary.plots)
         summary.run_id = tracker.parent.run_id
-        summary.text += f"MLflow: run '{run_name}' ({summary.run_id}) in experiment '{experiment}' at {tracker.parent.client.tracking_uri}\n"
+        summary.text += (
+            f"MLflow: run '{run_name}' ({summary.run_id}) in experiment '{experiment}' at {tracker.parent.client.tracking_uri}\n"
+        )
     return summary
 
 
@@ -108,9 +114,7 @@ def summarize(evaluation: Evaluation, cells: dict[CellKey, CellResult], out_dir:
     """Per-method metrics, summary.json, report files and plots; warnings for broken invariants."""
     c = evaluation.config
     ar_cells = {b: cells[(b, AR)] for b in c.benchmarks}
-    per_method = {
-        m: method_metrics([cells[(b, m)] for b in c.benchmarks], ar_cells, c.concurrency) for m in c.methods
-    }
+    per_method = {m: method_metrics([cells[(b, m)] for b in c.benchmarks], ar_cells, c.concurrency) for m in c.methods}
     n_prompts = sum(len(evaluation.prompts[b]) for b in c.benchmarks)
     title = title_of(c, n_prompts)
     ar_tps = per_method[AR].get(f"throughput/c{c.concurrency[0]}", 0.0)
@@ -140,4 +144,3 @@ def invariant_warnings(c: EvalConfig, cells: dict[CellKey, CellResult], ar_cells
         if metrics.get("tau_replay_gap", 0.0) > REPLAY_TOLERANCE:
             out.append(f"{bench}/{m}: replay τ {metrics['tau_replay']:.4f} ≠ decoding τ {metrics['tau']:.4f}")
     return out
-

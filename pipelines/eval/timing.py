@@ -27,8 +27,8 @@ TIMINGS = ("paired", "phased")
 class CpuMeter:
     """Share of the machine's CPU used by *other* processes over an interval:
 
-        (Δ busy CPU-seconds of the whole machine − Δ CPU-seconds of this process and its children)
-        ÷ (Δ wall seconds × logical CPUs), clamped to [0, 1].
+    (Δ busy CPU-seconds of the whole machine − Δ CPU-seconds of this process and its children)
+    ÷ (Δ wall seconds × logical CPUs), clamped to [0, 1].
     """
 
     def __init__(self) -> None:

@@ -52,9 +52,16 @@ class EvalTracker:
 
     def log_cell(self, cell: CellResult, metrics: dict[str, float], *, loaded: bool, cell_file: Path, work_dir: Path) -> None:
         """One nested cell run, and the cell's `<benchmark>/…` metrics on its method run."""
-        tags = {LEVEL_TAG: "cell", "drelay.benchmark": cell.benchmark, "drelay.method": cell.method, "drelay.resumed": str(loaded).lower()}
+        tags = {
+            LEVEL_TAG: "cell",
+            "drelay.benchmark": cell.benchmark,
+            "drelay.method": cell.method,
+            "drelay.resumed": str(loaded).lower(),
+        }
         with self.method_run(cell.method).child(f"{cell.benchmark}/{cell.method}", tags=tags) as run:
-            run.log_params({"benchmark": cell.benchmark, "method": cell.method, "prompts": len({p.prompt_id for p in cell.prompts})})
+            run.log_params(
+                {"benchmark": cell.benchmark, "method": cell.method, "prompts": len({p.prompt_id for p in cell.prompts})}
+            )
             run.log_metrics(metrics)
             _log_series(run, "slot_acceptance", metrics, "slot_acceptance/")
             _log_series(run, "throughput", metrics, "throughput/c")

@@ -74,7 +74,10 @@ def train_runs(configs: dict[str, RunConfig], todo: list[str], *, parent_run_id:
             continue
         print(f"[study] training {label} …", flush=True)
         result = run_training(cfg, parent_run_id=parent_run_id)
-        print(f"[study] {label}: {result.checkpoint} · " + json.dumps({k: round(v, 4) for k, v in result.metrics.items() if k.startswith("val/")}))
+        print(
+            f"[study] {label}: {result.checkpoint} · "
+            + json.dumps({k: round(v, 4) for k, v in result.metrics.items() if k.startswith("val/")})
+        )
 
 
 def compare_and_ship(spec: StudySpec, configs: dict[str, RunConfig], *, progress: bool, parent_run_id: str | None = None) -> None:

@@ -166,7 +166,9 @@ class RunConfig(StrictConfig):
     def _consistent(self) -> "RunConfig":
         if self.drafter.draft_vocab_size is not None and self.drafter.draft_vocab_size < self.drafter.top_k:
             raise ValueError("drafter.draft_vocab_size must be ≥ drafter.top_k")
-        if self.drafter.freeze and (self.drafter.init_checkpoint is None or not self.selector.trains_selector or not self.train.selector_loss):
+        if self.drafter.freeze and (
+            self.drafter.init_checkpoint is None or not self.selector.trains_selector or not self.train.selector_loss
+        ):
             raise ValueError("drafter.freeze needs drafter.init_checkpoint, a trainable selector.name and train.selector_loss")
         return self
 

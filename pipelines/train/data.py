@@ -122,6 +122,7 @@ def reference_sequences(conversations, tokenizer, *, max_seq_len: int) -> list[T
 
 def split_validation(seqs: list[TrainSequence], fraction: float) -> tuple[list[TrainSequence], list[TrainSequence]]:
     """Deterministic split by a hash of the conversation id (all turns of a conversation together)."""
+
     def bucket(s: TrainSequence) -> float:
         digest = hashlib.sha1(s.seq_id.split("#")[0].encode()).digest()
         return int.from_bytes(digest[:4], "big") / 2**32

@@ -61,8 +61,12 @@ def scaling_config(cfg: RunConfig):
     resources = {"CPU": cfg.ray.cpus_per_worker}
     if cfg.ray.use_gpu:
         resources["GPU"] = cfg.ray.gpus_per_worker
-    return ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=cfg.ray.use_gpu, resources_per_worker=resources,
-                         accelerator_type=cfg.ray.accelerator_type)
+    return ScalingConfig(
+        num_workers=cfg.ray.num_workers,
+        use_gpu=cfg.ray.use_gpu,
+        resources_per_worker=resources,
+        accelerator_type=cfg.ray.accelerator_type,
+    )
 
 
 def check_device(cfg: RunConfig) -> None:
@@ -118,8 +122,13 @@ def run_training(
         run.log_params(_flat(cfg.model_dump(mode="json")))
         worker_cfg.update(extra_worker_config or {}, _mlflow_run_id=run.run_id, _mlflow_uri=client.tracking_uri)
         if not ray.is_initialized():
-            ray.init(address=cfg.ray.address, include_dashboard=True, log_to_driver=True, configure_logging=True,
-                     runtime_env=cfg.ray.runtime_env or None)
+            ray.init(
+                address=cfg.ray.address,
+                include_dashboard=True,
+                log_to_driver=True,
+                configure_logging=True,
+                runtime_env=cfg.ray.runtime_env or None,
+            )
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config=worker_cfg,

@@ -28,7 +28,9 @@ def target_features(target, ids: torch.Tensor, layers: tuple[int, ...], *, bf16:
     ids = ids.to(target.device)
     cache = target.new_cache(ids.shape[0], ids.shape[1])
     with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=bf16):
-        out = target(ids, cache, feature_layers=layers, logits_at=torch.zeros(ids.shape[0], 1, dtype=torch.long, device=ids.device))
+        out = target(
+            ids, cache, feature_layers=layers, logits_at=torch.zeros(ids.shape[0], 1, dtype=torch.long, device=ids.device)
+        )
     return out.features.float()
 
 

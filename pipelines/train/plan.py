@@ -22,9 +22,15 @@ from pipelines.train.config import RunConfig
 
 # Published architectures (config.json of each model), so planning needs no download.
 KNOWN_TARGETS = {
-    "Qwen/Qwen3-4B": dict(vocab=151936, hidden=2560, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=9728, tied_embeddings=True),
-    "Qwen/Qwen3-8B": dict(vocab=151936, hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288, tied_embeddings=False),
-    "smollm2-135m": dict(vocab=49152, hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64, intermediate=1536, tied_embeddings=True),
+    "Qwen/Qwen3-4B": dict(
+        vocab=151936, hidden=2560, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=9728, tied_embeddings=True
+    ),
+    "Qwen/Qwen3-8B": dict(
+        vocab=151936, hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288, tied_embeddings=False
+    ),
+    "smollm2-135m": dict(
+        vocab=49152, hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64, intermediate=1536, tied_embeddings=True
+    ),
 }
 
 
@@ -51,18 +57,34 @@ def target_shape(spec: str, dtype: str) -> mp.TargetShape:
     if path.is_file():
         c = json.loads(path.read_text())
         return mp.TargetShape(
-            vocab=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=c["num_attention_heads"],
+            vocab=c["vocab_size"],
+            hidden=c["hidden_size"],
+            layers=c["num_hidden_layers"],
+            heads=c["num_attention_heads"],
             kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
-            head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"], intermediate=c["intermediate_size"],
-            tied_embeddings=bool(c.get("tie_word_embeddings", False)), bytes_per_param=bytes_per_param,
+            head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+            intermediate=c["intermediate_size"],
+            tied_embeddings=bool(c.get("tie_word_embeddings", False)),
+            bytes_per_param=bytes_per_param,
         )
     if spec.split(":")[0] in ("tiny-llama", "tiny-qwen3"):
         from drelay_model.target import load_target
 
         t = load_target(spec)
-        return mp.TargetShape(t.vocab_size, t.hidden_size, t.num_layers, t.n_heads, t.n_kv_heads, t.head_dim,
-                              t.config.intermediate_size, bool(t.config.tie_word_embeddings), bytes_per_param)
-    raise DRelayError(f"target.spec: cannot plan for '{spec}' without its config.json (known: {', '.join(KNOWN_TARGETS)}, a local model directory, tiny-*)")
+        return mp.TargetShape(
+            t.vocab_size,
+            t.hidden_size,
+            t.num_layers,
+            t.n_heads,
+            t.n_kv_heads,
+            t.head_dim,
+            t.config.intermediate_size,
+            bool(t.config.tie_word_embeddings),
+            bytes_per_param,
+        )
+    raise DRelayError(
+        f"target.spec: cannot plan for '{spec}' without its config.json (known: {', '.join(KNOWN_TARGETS)}, a local model directory, tiny-*)"
+    )
 
 
 def planned_device(cfg: RunConfig) -> str:
@@ -76,7 +98,9 @@ def predicted_peak_bytes(cfg: RunConfig, device: str | None = None) -> int:
     return plan_from_config(cfg, device=device).plan.total
 
 
-def plan_from_config(cfg: RunConfig, gpu_memory_gib: float = 80.0, *, config_name: str = "", device: str | None = None) -> PlanReport:
+def plan_from_config(
+    cfg: RunConfig, gpu_memory_gib: float = 80.0, *, config_name: str = "", device: str | None = None
+) -> PlanReport:
     """The memory plan of `cfg` on `device` ("cpu" / "cuda"; default: `planned_device(cfg)`)."""
     if not 0 < gpu_memory_gib <= 4096:
         raise DRelayError(f"--gpu-memory must be in (0, 4096] GiB, got {gpu_memory_gib}")
@@ -85,9 +109,16 @@ def plan_from_config(cfg: RunConfig, gpu_memory_gib: float = 80.0, *, config_nam
     L = t.layers
     layer_ids = dr.target_layer_ids or tuple(sorted({min(1, L - 1), L // 2, max(L - 2, 0)}))
     d = mp.DrafterShape(
-        layers=dr.num_layers, hidden=t.hidden, heads=t.heads, kv_heads=t.kv_heads, head_dim=t.head_dim,
-        intermediate=dr.intermediate_size or t.intermediate, feature_layers=len(layer_ids), block_size=dr.block_size,
-        top_k=dr.top_k, draft_vocab=dr.draft_vocab_size,
+        layers=dr.num_layers,
+        hidden=t.hidden,
+        heads=t.heads,
+        kv_heads=t.kv_heads,
+        head_dim=t.head_dim,
+        intermediate=dr.intermediate_size or t.intermediate,
+        feature_layers=len(layer_ids),
+        block_size=dr.block_size,
+        top_k=dr.top_k,
+        draft_vocab=dr.draft_vocab_size,
     )
     s = None
     if cfg.selector.trains_selector:
@@ -95,7 +126,9 @@ def plan_from_config(cfg: RunConfig, gpu_memory_gib: float = 80.0, *, config_nam
 
         sc = DRelayConfig.from_dict(cfg.selector.config)
         n = mp.count_selector_params(cfg.selector.name, cfg.selector.config, drafter_shape=d, target=t)
-        s = mp.SelectorShape(params=n, d=sc.d_sel, heads=sc.heads, read_dim=sc.read_dim, compact_dim=sc.compact_dim, history_len=sc.history_len)
+        s = mp.SelectorShape(
+            params=n, d=sc.d_sel, heads=sc.heads, read_dim=sc.read_dim, compact_dim=sc.compact_dim, history_len=sc.history_len
+        )
     tr = cfg.train
     st = mp.StepShape(tr.seqs_per_step, cfg.data.max_seq_len, tr.anchors_per_seq, tr.micro_batches, tr.chunk_tokens, tr.bf16)
     device = device or planned_device(cfg)
@@ -106,13 +139,17 @@ def plan_from_config(cfg: RunConfig, gpu_memory_gib: float = 80.0, *, config_nam
 
 
 def format_report(r: PlanReport) -> str:
-    head = (f"plan for {r.config or 'config'} on {r.device}: per GPU; drafter {r.drafter_params / 1e6:.1f}M params, "
-            f"selector {r.selector_params / 1e6:.1f}M params")
+    head = (
+        f"plan for {r.config or 'config'} on {r.device}: per GPU; drafter {r.drafter_params / 1e6:.1f}M params, "
+        f"selector {r.selector_params / 1e6:.1f}M params"
+    )
     return head + "\n" + mp.format_plan(r.plan, r.gpu_memory_gib)
 
 
 def check_fits(r: PlanReport) -> None:
     """A one-line DRelayError when the plan exceeds the GPU's memory."""
     if not r.fits:
-        raise DRelayError(f"the plan needs {r.plan.total / mp.GiB:.1f} GiB per GPU, more than {r.gpu_memory_gib:g} GiB "
-                          "(raise train.micro_batches, lower train.anchors_per_seq or train.chunk_tokens)")
+        raise DRelayError(
+            f"the plan needs {r.plan.total / mp.GiB:.1f} GiB per GPU, more than {r.gpu_memory_gib:g} GiB "
+            "(raise train.micro_batches, lower train.anchors_per_seq or train.chunk_tokens)"
+        )

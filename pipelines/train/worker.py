@@ -135,7 +135,8 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
     autocast = cfg.train.bf16  # bfloat16 autocast on CPU and CUDA alike: the feature forward and the step
     features = FeatureSource(target, module.drafter.config.target_layer_ids, cache_dir, bf16=autocast)
     model = ray.train.torch.prepare_model(
-        module, parallel_strategy=cfg.ray.strategy if world > 1 else None,
+        module,
+        parallel_strategy=cfg.ray.strategy if world > 1 else None,
         # Frozen buffers (target embedding, LM head) are identical on every rank: synced once at
         # init, never per forward.
         parallel_strategy_kwargs={"forward_sync_buffers": False} if cfg.ray.strategy == "ddp" else None,
@@ -169,7 +170,14 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         out = training_step_backward(
-            model, module, ids, mask, feats, step_config(cfg, progress), gen, label_ids=labels,
+            model,
+            module,
+            ids,
+            mask,
+            feats,
+            step_config(cfg, progress),
+            gen,
+            label_ids=labels,
             autocast_dtype=torch.bfloat16 if autocast else None,
         )
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip).item()
@@ -190,7 +198,9 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
             metrics["throughput/tokens_per_s"] = tokens * world / (now - t_last)  # response tokens, all workers
             metrics["throughput/samples_per_s"] = (step + 1 - step_last) * cfg.train.seqs_per_step * world / (now - t_last)
         if checkpointing or validating:  # every rank reports at the same steps (Ray's report is a barrier)
-            _report(metrics, rank, module, optimizer, step + 1, cfg, checkpoint=checkpointing, train_seconds=clock.spent, final=last)
+            _report(
+                metrics, rank, module, optimizer, step + 1, cfg, checkpoint=checkpointing, train_seconds=clock.spent, final=last
+            )
         if checkpointing:
             t_last, tokens, step_last = time.perf_counter(), 0, step + 1
         if logger is not None:
@@ -270,7 +280,9 @@ class ProgressLine:
         print(line, file=sys.__stdout__, flush=True)
 
 
-def _report(metrics, rank, module, optimizer, step, cfg, *, checkpoint: bool, train_seconds: float = 0.0, final: bool = False) -> None:
+def _report(
+    metrics, rank, module, optimizer, step, cfg, *, checkpoint: bool, train_seconds: float = 0.0, final: bool = False
+) -> None:
     """Report to Ray Train (and through a TuneReportCallback to Tune): at validation steps so a
     scheduler sees `val/tau` as it comes, with rank 0's checkpoint at checkpoint steps."""
     import ray.train

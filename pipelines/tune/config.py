@@ -189,7 +189,10 @@ def check_continuation(sweep: SweepConfig, base_doc: dict) -> None:
     or in any swept value, so the learning rate the trials start at is the one the overrides give."""
     if not base_doc["drafter"].get("init_checkpoint"):
         return
-    warmups = [base_doc["train"]["warmup_steps"], *(sweep.space["train.warmup_steps"].endpoints() if "train.warmup_steps" in sweep.space else ())]
+    warmups = [
+        base_doc["train"]["warmup_steps"],
+        *(sweep.space["train.warmup_steps"].endpoints() if "train.warmup_steps" in sweep.space else ()),
+    ]
     if any(w != 0 for w in warmups):
         raise DRelayError(
             "overrides: train.warmup_steps must be 0 in a sweep that continues drafter.init_checkpoint "

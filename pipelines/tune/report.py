@@ -95,7 +95,9 @@ def checkpoint_of(folder: Path, row: dict) -> Path | None:
     exported = folder / "trials" / row["run_name"] / "drafter"
     if exported.is_dir():
         return exported
-    ckpts = sorted((p for p in (folder / "train" / row["run_name"]).glob("checkpoint_*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    ckpts = sorted(
+        (p for p in (folder / "train" / row["run_name"]).glob("checkpoint_*") if p.is_dir()), key=lambda p: p.stat().st_mtime
+    )
     return ckpts[-1] if ckpts else None
 
 
@@ -215,7 +217,9 @@ def start_reference(base, folder: Path) -> dict | None:
     return metrics
 
 
-def summarize(sweep: SweepConfig, ctx: TrialContext, grid, parent: TrackedRun, client, folder: Path, start: dict | None = None) -> SweepResult:
+def summarize(
+    sweep: SweepConfig, ctx: TrialContext, grid, parent: TrackedRun, client, folder: Path, start: dict | None = None
+) -> SweepResult:
     rows = trial_rows(sweep, ctx, grid)
     link_trial_runs(rows, parent, client, folder)
     table, reference = rows, None
@@ -242,6 +246,13 @@ def summarize(sweep: SweepConfig, ctx: TrialContext, grid, parent: TrackedRun, c
     counts = {s: sum(r["status"] == s for r in rows) for s in (COMPLETED, STOPPED, ERROR)}
     parent.log_metrics({f"trials/{s.replace(' ', '_')}": n for s, n in counts.items()})
     return SweepResult(
-        folder, parent.run_id, best["trial_id"] if best else None, best_path, rows, metric=sweep.metric, mode=sweep.mode,
-        best_value=float(best[sweep.metric]) if best else None, start_value=reference,
+        folder,
+        parent.run_id,
+        best["trial_id"] if best else None,
+        best_path,
+        rows,
+        metric=sweep.metric,
+        mode=sweep.mode,
+        best_value=float(best[sweep.metric]) if best else None,
+        start_value=reference,
     )

@@ -214,6 +214,4 @@ def run_sweep(sweep: SweepConfig, base_doc: dict, *, resume: bool = False) -> Sw
         return summarize(sweep, ctx, grid, parent, client, folder, start=start_reference(base, folder))
 
 
-
-
 __all__ = ["SweepResult", "run_sweep", "trial_run_name", "trial_runs", "write_best"]  # re-exported from report

@@ -16,8 +16,19 @@ from drelay_model.decoding import GenerationConfig
 
 @pytest.fixture(scope="module")
 def backend():
-    cfg = parse_config({"model_id": "t", "engine": {"target": "tiny-llama", "tokenizer": "smollm2-135m", "method": "native",
-                                                    "random_drafter": True, "max_batch": 1}, "limits": {"max_waiting": 1}})
+    cfg = parse_config(
+        {
+            "model_id": "t",
+            "engine": {
+                "target": "tiny-llama",
+                "tokenizer": "smollm2-135m",
+                "method": "native",
+                "random_drafter": True,
+                "max_batch": 1,
+            },
+            "limits": {"max_waiting": 1},
+        }
+    )
     b = EngineBackend(cfg.engine, cfg.limits)
     yield b
     b.shutdown()

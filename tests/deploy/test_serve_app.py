@@ -28,8 +28,13 @@ os.environ[KEY_ENV] = KEY
 MODEL = "tiny-drelay"
 CONFIG = {
     "model_id": MODEL,
-    "engine": {"target": "tiny-llama:vocab=49152", "tokenizer": "smollm2-135m", "method": "native",
-               "random_drafter": True, "max_batch": 2},
+    "engine": {
+        "target": "tiny-llama:vocab=49152",
+        "tokenizer": "smollm2-135m",
+        "method": "native",
+        "random_drafter": True,
+        "max_batch": 2,
+    },
     "limits": {"max_tokens": 200, "default_max_tokens": 16, "max_prompt_tokens": 900, "max_waiting": 1},
     "max_ongoing_requests": 16,
     "num_cpus": 0.5,
@@ -111,11 +116,21 @@ def test_chat_greedy_equals_offline_engine(client, offline, stream):
     generate, chat_ids, _ = offline
     prompt = "What is two plus two?"
     expected, n = generate(chat_ids(prompt), 24)
-    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0,
-                  extra_body={"return_spec_tokens_details": True})
+    kwargs = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=24,
+        temperature=0,
+        extra_body={"return_spec_tokens_details": True},
+    )
     if not stream:
         out = client.chat.completions.create(**kwargs)
-        text, usage, sglext, finish = out.choices[0].message.content, out.usage, out.model_extra["sglext"], out.choices[0].finish_reason
+        text, usage, sglext, finish = (
+            out.choices[0].message.content,
+            out.usage,
+            out.model_extra["sglext"],
+            out.choices[0].finish_reason,
+        )
     else:
         parts, usage, sglext, finish = [], None, None, None
         for chunk in client.chat.completions.create(stream=True, **kwargs):
@@ -138,8 +153,11 @@ def test_completions_streamed_and_not_agree(client, offline):
     whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
     assert whole.choices[0].text == expected and whole.usage.completion_tokens == 20
     assert "sglext" not in (whole.model_extra or {})  # only on request
-    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stream=True,
-                                            extra_body={"return_spec_tokens_details": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stream=True, extra_body={"return_spec_tokens_details": True}
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     last = chunks[-1]
     _check_sglext(last.usage, last.model_extra["sglext"])
@@ -149,12 +167,15 @@ def test_stop_string_and_sampling(client, offline):
     generate, chat_ids, _ = offline
     full, _ = generate(chat_ids("Say something."), 30)
     stop = full[10:14]
-    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say something."}],
-                                         max_tokens=30, temperature=0, stop=[stop])
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say something."}], max_tokens=30, temperature=0, stop=[stop]
+    )
     assert out.choices[0].finish_reason == "stop"
     assert out.choices[0].message.content == full[: full.find(stop)]
-    seeded = [client.completions.create(model=MODEL, prompt="Once", max_tokens=12, temperature=0.9, top_p=0.9, seed=3)
-              .choices[0].text for _ in range(2)]
+    seeded = [
+        client.completions.create(model=MODEL, prompt="Once", max_tokens=12, temperature=0.9, top_p=0.9, seed=3).choices[0].text
+        for _ in range(2)
+    ]
     assert seeded[0] == seeded[1]
 
 
@@ -162,10 +183,25 @@ BAD = [
     ("malformed JSON", b"{not json", None, 400),
     ("missing messages", {"model": MODEL}, "messages", 400),
     ("messages of the wrong type", {"model": MODEL, "messages": "hello"}, "messages", 400),
-    ("max_tokens of the wrong type", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}, "max_tokens", 400),
-    ("negative max_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, "max_tokens", 400),
+    (
+        "max_tokens of the wrong type",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"},
+        "max_tokens",
+        400,
+    ),
+    (
+        "negative max_tokens",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -3},
+        "max_tokens",
+        400,
+    ),
     ("huge max_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}, "max_tokens", 400),
-    ("temperature out of range", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": 7.5}, "temperature", 400),
+    (
+        "temperature out of range",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": 7.5},
+        "temperature",
+        400,
+    ),
     ("prompt over the context window", {"model": MODEL, "prompt": list(range(100, 950)), "max_tokens": 200}, "prompt", 400),
     ("unknown model", {"model": "gpt-17", "messages": [{"role": "user", "content": "x"}]}, "model", 404),
     ("unknown field", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logit_bias": {}}, "logit_bias", 400),
@@ -180,8 +216,12 @@ def test_bad_input_is_a_4xx_with_an_openai_error_then_a_good_request_works(serve
         assert r.status_code == status, f"{label}: {r.status_code} {r.text}"
         err = r.json()["error"]
         assert err["message"] and err["type"] == "invalid_request_error" and err["param"] == param, label
-    r = requests.post(f"{server}/v1/chat/completions", headers={"Authorization": "Bearer wrong"}, timeout=60,
-                      json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+    r = requests.post(
+        f"{server}/v1/chat/completions",
+        headers={"Authorization": "Bearer wrong"},
+        timeout=60,
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+    )
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
@@ -193,8 +233,12 @@ def test_saturation_answers_503_with_retry_after(server, client):
     """max_batch 2 + max_waiting 1: of 8 simultaneous long requests some are refused, none lost."""
 
     def one(i: int):
-        return requests.post(f"{server}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=300,
-                             json={"model": MODEL, "prompt": f"request {i}", "max_tokens": 200, "temperature": 0})
+        return requests.post(
+            f"{server}/v1/completions",
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=300,
+            json={"model": MODEL, "prompt": f"request {i}", "max_tokens": 200, "temperature": 0},
+        )
 
     with cf.ThreadPoolExecutor(8) as pool:
         replies = list(pool.map(one, range(8)))

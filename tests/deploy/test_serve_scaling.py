@@ -21,8 +21,13 @@ CONFIG = {
     "model_id": MODEL,
     "engine": {"target": "tiny-llama:vocab=49152", "tokenizer": "smollm2-135m", "method": "ar", "max_batch": 4},
     "limits": {"max_tokens": 400, "max_waiting": 64},
-    "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
-                    "upscale_delay_s": 2, "downscale_delay_s": 8},
+    "autoscaling": {
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "target_ongoing_requests": 1,
+        "upscale_delay_s": 2,
+        "downscale_delay_s": 8,
+    },
     "max_ongoing_requests": 64,
     "num_cpus": 0.5,
     "graceful_shutdown_timeout_s": 5,
@@ -121,7 +126,10 @@ def test_replica_killed_mid_load_recovers(server):
         stop.set()
         pool.shutdown(wait=True)
     assert 599 not in codes and set(codes) <= {200, 500, 502, 503}, codes
-    _until(lambda: _ready(server) and requests.get(f"{server}/health", timeout=10).json()["pid"] != pid, 180,
-           "a healthy replica after the kill")
+    _until(
+        lambda: _ready(server) and requests.get(f"{server}/health", timeout=10).json()["pid"] != pid,
+        180,
+        "a healthy replica after the kill",
+    )
     with cf.ThreadPoolExecutor(4) as p:
         assert list(p.map(lambda i: _post(server, i, 20), range(8))) == [200] * 8

@@ -41,11 +41,20 @@ def test_cpu_default_endpoint_matches_offline_engine(ray_session):
             time.sleep(2)
         question = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?"
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
-        out = client.chat.completions.create(model=cfg.model_id, messages=[{"role": "user", "content": question}],
-                                             max_tokens=48, temperature=0, extra_body={"return_spec_tokens_details": True})
+        out = client.chat.completions.create(
+            model=cfg.model_id,
+            messages=[{"role": "user", "content": question}],
+            max_tokens=48,
+            temperature=0,
+            extra_body={"return_spec_tokens_details": True},
+        )
         target = load_target(cfg.engine.target)
-        drafter, selector = load_method(resolve_method(cfg.engine.method, target_spec=cfg.engine.target, checkpoint=cfg.engine.checkpoint), target)
-        ids = target.tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True)
+        drafter, selector = load_method(
+            resolve_method(cfg.engine.method, target_spec=cfg.engine.target, checkpoint=cfg.engine.checkpoint), target
+        )
+        ids = target.tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+        )
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         offline = SpeculativeEngine(target, drafter, selector).generate([ids], GenerationConfig(max_new_tokens=48))
         assert out.choices[0].message.content == target.tokenizer.decode(offline.tokens[0], skip_special_tokens=True)

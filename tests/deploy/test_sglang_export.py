@@ -45,8 +45,15 @@ def trained_checkpoint(target, path, *, draft_vocab: int | None = None):
 
 
 def test_names_round_trip():
-    ours = ["fc.weight", "ctx_norm.weight", "mask_embedding", "norm.weight", "draft_to_target", "selector.causal.head.weight",
-            *(f"layers.3.{p}.weight" for p in ("in_norm", "post_norm", "q_proj", "k_norm", "gate_proj", "down_proj"))]
+    ours = [
+        "fc.weight",
+        "ctx_norm.weight",
+        "mask_embedding",
+        "norm.weight",
+        "draft_to_target",
+        "selector.causal.head.weight",
+        *(f"layers.3.{p}.weight" for p in ("in_norm", "post_norm", "q_proj", "k_norm", "gate_proj", "down_proj")),
+    ]
     assert [internal_name(exported_name(n)) for n in ours] == ours
     assert exported_name("layers.3.q_proj.weight") == "layers.3.self_attn.q_proj.weight"
     assert exported_name("ctx_norm.weight") == "hidden_norm.weight"
@@ -73,8 +80,13 @@ def test_export_round_trip_is_lossless(target, tmp_path, draft_vocab):
         h0, h1 = drafter(anchors, pos, feats), loaded.drafter(anchors, pos, feats)
     assert torch.equal(h0, h1)
     block = drafter.pool(h0[:, 0, 1:])
-    ctx = SelectionContext(anchor_ids=anchors[:, 0], anchor_pos=pos[:, 0], row_ids=torch.arange(2),
-                           history=torch.randn(2, 8, feats.shape[-1], generator=g), history_mask=torch.ones(2, 8, dtype=torch.bool))
+    ctx = SelectionContext(
+        anchor_ids=anchors[:, 0],
+        anchor_pos=pos[:, 0],
+        row_ids=torch.arange(2),
+        history=torch.randn(2, 8, feats.shape[-1], generator=g),
+        history_mask=torch.ones(2, 8, dtype=torch.bool),
+    )
     s0, s1 = selector.select_with_scores(block, ctx), loaded.selector.select_with_scores(block, ctx)
     assert torch.equal(s0.selection.path_ids, s1.selection.path_ids)
     assert torch.equal(s0.output.gate, s1.output.gate)

@@ -37,14 +37,24 @@ def test_seam_returns_the_engine_path(gate_bias):
         engine, ring, slots = fed_histories(B, seed)
         block = random_block(B, seed)
         anchors = torch.randint(0, 50, (B,))
-        ctx = SelectionContext(anchor_ids=anchors, anchor_pos=torch.zeros(B, dtype=torch.long), row_ids=torch.arange(B),
-                               history=engine.feats, history_mask=engine.mask())
+        ctx = SelectionContext(
+            anchor_ids=anchors,
+            anchor_pos=torch.zeros(B, dtype=torch.long),
+            row_ids=torch.arange(B),
+            history=engine.feats,
+            history_mask=engine.mask(),
+        )
         ref = sel.select(block, ctx)
         seam = DRelayCandidateSelector(sel, history=ring, max_bs=8)
         seam.stage_requests(slots)
         scores = seam.build_lattice(block.cand_ids, block.cand_logq, block.hidden, anchors)
-        tokens, q = seam.sample_path(candidate_ids=block.cand_ids, scores=scores, uniforms=torch.rand(B, H),
-                                     temperatures=torch.ones(B), greedy_mask=torch.ones(B, dtype=torch.bool))
+        tokens, q = seam.sample_path(
+            candidate_ids=block.cand_ids,
+            scores=scores,
+            uniforms=torch.rand(B, H),
+            temperatures=torch.ones(B),
+            greedy_mask=torch.ones(B, dtype=torch.bool),
+        )
         assert torch.equal(tokens, ref.path_ids)
         assert torch.equal(q.argmax(-1), ref.pool_index) and torch.equal(q.sum(-1), torch.ones(B, H))
 
@@ -61,7 +71,10 @@ def test_seam_compiles_as_one_graph():
         return seam.sample_path(candidate_ids=ids, scores=seam.build_lattice(ids, logq, hidden, anchor))
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    got, ref = compiled(block.cand_ids, block.cand_logq, block.hidden, anchors), step(block.cand_ids, block.cand_logq, block.hidden, anchors)
+    got, ref = (
+        compiled(block.cand_ids, block.cand_logq, block.hidden, anchors),
+        step(block.cand_ids, block.cand_logq, block.hidden, anchors),
+    )
     assert torch.equal(got[0], ref[0])
     torch._dynamo.reset()
 
@@ -84,7 +97,9 @@ def test_exported_model_exposes_the_seam(tmp_path):
     hidden = torch.randn(2 * drafter.config.num_slots, target.hidden_size)
     ids, logq = model.compute_candidates(hidden)
     block = drafter.pool(hidden.view(2, drafter.config.num_slots, -1))
-    assert torch.equal(ids.view_as(block.cand_ids), block.cand_ids) and torch.equal(logq.view_as(block.cand_logq), block.cand_logq)
+    assert torch.equal(ids.view_as(block.cand_ids), block.cand_ids) and torch.equal(
+        logq.view_as(block.cand_logq), block.cand_logq
+    )
     seam.stage_requests(torch.tensor([1, 3]))
     scores = seam.build_lattice(block.cand_ids, block.cand_logq, block.hidden, torch.tensor([2, 5]))
     assert scores.shape == block.cand_ids.shape

@@ -26,7 +26,9 @@ def _engine(target, method):
         return SpeculativeEngine(target)
     torch.manual_seed(0)
     drafter = BlockDrafter(DrafterConfig.for_target(target, num_layers=1), target).to(device=target.device, dtype=target.dtype)
-    return SpeculativeEngine(target, drafter, default_registry().create(method, drafter=drafter).to(device=target.device, dtype=target.dtype))
+    return SpeculativeEngine(
+        target, drafter, default_registry().create(method, drafter=drafter).to(device=target.device, dtype=target.dtype)
+    )
 
 
 def _prompts(vocab):
@@ -41,7 +43,9 @@ def test_fp32_cuda_output_equals_huggingface_generate(arch, method):
     prompts = _prompts(target.vocab_size)
     out = _engine(target, method).generate(prompts, GenerationConfig(max_new_tokens=40)).tokens
     for p, o in zip(prompts, out):
-        ref = target.hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=40, do_sample=False, pad_token_id=0)[0, len(p):]
+        ref = target.hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=40, do_sample=False, pad_token_id=0)[
+            0, len(p) :
+        ]
         assert o == ref.tolist()
 
 
@@ -83,7 +87,9 @@ def _step_setup(vocab=16384, hidden=128, N=256, M=32, B=4):
 def test_bf16_joint_step_on_cuda():
     _, module, ids, mask, feats, _, _ = _step_setup()
     cfg = StepConfig(anchors_per_seq=32, native_fraction=0.3, micro_batches=2, chunk_tokens=512)
-    out = training_step_backward(module, module, ids, mask, feats, cfg, torch.Generator().manual_seed(0), autocast_dtype=torch.bfloat16)
+    out = training_step_backward(
+        module, module, ids, mask, feats, cfg, torch.Generator().manual_seed(0), autocast_dtype=torch.bfloat16
+    )
     assert torch.isfinite(out.loss) and all(p.grad is not None and p.grad.is_cuda for p in module.parameters())
 
 
@@ -98,7 +104,14 @@ def test_plan_matches_cuda_max_memory_allocated_within_15_percent():
     measured = torch.cuda.max_memory_allocated() - base
     ts = mp.TargetShape(vocab, hidden, 2, 4, 2, hidden // 4, 2 * hidden)
     ds = mp.DrafterShape(1, hidden, 4, 2, hidden // 4, 2 * hidden, len(dc.target_layer_ids), 16, 8)
-    ss = mp.SelectorShape(params=mp.count_selector_params("drelay", sel_cfg, drafter_shape=ds, target=ts), d=32, heads=4, read_dim=32, compact_dim=16, history_len=16)
+    ss = mp.SelectorShape(
+        params=mp.count_selector_params("drelay", sel_cfg, drafter_shape=ds, target=ts),
+        d=32,
+        heads=4,
+        read_dim=32,
+        compact_dim=16,
+        history_len=16,
+    )
     stages = mp._drafter_step_activations(ts, ds, ss, mp.StepShape(B, N, M, 2, 512, bf16=True), attention_path("cuda"))
     estimate = mp.step_peak(stages) + 4 * sum(p.numel() for p in module.parameters())
     print(f"\nplan vs CUDA: estimate {estimate / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")

@@ -31,14 +31,22 @@ RUN_SCRIPT = 'sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name="__m
 def _without_absent_packages(code: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run python code (then `args`) in a fresh process where ABSENT_ON_GPU_MACHINE cannot be imported."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-c", BLOCKER + code, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", BLOCKER + code, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip reasons of a machine without CUDA")
 def test_dry_run_lists_every_step_and_why_it_would_skip(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"PYTHON": sys.executable}
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_check.sh"), "--dry-run", str(tmp_path / "report")],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks/gpu_check.sh"), "--dry-run", str(tmp_path / "report")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     for step in ("env", "tests", *STEPS, "timing"):
@@ -51,7 +59,9 @@ def test_dry_run_lists_every_step_and_why_it_would_skip(tmp_path):
 
 
 def test_the_scripts_import_nothing_the_gpu_machine_lacks():
-    proc = _without_absent_packages(RUN_SCRIPT, str(ROOT / "benchmarks/gpu/run_step.py"), "--dry-run", "--device", "cpu", timeout=300)
+    proc = _without_absent_packages(
+        RUN_SCRIPT, str(ROOT / "benchmarks/gpu/run_step.py"), "--dry-run", "--device", "cpu", timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     imports = "\n".join(f"import benchmarks.gpu.check_{s}" for s in STEPS) + "\nimport benchmarks.gpu.report"
     proc = _without_absent_packages(imports, timeout=300)
@@ -61,7 +71,9 @@ def test_the_scripts_import_nothing_the_gpu_machine_lacks():
 
 
 def test_bad_arguments_are_one_line_and_exit_2():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu/run_step.py"), "warp"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/gpu/run_step.py"), "warp"], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert proc.returncode == 2 and "invalid choice: 'warp'" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -70,22 +82,38 @@ def test_the_report_names_failed_timed_out_and_skipped_steps(tmp_path):
     work.mkdir()
     records = {
         "env": {"step": "env", "ok": True, "result": {"torch": "2.11.0", "device": "NVIDIA H200"}},
-        "tests": {"step": "tests", "ok": False, "result": {"tests": 40, "failures": 1, "errors": 0, "skipped": 0, "failed": ["t::x"]}},
+        "tests": {
+            "step": "tests",
+            "ok": False,
+            "result": {"tests": 40, "failures": 1, "errors": 0, "skipped": 0, "failed": ["t::x"]},
+        },
         "lossless": {"step": "lossless", "ok": True, "skipped": "no CUDA device"},
         "graphs": {"step": "graphs", "ok": False, "error": "timed out after 75 s"},
         "joint_step": {"step": "joint_step", "ok": True, "seconds": 40.0, "result": {"half": "a partial result"}},
     }
     for name, rec in records.items():
         (work / f"{name}.json").write_text(json.dumps(rec))
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu/report.py"), str(work), str(out), "--seconds", "123"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/gpu/report.py"), str(work), str(out), "--seconds", "123"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1
     report = (out / "report.md").read_text()
     assert report.startswith("# GPU check ") and report.splitlines()[0].endswith("FAILED: 2 passed, 3 failed, 2 skipped, 123 s")
     assert "| graphs | FAILED: timed out after 75 s |" in report and "| lossless | skipped: no CUDA device |" in report
     assert "| kernels | FAILED: no record (the step did not finish) |" in report and "- failed: t::x" in report
     assert "(unexpected result: 'measured_peak_gib')" in report  # a partial result is shown raw, not a crash
-    assert set(json.loads((out / "results.json").read_text())) == {"env", "tests", "lossless", "kernels", "graphs", "joint_step", "timing"}
+    assert set(json.loads((out / "results.json").read_text())) == {
+        "env",
+        "tests",
+        "lossless",
+        "kernels",
+        "graphs",
+        "joint_step",
+        "timing",
+    }
     assert sorted(p.name for p in out.iterdir()) == ["report.md", "results.json"]
 
 
@@ -98,7 +126,9 @@ def test_each_step_runs_at_test_size_on_cpu(step, tmp_path):
     if step == "kernels":
         pytest.importorskip("triton")
     out = tmp_path / f"{step}.json"
-    proc = _without_absent_packages(RUN_SCRIPT, str(ROOT / "benchmarks/gpu/run_step.py"), step, "--device", "cpu", "--scale", "tiny", "--out", str(out))
+    proc = _without_absent_packages(
+        RUN_SCRIPT, str(ROOT / "benchmarks/gpu/run_step.py"), step, "--device", "cpu", "--scale", "tiny", "--out", str(out)
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     record = json.loads(out.read_text())
     assert record["ok"] and "skipped" not in record and "error" not in record

@@ -74,9 +74,12 @@ def prompts_of():
 def _hf_greedy(target, prompt: list[int], max_new: int) -> list[int]:
     """The target's own greedy continuation from Hugging Face generate() (EOS included if hit)."""
     out = target.hf.generate(
-        torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, pad_token_id=0,
+        torch.tensor([prompt]),
+        max_new_tokens=max_new,
+        do_sample=False,
+        pad_token_id=0,
         eos_token_id=list(target.eos_token_ids) or None,
-    )[0, len(prompt):].tolist()
+    )[0, len(prompt) :].tolist()
     eos = set(target.eos_token_ids)
     return next((out[: i + 1] for i, t in enumerate(out) if t in eos), out)
 

@@ -49,7 +49,9 @@ def _synthetic_rounds(n: int, H: int, K: int, vocab: int, seed: int):
         ref = torch.tensor([rng.randrange(vocab) for _ in range(rng.choice([H, H, H, rng.randint(1, H)]))])
         # Mostly-right paths: copy ref with random corruptions, sometimes shortened.
         G = rng.choice([H, rng.randint(0, H)])
-        path = torch.tensor([r if rng.random() < 0.7 else rng.randrange(vocab) for r in (ref.tolist() + [0] * H)[:G]], dtype=torch.long)
+        path = torch.tensor(
+            [r if rng.random() < 0.7 else rng.randrange(vocab) for r in (ref.tolist() + [0] * H)[:G]], dtype=torch.long
+        )
         if rng.random() < 0.3:  # make the base path mostly right too
             for i, r in enumerate(ref.tolist()):
                 if rng.random() < 0.7:
@@ -144,10 +146,16 @@ def test_continuation_samples_need_a_covered_error_and_a_correct_suffix():
     cand = torch.zeros(4, H, K, dtype=torch.long)
     cand[:, :, 0] = ref
     path = ref.clone()
-    path[0, 1] = 99; cand[0, 1, 0] = 99; cand[0, 1, 2] = ref[0, 1]  # error at 1, covered, suffix 2..5 right  # noqa: E702
-    path[1, 1] = 99; cand[1, 1, 0] = 99  # error at 1, not covered  # noqa: E702
-    path[2, 1] = 99; cand[2, 1, 1] = ref[2, 1]; path[2, 4] = 98  # covered, but the suffix has an error  # noqa: E702
-    path[3, 4] = 99; cand[3, 4, 1] = ref[3, 4]  # covered error at 4: slots 5..8 would run past H  # noqa: E702
+    path[0, 1] = 99
+    cand[0, 1, 0] = 99
+    cand[0, 1, 2] = ref[0, 1]  # error at 1, covered, suffix 2..5 right  # noqa: E702
+    path[1, 1] = 99
+    cand[1, 1, 0] = 99  # error at 1, not covered  # noqa: E702
+    path[2, 1] = 99
+    cand[2, 1, 1] = ref[2, 1]
+    path[2, 4] = 98  # covered, but the suffix has an error  # noqa: E702
+    path[3, 4] = 99
+    cand[3, 4, 1] = ref[3, 4]  # covered error at 4: slots 5..8 would run past H  # noqa: E702
     ok, A = continuation_samples(cand, path, ref, span=4)
     assert ok.tolist() == [True, False, False, False] and A.tolist() == [1, 1, 1, 4]
 

@@ -150,8 +150,10 @@ def test_the_drafter_on_the_expanded_path_compiles_as_one_graph():
 def test_cuda_runs_the_memory_efficient_kernel_with_the_mask_and_grouped_heads():
     """On CUDA the expanded path runs under SDPA's memory-efficient kernel only (a fallback would
     raise) and equals the reference math in bf16, forward and backward."""
-    q, k, v, mask, _ = (t.detach().cuda().to(torch.bfloat16).requires_grad_() if t.is_floating_point() else t.cuda()
-                        for t in _qkv(B=2, M=3, S=16, C=200))
+    q, k, v, mask, _ = (
+        t.detach().cuda().to(torch.bfloat16).requires_grad_() if t.is_floating_point() else t.cuda()
+        for t in _qkv(B=2, M=3, S=16, C=200)
+    )
     assert at.attention_path(q.device) == at.SDPA_EXPANDED
     out, grads = _run(at.SDPA_EXPANDED, q, k, v, mask)
     ref = _reference(q.float(), k.float(), v.float(), mask)

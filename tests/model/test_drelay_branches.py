@@ -68,11 +68,15 @@ def test_the_gate_branch_moves_the_rank_only_when_shared(branches):
     block, ctx = random_block(2, 22), context(2, 22)
     prefix = block.cand_ids[..., 0]
     with torch.no_grad():
-        before = sel.forward_train(block, anchor_ids=ctx.anchor_ids, prefix_tokens=prefix, history=ctx.history, history_mask=ctx.history_mask)
+        before = sel.forward_train(
+            block, anchor_ids=ctx.anchor_ids, prefix_tokens=prefix, history=ctx.history, history_mask=ctx.history_mask
+        )
         units = slice(C, 2 * C) if branches == "separate" else slice(0, C)
         sel.causal.static_a.weight[units] += 0.7  # the gate branch's units (shared: the only units)
         sel.causal.head.bias[1] += 1.0
-        after = sel.forward_train(block, anchor_ids=ctx.anchor_ids, prefix_tokens=prefix, history=ctx.history, history_mask=ctx.history_mask)
+        after = sel.forward_train(
+            block, anchor_ids=ctx.anchor_ids, prefix_tokens=prefix, history=ctx.history, history_mask=ctx.history_mask
+        )
     assert not torch.allclose(after.gate, before.gate)
     assert torch.equal(after.rank, before.rank) is (branches == "separate")
 
@@ -112,7 +116,9 @@ def test_a_saved_config_without_branches_loads_as_shared_and_decides_as_trained(
 
     from drelay_model.selectors import default_registry
 
-    loaded = default_registry().from_checkpoint("drelay", drafter=_Drafter(), tensors=tensors, meta={"selector": {"name": "drelay", "config": old}})
+    loaded = default_registry().from_checkpoint(
+        "drelay", drafter=_Drafter(), tensors=tensors, meta={"selector": {"name": "drelay", "config": old}}
+    )
     assert loaded.config.branches == "shared"
     block, ctx = random_block(3, 25), context(3, 25)
     assert torch.equal(loaded.select(block, ctx).pool_index, trained.select(block, ctx).pool_index)
@@ -141,7 +147,9 @@ def test_the_default_scout_follows_the_selector_and_falls_back_to_the_argmax(tar
     from tests.model.test_training import _data
 
     drafter = make_drafter(target, num_layers=1, top_k=8)
-    selector = default_registry().create("drelay", drafter=drafter, config={"d_sel": 32, "read_dim": 32, "compact_dim": 16, "history_len": 8})
+    selector = default_registry().create(
+        "drelay", drafter=drafter, config={"d_sel": 32, "read_dim": 32, "compact_dim": 16, "history_len": 8}
+    )
     perturb(selector, 26, gate_bias=6.0).eval()
     calls = []
     original = selector.teacher_forced_path
@@ -156,7 +164,11 @@ def test_the_default_scout_follows_the_selector_and_falls_back_to_the_argmax(tar
         return planned, len(calls)
 
     module = DraftTrainModule(drafter, selector)
-    (default, asked), (follows, _), (native, asked_native) = anchors(module), anchors(module, scout_policy="selector"), anchors(module, scout_policy="native")
+    (default, asked), (follows, _), (native, asked_native) = (
+        anchors(module),
+        anchors(module, scout_policy="selector"),
+        anchors(module, scout_policy="native"),
+    )
     assert asked > 0 and asked_native == 0 and torch.equal(default, follows)
     dcoco = default_registry().create("dcoco", drafter=drafter)
     assert not dcoco.capabilities.teacher_forced

@@ -39,7 +39,11 @@ def _combine_reference(out, gate0, rank0, contrast):
 @pytest.mark.parametrize("contrast", [True, False])
 def test_combine_matches_a_per_slot_reference(contrast):
     g = torch.Generator().manual_seed(3)
-    out, gate0, rank0 = torch.randn(2, 3, K + 1, 2, generator=g), torch.randn(2, 3, generator=g), torch.randn(2, 3, K, generator=g)
+    out, gate0, rank0 = (
+        torch.randn(2, 3, K + 1, 2, generator=g),
+        torch.randn(2, 3, generator=g),
+        torch.randn(2, 3, K, generator=g),
+    )
     gate, rank = combine(out, gate0, rank0, contrast=contrast)
     ref_gate, ref_rank = _combine_reference(out, gate0, rank0, contrast)
     torch.testing.assert_close(gate, ref_gate, atol=1e-5, rtol=1e-5)
@@ -69,7 +73,13 @@ def test_model_gate_is_combine_of_the_compact_heads_output(monkeypatch):
     monkeypatch.setattr(sel.causal, "_corrections", lambda pre, read: seen.append(original(pre, read)) or seen[-1])
     with torch.no_grad():
         ev, _ = sel.evidence(block, ctx.history, ctx.history_mask)
-        out = sel.forward_train(block, anchor_ids=ctx.anchor_ids, prefix_tokens=block.cand_ids[..., 0], history=ctx.history, history_mask=ctx.history_mask)
+        out = sel.forward_train(
+            block,
+            anchor_ids=ctx.anchor_ids,
+            prefix_tokens=block.cand_ids[..., 0],
+            history=ctx.history,
+            history_mask=ctx.history_mask,
+        )
     ref_gate, ref_rank = _combine_reference(seen[-1], ev.gate0, ev.rank0, contrast=True)
     torch.testing.assert_close(out.gate, ref_gate, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.rank, ref_rank, atol=1e-4, rtol=1e-4)
@@ -80,7 +90,13 @@ def test_a_fresh_selector_is_native_under_either_gate_reading():
         sel = make_selector(6, gate_evidence=gate_evidence)
         block, ctx = random_block(3, 6), context(3, 6)
         ev, _ = sel.evidence(block, ctx.history, ctx.history_mask)
-        out = sel.forward_train(block, anchor_ids=ctx.anchor_ids, prefix_tokens=block.cand_ids[..., 0], history=ctx.history, history_mask=ctx.history_mask)
+        out = sel.forward_train(
+            block,
+            anchor_ids=ctx.anchor_ids,
+            prefix_tokens=block.cand_ids[..., 0],
+            history=ctx.history,
+            history_mask=ctx.history_mask,
+        )
         torch.testing.assert_close(out.gate, ev.gate0)
 
 
@@ -150,7 +166,13 @@ def test_the_anchor_feature_reaches_the_scores_only_when_enabled():
         gates = []
         for c in (ctx, moved):
             with torch.no_grad():
-                out = sel.forward_train(block, anchor_ids=c.anchor_ids, prefix_tokens=block.cand_ids[..., 0], history=c.history, history_mask=c.history_mask)
+                out = sel.forward_train(
+                    block,
+                    anchor_ids=c.anchor_ids,
+                    prefix_tokens=block.cand_ids[..., 0],
+                    history=c.history,
+                    history_mask=c.history_mask,
+                )
             gates.append(out.gate)
         assert torch.allclose(gates[0], gates[1]) is not anchor_feature
 
@@ -196,7 +218,9 @@ def test_a_saved_config_without_the_new_keys_loads_as_it_was_trained():
 
     from drelay_model.selectors import default_registry
 
-    loaded = default_registry().from_checkpoint("drelay", drafter=_Drafter(), tensors=tensors, meta={"selector": {"name": "drelay", "config": old}})
+    loaded = default_registry().from_checkpoint(
+        "drelay", drafter=_Drafter(), tensors=tensors, meta={"selector": {"name": "drelay", "config": old}}
+    )
     assert loaded.config.gate_evidence == "slot" and not loaded.causal.anchor_feature
     block, ctx = random_block(2, 13), context(2, 13)
     assert torch.equal(loaded.select(block, ctx).pool_index, trained.select(block, ctx).pool_index)

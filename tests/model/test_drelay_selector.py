@@ -23,7 +23,9 @@ V, D, F_DIM, H, K = 97, 24, 48, 6, 5
 def make_selector(seed: int = 0, **overrides) -> DRelaySelector:
     torch.manual_seed(seed)
     embed = torch.randn(V, D)
-    return DRelaySelector(DRelayConfig(**{**SMALL, **overrides}), embed_weight=embed, num_slots=H, top_k=K, feature_dim=F_DIM).eval()
+    return DRelaySelector(
+        DRelayConfig(**{**SMALL, **overrides}), embed_weight=embed, num_slots=H, top_k=K, feature_dim=F_DIM
+    ).eval()
 
 
 def perturb(sel: DRelaySelector, seed: int, *, scale: float = 1.0, gate_bias: float = 0.0) -> DRelaySelector:
@@ -54,13 +56,18 @@ def context(B: int, seed: int, *, masked: int = 2) -> SelectionContext:
     mask = torch.ones(B, SMALL["history_len"], dtype=torch.bool)
     mask[:, :masked] = False
     return SelectionContext(
-        anchor_ids=torch.randint(0, V, (B,), generator=g), anchor_pos=torch.zeros(B, dtype=torch.long),
-        row_ids=torch.arange(B), history=torch.randn(B, SMALL["history_len"], F_DIM, generator=g), history_mask=mask,
+        anchor_ids=torch.randint(0, V, (B,), generator=g),
+        anchor_pos=torch.zeros(B, dtype=torch.long),
+        row_ids=torch.arange(B),
+        history=torch.randn(B, SMALL["history_len"], F_DIM, generator=g),
+        history_mask=mask,
     )
 
 
 def train_out(sel, block, ctx, prefix):
-    return sel.forward_train(block, anchor_ids=ctx.anchor_ids, prefix_tokens=prefix, history=ctx.history, history_mask=ctx.history_mask)
+    return sel.forward_train(
+        block, anchor_ids=ctx.anchor_ids, prefix_tokens=prefix, history=ctx.history, history_mask=ctx.history_mask
+    )
 
 
 # ---- config and build ---------------------------------------------------------------------------
@@ -251,7 +258,13 @@ def test_gradients_reach_the_selector_and_drafter_outputs_not_the_frozen_embeddi
     out = train_out(sel, block, ctx, labels)
     mask = torch.ones(3, H, dtype=torch.bool)
     logits = torch.randn(3, H, V, requires_grad=True)
-    loss = joint_loss(support_ce(logits, labels, mask), selector_loss(out.gate, out.rank, block.cand_ids, labels, mask), mask, alpha=1.0, beta=1.0)
+    loss = joint_loss(
+        support_ce(logits, labels, mask),
+        selector_loss(out.gate, out.rank, block.cand_ids, labels, mask),
+        mask,
+        alpha=1.0,
+        beta=1.0,
+    )
     loss.loss.backward()
     no_grad = [n for n, p in sel.named_parameters() if p.grad is None or p.grad.abs().sum() == 0]
     assert no_grad == []
@@ -269,6 +282,7 @@ def test_fresh_selector_trains_its_zero_initialised_heads_first():
 
 
 # ---- through the engine -------------------------------------------------------------------------
+
 
 class Recording(DRelaySelector):
     """Test-only: records every decision by (request, anchor position)."""
@@ -337,7 +351,9 @@ def test_selector_scout_accepts_what_incremental_selection_accepts(gate_bias):
     for seed in range(4):
         block = random_block(B, seed)
         hist, hmask = history_windows(features, anchor_pos[:, None], SMALL["history_len"])
-        ctx = SelectionContext(anchor_ids=anchor_ids, anchor_pos=anchor_pos, row_ids=torch.arange(B), history=hist, history_mask=hmask)
+        ctx = SelectionContext(
+            anchor_ids=anchor_ids, anchor_pos=anchor_pos, row_ids=torch.arange(B), history=hist, history_mask=hmask
+        )
         path = sel.select(block, ctx).path_ids  # [B, H] incremental selection
         labels = path.clone()
         first_error = torch.randint(0, H + 1, (B,), generator=g)  # H: no error at all

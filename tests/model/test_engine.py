@@ -15,16 +15,19 @@ from drelay_model.target import tiny_target
 MAX_NEW = 40
 
 
-
 @pytest.mark.parametrize("lengths", [(7,), (5, 9, 3, 12)], ids=["batch1", "batch4"])
 @pytest.mark.parametrize("method", ["ar", *default_registry().names()])
-def test_greedy_output_equals_huggingface_generate(hf_greedy, target, make_drafter, prompts_of, tiny_selector_config, method, lengths):
+def test_greedy_output_equals_huggingface_generate(
+    hf_greedy, target, make_drafter, prompts_of, tiny_selector_config, method, lengths
+):
     prompts = prompts_of(target.vocab_size, lengths)
     if method == "ar":
         engine = SpeculativeEngine(target)
     else:
         drafter = make_drafter(target)
-        engine = SpeculativeEngine(target, drafter, default_registry().create(method, drafter=drafter, config=tiny_selector_config(method)))
+        engine = SpeculativeEngine(
+            target, drafter, default_registry().create(method, drafter=drafter, config=tiny_selector_config(method))
+        )
     result = engine.generate(prompts, GenerationConfig(max_new_tokens=MAX_NEW))
     for b, p in enumerate(prompts):
         assert result.tokens[b] == hf_greedy(target, p, MAX_NEW), f"row {b} differs from HF generate"
@@ -38,7 +41,7 @@ def test_lossless_when_drafts_are_mostly_right(hf_greedy, target, make_drafter, 
     selector = scripted_selector(reference, error_rate=error_rate, vocab=target.vocab_size)
     result = SpeculativeEngine(target, make_drafter(target), selector).generate(prompts, GenerationConfig(max_new_tokens=MAX_NEW))
     for b, p in enumerate(prompts):
-        assert result.tokens[b] == reference[b][len(p):]
+        assert result.tokens[b] == reference[b][len(p) :]
     stats = result.stats
     assert stats.committed + len(prompts) == sum(len(t) for t in result.tokens)
     if error_rate == 0.0:
@@ -58,7 +61,7 @@ def test_stops_at_eos_and_budget(hf_greedy, make_drafter, prompts_of, scripted_s
     result = SpeculativeEngine(target, make_drafter(target), selector).generate(prompts, GenerationConfig(max_new_tokens=30))
     assert result.tokens[0][-1] == eos and len(result.tokens[0]) == 3
     for b, p in enumerate(prompts):
-        assert result.tokens[b] == reference[b][len(p):]
+        assert result.tokens[b] == reference[b][len(p) :]
         assert len(result.tokens[b]) <= 30
 
 
@@ -67,7 +70,9 @@ def test_ar_and_speculative_agree_at_the_budget_edge(hf_greedy, target, make_dra
     for max_new in (1, 2, 16, 17):
         reference = [p + hf_greedy(target, p, max_new) for p in prompts]
         selector = scripted_selector(reference, error_rate=0.0, vocab=target.vocab_size)
-        spec = SpeculativeEngine(target, make_drafter(target), selector).generate(prompts, GenerationConfig(max_new_tokens=max_new))
+        spec = SpeculativeEngine(target, make_drafter(target), selector).generate(
+            prompts, GenerationConfig(max_new_tokens=max_new)
+        )
         assert [len(t) for t in spec.tokens] == [max_new] * 3
         assert spec.tokens == [r[4:] for r in reference]
 
@@ -126,7 +131,9 @@ def test_sampled_rule_accepts_with_the_overlap_of_p_and_q():
     ids = torch.tensor([4, 0, 2]).expand(n, 1, K).contiguous()
     q_pool = torch.tensor([0.6, 0.3, 0.1])
     path = ids[:, 0].gather(1, torch.multinomial(q_pool, n, replacement=True, generator=g)[:, None])  # [n, 1] drawn from q
-    acc, nxt = accept_sampled(path, logits, torch.ones(n, dtype=torch.long), ids, q_pool.expand(n, 1, K), temperature=1.0, generator=g)
+    acc, nxt = accept_sampled(
+        path, logits, torch.ones(n, dtype=torch.long), ids, q_pool.expand(n, 1, K), temperature=1.0, generator=g
+    )
     q = torch.zeros(V).index_add_(0, ids[0, 0], q_pool)
     overlap = torch.minimum(p, q).sum()
     assert acc.float().mean().item() == pytest.approx(overlap.item(), abs=0.01)

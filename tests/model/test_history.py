@@ -26,7 +26,7 @@ def test_push_keeps_the_last_n_entries_of_each_row():
             expect = truth[b][-N:]
             assert int(mask[b].sum()) == len(expect)
             if expect:
-                torch.testing.assert_close(hist.feats[b, N - len(expect):], torch.stack(expect))
+                torch.testing.assert_close(hist.feats[b, N - len(expect) :], torch.stack(expect))
             assert hist.feats[b, : N - len(expect)].abs().sum() == 0
 
 

@@ -214,7 +214,9 @@ def _setup(seed=6, B=3, H=5, K=4, V=20):
     return logits, cand, gate, rank, labels, mask
 
 
-@pytest.mark.parametrize("switches", [LossSwitches(), LossSwitches(support=False), LossSwitches(selector=False), LossSwitches(credit=False)])
+@pytest.mark.parametrize(
+    "switches", [LossSwitches(), LossSwitches(support=False), LossSwitches(selector=False), LossSwitches(credit=False)]
+)
 def test_joint_loss_eq4_and_ablations(switches):
     logits, cand, gate, rank, labels, mask = _setup()
     sup = support_ce(logits, labels, mask)

@@ -42,7 +42,9 @@ def measured_and_estimated(vocab, hidden, N, M, B, micro, chunk, joint, attentio
     feats = target(ids, target.new_cache(B, N), feature_layers=dc.target_layer_ids).features
     cfg = StepConfig(anchors_per_seq=M, native_fraction=0.0, micro_batches=micro, chunk_tokens=chunk)
     with at.forced_attention_path(attention):
-        peak, _ = measure_peak_bytes(lambda: training_step_backward(module, module, ids, mask, feats, cfg, torch.Generator().manual_seed(0)))
+        peak, _ = measure_peak_bytes(
+            lambda: training_step_backward(module, module, ids, mask, feats, cfg, torch.Generator().manual_seed(0))
+        )
     ts = mp.TargetShape(vocab, hidden, 2, 4, 2, hidden // 4, 2 * hidden, bytes_per_param=4)
     ds = mp.DrafterShape(1, hidden, 4, 2, hidden // 4, 2 * hidden, len(dc.target_layer_ids), 16, 8)
     ss = None
@@ -56,10 +58,14 @@ def measured_and_estimated(vocab, hidden, N, M, B, micro, chunk, joint, attentio
     return peak, mp.step_peak(stages) + grads
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "V{}-D{}-N{}-M{}-B{}-mb{}-chunk{}-{}".format(*c[:7], "joint" if c[7] else "drafter"))
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: "V{}-D{}-N{}-M{}-B{}-mb{}-chunk{}-{}".format(*c[:7], "joint" if c[7] else "drafter")
+)
 def test_estimate_is_within_25_percent_of_the_measured_peak(case):
     measured, estimated = measured_and_estimated(*case)
-    print(f"\n{case}: estimate {estimated / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB, ratio {estimated / measured:.2f}")
+    print(
+        f"\n{case}: estimate {estimated / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB, ratio {estimated / measured:.2f}"
+    )
     assert 0.75 <= estimated / measured <= 1.25, f"estimate {estimated / 2**20:.1f} MiB vs measured {measured / 2**20:.1f} MiB"
 
 
@@ -72,7 +78,9 @@ PATH_CASES = [(256, 128, 256, 32, 2, 1, 512, False), pytest.param((4096, 64, 256
 @pytest.mark.parametrize("case", PATH_CASES, ids=["V256-drafter", "V4096-joint"])
 def test_estimate_per_attention_path_is_within_25_percent_of_the_measured_peak(case, attention):
     measured, estimated = measured_and_estimated(*case, attention=attention)
-    print(f"\n{attention} {case}: estimate {estimated / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB, ratio {estimated / measured:.2f}")
+    print(
+        f"\n{attention} {case}: estimate {estimated / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB, ratio {estimated / measured:.2f}"
+    )
     assert 0.75 <= estimated / measured <= 1.25, f"estimate {estimated / 2**20:.1f} MiB vs measured {measured / 2**20:.1f} MiB"
 
 

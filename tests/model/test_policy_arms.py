@@ -45,8 +45,13 @@ def test_the_selector_arm_starts_from_the_native_arms_rates():
     rounds); the selector keeps the native path unless it repairs it, so it starts from that path's."""
     policy = CostAwareLength(costs(select=0.5), H, native_arm=True)
     set_counts(policy, [100.0] * H, [10.0] * H, 1)
-    assert policy.slot_rates(0) == pytest.approx(policy.arms[1].base_rates(policy.settings.base_prior)) and policy.slot_rates(0)[0] < 0.12
-    priced = CostAwareLength(VerifyCosts(verify_ms=(30.0, 30.5, 31.0, 31.5, 32.0), block_ms=8.0, head_ms=0.1, select_ms=0.5), H, native_arm=True)
+    assert (
+        policy.slot_rates(0) == pytest.approx(policy.arms[1].base_rates(policy.settings.base_prior))
+        and policy.slot_rates(0)[0] < 0.12
+    )
+    priced = CostAwareLength(
+        VerifyCosts(verify_ms=(30.0, 30.5, 31.0, 31.5, 32.0), block_ms=8.0, head_ms=0.1, select_ms=0.5), H, native_arm=True
+    )
     set_counts(priced, [100.0] * H, [10.0] * H, 1)
     set_counts(priced, [30.0] * H, [3.0] * H, 0)
     assert priced.plan() == 0  # break-even ≈ 29%: 10% does not pay on either arm once both have shown it
@@ -65,7 +70,9 @@ def test_observations_go_to_the_arm_that_ran_and_probes_take_the_best_upper_esti
 
 def test_engines_get_the_arms_their_selector_allows(target, make_drafter):
     drafter = make_drafter(target, top_k=16)
-    c = VerifyCosts(verify_ms=tuple(10.0 + i for i in range(drafter.config.num_slots + 1)), block_ms=1.0, head_ms=0.1, select_ms=0.1)
+    c = VerifyCosts(
+        verify_ms=tuple(10.0 + i for i in range(drafter.config.num_slots + 1)), block_ms=1.0, head_ms=0.1, select_ms=0.1
+    )
     drelay = default_registry().create("drelay", drafter=drafter).eval()
     assert len(SpeculativeEngine(target, drafter, drelay, costs=c).policy.arms) == 2
     assert len(SpeculativeEngine(target, drafter, costs=c).policy.arms) == 1  # native: nothing cheaper to keep
@@ -153,7 +160,9 @@ def test_the_catch_up_after_ar_rounds_is_not_charged_to_drafting(target, make_dr
 
     drafter = make_drafter(target, top_k=16)
     n = drafter.config.num_slots
-    c = VerifyCosts(verify_ms=tuple(30.0 + 0.5 * i for i in range(n + 1)), block_ms=1.0, head_ms=0.1, select_ms=1.0, extend_ms=0.5)
+    c = VerifyCosts(
+        verify_ms=tuple(30.0 + 0.5 * i for i in range(n + 1)), block_ms=1.0, head_ms=0.1, select_ms=1.0, extend_ms=0.5
+    )
     engine = SpeculativeEngine(target, drafter, costs=c)
     engine.policy = policy = _ArThenDraft(c, drafter.config.num_slots, ar_rounds=6)
     real = drafter.extend_context

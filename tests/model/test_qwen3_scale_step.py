@@ -48,13 +48,17 @@ def test_qwen3_4b_shaped_joint_step_stays_under_the_peak():
     cfg = StepConfig(anchors_per_seq=M, native_fraction=0.0, chunk_tokens=1024)
     t0 = time.perf_counter()
     peak, out = measure_peak_bytes(
-        lambda: training_step_backward(module, module, ids, mask, feats, cfg, torch.Generator().manual_seed(0), autocast_dtype=torch.bfloat16)
+        lambda: training_step_backward(
+            module, module, ids, mask, feats, cfg, torch.Generator().manual_seed(0), autocast_dtype=torch.bfloat16
+        )
     )
     seconds = time.perf_counter() - t0
     static = _bytes([*target.parameters(), *target.buffers(), *module.parameters(), *module.buffers(), feats])
     total = static + peak
-    print(f"\nqwen3-4b-shaped joint step: static {static / 2**30:.2f} GiB + step peak {peak / 2**30:.2f} GiB "
-          f"= {total / 2**30:.2f} GiB; {seconds:.0f} s; loss {float(out.loss):.3f}; anchors {out.metrics['anchors']:.0f}")
+    print(
+        f"\nqwen3-4b-shaped joint step: static {static / 2**30:.2f} GiB + step peak {peak / 2**30:.2f} GiB "
+        f"= {total / 2**30:.2f} GiB; {seconds:.0f} s; loss {float(out.loss):.3f}; anchors {out.metrics['anchors']:.0f}"
+    )
     assert out.metrics["anchors"] == M and torch.isfinite(out.loss)
     assert all(p.grad is not None for p in module.parameters() if p.requires_grad)
     assert total < PEAK_GIB * 2**30

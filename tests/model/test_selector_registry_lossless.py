@@ -92,7 +92,9 @@ def test_joint_steps_train_every_selector_parameter(target, make_drafter, tiny_s
     before = {k: v.clone() for k, v in sel.state_dict().items()}
     opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
     for step in range(3):
-        out = training_step(module, module, ids, mask, feats, StepConfig(anchors_per_seq=6, native_fraction=0.5, progress=step / 3), g)
+        out = training_step(
+            module, module, ids, mask, feats, StepConfig(anchors_per_seq=6, native_fraction=0.5, progress=step / 3), g
+        )
         assert math.isfinite(out.loss.item()) and out.metrics["loss/selector"] > 0
         opt.zero_grad()
         out.loss.backward()

@@ -43,16 +43,22 @@ def _reference_drelay_loss(core, ids, mask, feats, cfg, gen):
     Bb, M, _, D = hidden.shape
     logits = drafter.logits(hidden)
     block = drafter.pool(hidden.reshape(Bb * M, H, D))
-    out = selector.forward_train(block, anchor_ids=anchor_ids.reshape(-1), prefix_tokens=labels, history=history, history_mask=hmask)
+    out = selector.forward_train(
+        block, anchor_ids=anchor_ids.reshape(-1), prefix_tokens=labels, history=history, history_mask=hmask
+    )
     support = losses.support_ce(logits.flatten(0, 1), labels, valid, draft_to_target=drafter.draft_to_target)
-    support = losses.SupportLoss(nll=support.nll * slot_weights(H, cfg.slot_decay), counted=support.counted, out_of_vocab=support.out_of_vocab)
+    support = losses.SupportLoss(
+        nll=support.nll * slot_weights(H, cfg.slot_decay), counted=support.counted, out_of_vocab=support.out_of_vocab
+    )
     sel = losses.selector_loss(out.gate, out.rank, block.cand_ids, labels, valid)
     return losses.joint_loss(
         support, sel, valid, alpha=cfg.alpha, beta=cfg.beta, floor=cfg.credit_floor, cap=cfg.credit_cap, switches=cfg.switches
     )
 
 
-@pytest.mark.parametrize("switches", [losses.LossSwitches(), losses.LossSwitches(credit=False), losses.LossSwitches(support=False)])
+@pytest.mark.parametrize(
+    "switches", [losses.LossSwitches(), losses.LossSwitches(credit=False), losses.LossSwitches(support=False)]
+)
 def test_drelay_loss_through_the_selector_interface_is_bit_identical(target, make_drafter, tiny_selector_config, switches):
     drafter = make_drafter(target, top_k=8)
     torch.manual_seed(1)

@@ -17,7 +17,9 @@ def _block(B=2, H=3, K=4):
 
 
 def _ctx(B=2):
-    return SelectionContext(anchor_ids=torch.zeros(B, dtype=torch.long), anchor_pos=torch.zeros(B, dtype=torch.long), row_ids=torch.arange(B))
+    return SelectionContext(
+        anchor_ids=torch.zeros(B, dtype=torch.long), anchor_pos=torch.zeros(B, dtype=torch.long), row_ids=torch.arange(B)
+    )
 
 
 def test_native_keeps_candidate_zero():

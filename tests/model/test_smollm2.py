@@ -23,15 +23,24 @@ MAX_NEW = 48
 @pytest.fixture(scope="module")
 def prompts(smol):
     tok = smol.tokenizer
-    return [list(tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True)["input_ids"]) for m in MESSAGES]
+    return [
+        list(tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True)["input_ids"])
+        for m in MESSAGES
+    ]
 
 
 @pytest.fixture(scope="module")
 def hf_reference(smol, prompts):
     out = []
     for p in prompts:
-        gen = smol.hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=list(smol.eos_token_ids), pad_token_id=smol.eos_token_ids[0])
-        out.append(gen[0, len(p):].tolist())
+        gen = smol.hf.generate(
+            torch.tensor([p]),
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            eos_token_id=list(smol.eos_token_ids),
+            pad_token_id=smol.eos_token_ids[0],
+        )
+        out.append(gen[0, len(p) :].tolist())
     return out
 
 

@@ -44,11 +44,15 @@ def _reference_step(core: DraftTrainModule, ids, mask, feats, cfg: StepConfig, g
     logits = drafter.logits(hidden)  # [B, M, H, V]: the dense path
     block = drafter.pool(hidden.reshape(Bm * M, H, D))
     support = losses.support_ce(logits.flatten(0, 1), labels, valid, draft_to_target=drafter.draft_to_target)
-    support = losses.SupportLoss(nll=support.nll * slot_weights(H, cfg.slot_decay), counted=support.counted, out_of_vocab=support.out_of_vocab)
+    support = losses.SupportLoss(
+        nll=support.nll * slot_weights(H, cfg.slot_decay), counted=support.counted, out_of_vocab=support.out_of_vocab
+    )
     if selector is None:
         return support.nll.sum() / valid.sum().clamp(min=1)
     history, hmask = _reference_windows(feats, anchors, selector.capabilities.history_len)
-    out = selector.forward_train(block, anchor_ids=torch.gather(ids, 1, anchors).reshape(-1), prefix_tokens=labels, history=history, history_mask=hmask)
+    out = selector.forward_train(
+        block, anchor_ids=torch.gather(ids, 1, anchors).reshape(-1), prefix_tokens=labels, history=history, history_mask=hmask
+    )
     sel = losses.selector_loss(out.gate, out.rank, block.cand_ids, labels, valid)
     return losses.joint_loss(support, sel, valid, alpha=cfg.alpha, beta=cfg.beta, floor=cfg.credit_floor, cap=cfg.credit_cap).loss
 

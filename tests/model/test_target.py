@@ -100,7 +100,9 @@ def test_loads_a_hugging_face_directory(tmp_path, target, prompts_of):
     from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
 
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))).save_pretrained(tmp_path / "model")
+    PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    ).save_pretrained(tmp_path / "model")
     loaded = load_target(str(tmp_path / "model"))
     ids = torch.tensor(prompts_of(target.vocab_size, (9,)))
     torch.testing.assert_close(loaded(ids, loaded.new_cache(1, 16)).logits, target(ids, target.new_cache(1, 16)).logits)

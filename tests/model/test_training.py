@@ -67,7 +67,9 @@ def test_scout_traces_the_boundaries_of_native_greedy_decoding(target, make_draf
         a, expect = 6, []
         while a < ids.shape[1] - 1:
             expect.append(a)
-            hidden = drafter.block_hidden(ids[b : b + 1, a : a + 1], torch.tensor([[a]]), [(k[b : b + 1], v[b : b + 1]) for k, v in ctx])
+            hidden = drafter.block_hidden(
+                ids[b : b + 1, a : a + 1], torch.tensor([[a]]), [(k[b : b + 1], v[b : b + 1]) for k, v in ctx]
+            )
             native = drafter.logits(hidden[:, 0, 1:]).argmax(-1)[0]
             ref = ids[b, a + 1 : a + 1 + drafter.config.num_slots]
             n = int((native[: len(ref)] == ref).long().cumprod(0).sum())
@@ -107,7 +109,9 @@ def test_a_short_training_run_raises_replay_tau(target, make_drafter):
 
 def test_joint_step_trains_drafter_and_selector_and_stays_lossless(target, make_drafter):
     drafter = make_drafter(target, num_layers=1, top_k=8)
-    selector = default_registry().create("drelay", drafter=drafter, config={"d_sel": 32, "read_dim": 32, "compact_dim": 16, "history_len": 8})
+    selector = default_registry().create(
+        "drelay", drafter=drafter, config={"d_sel": 32, "read_dim": 32, "compact_dim": 16, "history_len": 8}
+    )
     module = DraftTrainModule(drafter, selector)
     prompts, outs, ids, mask = _data(target, n=16, new=24)
     feats = target(ids, target.new_cache(16, ids.shape[1]), feature_layers=drafter.config.target_layer_ids).features
@@ -129,7 +133,9 @@ def test_decision_metrics_count_fixes_and_breaks_by_the_keep_repair_rule():
     cand = torch.tensor([[[5, 6, 7], [5, 6, 7], [5, 6, 7], [5, 6, 7]]])  # [R=1, H=4, K=3]
     labels = torch.tensor([[6, 5, 7, 5]])
     valid = torch.tensor([[True, True, True, False]])
-    rank = torch.tensor([[[0.0, 2.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 0.0], [0.0, 2.0, 0.0]]])  # k* = 1 (r = 0.88), or a tie (r = 0.5)
+    rank = torch.tensor(
+        [[[0.0, 2.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 0.0], [0.0, 2.0, 0.0]]]
+    )  # k* = 1 (r = 0.88), or a tie (r = 0.5)
     gate = torch.tensor([[1.0, 1.0, -5.0, 1.0]])  # slots 1, 2, 4 repair to 6; slot 3 keeps (g + log r < 0)
     m = decision_metrics(gate, rank, cand, labels, valid)
     # slot 1: native 5 wrong, repair 6 right (fixed); slot 2: native 5 right, repair 6 wrong (broke);
@@ -183,7 +189,9 @@ def test_scout_with_an_oracle_policy_advances_a_whole_block(target, make_drafter
 
 def test_joint_step_realises_the_native_anchor_fraction(target, make_drafter):
     drafter = make_drafter(target, num_layers=1, top_k=8)
-    selector = default_registry().create("drelay", drafter=drafter, config={"d_sel": 32, "read_dim": 32, "compact_dim": 16, "history_len": 8})
+    selector = default_registry().create(
+        "drelay", drafter=drafter, config={"d_sel": 32, "read_dim": 32, "compact_dim": 16, "history_len": 8}
+    )
     module = DraftTrainModule(drafter, selector)
     prompts, outs, ids, mask = _data(target, n=4, new=10)
     feats = target(ids, target.new_cache(4, ids.shape[1]), feature_layers=drafter.config.target_layer_ids).features

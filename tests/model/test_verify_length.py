@@ -361,7 +361,9 @@ def test_the_rest_of_a_drafted_round_counts_against_drafting():
     assert policy.plan() > 0
     for _ in range(60):
         policy.observe_times(verify_width=1, verify_ms=30.0, round_ms=30.2)  # AR rounds: 0.2 ms of rest
-        policy.observe_times(verify_width=5, verify_ms=32.0, head_slots=H, decided=H, draft_ms=c.draft_ms(H), round_ms=32.0 + c.draft_ms(H) + 12.0)
+        policy.observe_times(
+            verify_width=5, verify_ms=32.0, head_slots=H, decided=H, draft_ms=c.draft_ms(H), round_ms=32.0 + c.draft_ms(H) + 12.0
+        )
     assert policy.other_ms[0] == pytest.approx(0.2, rel=0.01) and policy.other_ms[1] == pytest.approx(12.0, rel=0.01)
     assert policy.round_ms(H, H, 5) == pytest.approx(c.draft_ms(H) + 32.0 + 12.0, rel=0.01)
     assert policy.plan() == 0

@@ -46,7 +46,9 @@ def test_walk_equals_decide_block(ties, shape):
     H, K = shape
     repairs = 0
     for seed, gate_bias in enumerate([0.0, 1.0, 3.0, 8.0, 3.0]):
-        sel = perturb(make(seed, H=H, K=K, global_read=seed % 3 != 0, history_len=0 if seed == 4 else 8), seed, gate_bias=gate_bias)
+        sel = perturb(
+            make(seed, H=H, K=K, global_read=seed % 3 != 0, history_len=0 if seed == 4 else 8), seed, gate_bias=gate_bias
+        )
         B = 1 + seed % 4
         block, ctx = block_and_ctx(B, seed, H=H, K=K, ties=ties)
         (pick, gate, rank), got = both(sel, block, ctx)
@@ -96,7 +98,9 @@ def test_walk_compiles_as_one_graph_and_decide_block_does_not():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("overrides", [{}, {"decisions": "passes"}, {"gate_evidence": "slot", "anchor_feature": False}, {"global_read": False}])
+@pytest.mark.parametrize(
+    "overrides", [{}, {"decisions": "passes"}, {"gate_evidence": "slot", "anchor_feature": False}, {"global_read": False}]
+)
 def test_deciding_the_first_p_slots_equals_the_full_walk_cut_at_p(overrides):
     """`SelectionContext.max_slots` = P (cost-aware length verifies at most P drafts): the selector
     decides only slots 0..P−1, and those decisions and scores are the full walk's first P; past P

@@ -15,8 +15,16 @@ ROOT = Path(__file__).resolve().parents[2]
     [
         ("benchmarks/bench_selector.py", ["--checkpoint", "/nonexistent"], "checkpoint '/nonexistent' not found"),
         ("analysis/selector_decisions.py", ["--checkpoint", "/nonexistent"], "checkpoint '/nonexistent' not found"),
-        ("analysis/trace_repairs.py", ["--checkpoint", "/nonexistent", "--cells", "/nonexistent"], "checkpoint '/nonexistent' not found"),
-        ("analysis/trace_repairs.py", ["--checkpoint", str(ROOT / "checkpoints/smollm2-135m"), "--cells", "/nonexistent"], "--cells: no '/nonexistent/gsm8k__ar.json'"),
+        (
+            "analysis/trace_repairs.py",
+            ["--checkpoint", "/nonexistent", "--cells", "/nonexistent"],
+            "checkpoint '/nonexistent' not found",
+        ),
+        (
+            "analysis/trace_repairs.py",
+            ["--checkpoint", str(ROOT / "checkpoints/smollm2-135m"), "--cells", "/nonexistent"],
+            "--cells: no '/nonexistent/gsm8k__ar.json'",
+        ),
         ("benchmarks/bench_selectors.py", ["--trained", "dcoco"], "--trained dcoco: expected NAME=DIR"),
         ("benchmarks/bench_packed.py", ["--target", "nope"], "unknown target 'nope'"),
     ],
@@ -49,7 +57,12 @@ def test_training_budget_points_chain_wall_time():
     from plot_training_budget import budget_points
 
     minute = 60_000
-    first = ("a", 0, 10 * minute, {"val/tau_native": [(5, 4 * minute, 1.2), (10, 9 * minute, 1.4)], "val/tau_oracle": [(10, 9 * minute + 30_000, 2.5)]})
+    first = (
+        "a",
+        0,
+        10 * minute,
+        {"val/tau_native": [(5, 4 * minute, 1.2), (10, 9 * minute, 1.4)], "val/tau_oracle": [(10, 9 * minute + 30_000, 2.5)]},
+    )
     second = ("b", 50 * minute, 56 * minute, {"val/tau_native": [(3, 53 * minute, 1.5)]})
     points = budget_points([first, second])
     assert [(p.run, p.step, p.minutes) for p in points] == [("a", 5, 4.0), ("a", 10, 9.5), ("b", 3, 13.0)]

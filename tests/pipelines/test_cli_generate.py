@@ -31,7 +31,17 @@ def test_ar_generation_on_the_bundled_target(capsys):
 @pytest.mark.parametrize("length", ["cost", "fixed"])
 def test_speculative_generation_reports_speedup_and_matches_ar(capsys, tmp_path, monkeypatch, length):
     monkeypatch.setattr("pipelines.common.costs.cache_root", lambda: tmp_path)
-    argv = ["--chat", "Name a colour.", "--random-drafter", "--compare-ar", "--max-new-tokens", "12", "--json", "--verify-length", length]
+    argv = [
+        "--chat",
+        "Name a colour.",
+        "--random-drafter",
+        "--compare-ar",
+        "--max-new-tokens",
+        "12",
+        "--json",
+        "--verify-length",
+        length,
+    ]
     rc, out, err = _run(capsys, *argv)
     assert rc == 0, err
     report = json.loads(out)
@@ -93,10 +103,15 @@ def test_checkpoint_for_another_target_is_rejected(capsys, tmp_path):
 def test_console_script_never_prints_a_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pipelines.cli", "generate", "--chat", "hi", "--target", "nope"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "drelay: error: unknown target 'nope': expected smollm2-135m, tiny-llama, tiny-qwen3, a Hugging Face model directory, or a hub id 'org/name'"
+    assert (
+        proc.stderr.strip()
+        == "drelay: error: unknown target 'nope': expected smollm2-135m, tiny-llama, tiny-qwen3, a Hugging Face model directory, or a hub id 'org/name'"
+    )
 
 
 def test_costs_command_measures_caches_and_shows(capsys, tmp_path, monkeypatch):

@@ -35,7 +35,9 @@ def test_runtime_env_ships_the_checkout_without_outputs_and_points_at_the_root(t
     (tmp_path / "env.yaml").write_text("env_vars: {HF_HOME: /mnt/hf}\nexcludes: [data/big]\n")
     env = runtime_env("/mnt/shared", extra_file=str(tmp_path / "env.yaml"), env=["A=1"], excludes=["bench"])
     assert env["working_dir"] == str(REPO_ROOT)
-    assert {".git", ".venv", "outputs", "**/__pycache__"} <= set(env["excludes"]) and {"data/big", "bench"} <= set(env["excludes"])
+    assert {".git", ".venv", "outputs", "**/__pycache__"} <= set(env["excludes"]) and {"data/big", "bench"} <= set(
+        env["excludes"]
+    )
     assert env["env_vars"] == {"HF_HOME": "/mnt/hf", "MLFLOW_TRACKING_URI": "http://mlflow.team:5000", "A": "1",
                                OUTPUT_ROOT_ENV: "/mnt/shared", "PYTHONUNBUFFERED": "1"}  # fmt: skip
     assert set(EXCLUDES) <= set(env["excludes"])

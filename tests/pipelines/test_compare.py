@@ -17,6 +17,7 @@ from pipelines.cli import main
 from pipelines.eval.prompts import HashEncoder
 from pipelines.common.tracking import get_client
 
+
 @pytest.fixture
 def checkpoints(tiny, tmp_path) -> tuple[Path, Path]:
     """(a native drafter, another drafter saved with a freshly initialised DRelay selector)."""
@@ -67,7 +68,9 @@ def test_compare_table_matches_direct_replay_and_resumes(tiny, uri, data_dir, ch
     assert (out / "compare.png").stat().st_size > 0
     # What each selector costs (batch 1): a rule has no parameters; the trained head's are counted.
     assert m["native"]["params"] == 0 and m["drelay"]["params"] > 0 and m["drelay"]["select_ms"] > 0
-    assert "select ms/round" in printed and m["drelay"]["mean_efficiency"] == pytest.approx(m["drelay"]["mean_tau"] / m["drelay"]["mean_oracle_tau"])
+    assert "select ms/round" in printed and m["drelay"]["mean_efficiency"] == pytest.approx(
+        m["drelay"]["mean_tau"] / m["drelay"]["mean_oracle_tau"]
+    )
 
     client = get_client()
     run = client.search_runs([client.get_experiment_by_name("drelay-compare").experiment_id])[0]

@@ -121,6 +121,7 @@ def test_checkpoint_meta_that_says_none_reads_as_native(tmp_path):
     save_drafter(drafter, tmp_path / "ck", meta={"selector": {"name": "none"}})
     assert trained_selector(tmp_path / "ck") == "native"
 
+
 def test_paper_defaults_and_their_switches():
     """Defaults read the paper (Eq. 4 without a slot decay, α reaching 1 and holding, the scout
     following the selector with restarting chains); the other readings stay selectable."""

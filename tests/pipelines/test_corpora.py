@@ -44,12 +44,7 @@ def corpus() -> list[Conversation]:
 @pytest.fixture(scope="module")
 def eval_texts() -> set[str]:
     """Every evaluation prompt's raw problem text and templated turn, normalised."""
-    return {
-        _norm(text)
-        for name in BENCHMARKS
-        for p in load_benchmark(name)
-        for text in p.raw + p.turns
-    }
+    return {_norm(text) for name in BENCHMARKS for p in load_benchmark(name) for text in p.raw + p.turns}
 
 
 def _write(path: Path, text: str) -> Path:
@@ -81,9 +76,7 @@ def test_gsm8k_answers_are_readable(corpus: list[Conversation]) -> None:
         assert "<<" not in answer and "####" not in answer
         assert answer.splitlines()[-1].startswith("The final answer is $\\boxed{")
         assert "\\boxed{}" in c.messages[0]["content"]
-    assert gsm8k_solution("So 9*2=<<9*2=18>>18 dollars.\n#### 18") == (
-        "So 9*2=18 dollars.\nThe final answer is $\\boxed{18}$."
-    )
+    assert gsm8k_solution("So 9*2=<<9*2=18>>18 dollars.\n#### 18") == ("So 9*2=18 dollars.\nThe final answer is $\\boxed{18}$.")
     with pytest.raises(DRelayError, match="####"):
         gsm8k_solution("no final line")
 
@@ -98,9 +91,7 @@ def test_mbpp_train_uses_only_non_test_ids(corpus: list[Conversation]) -> None:
 
 
 def test_alpaca_user_message_is_instruction_plus_input(corpus: list[Conversation]) -> None:
-    rows = json.loads(
-        (default_train_dir() / "alpaca" / "alpaca_data_5000_subset_pr152.json").read_text("utf-8")
-    )
+    rows = json.loads((default_train_dir() / "alpaca" / "alpaca_data_5000_subset_pr152.json").read_text("utf-8"))
     for c in corpus:
         if c.source != "alpaca5k":
             continue
@@ -115,9 +106,7 @@ def test_alpaca_user_message_is_instruction_plus_input(corpus: list[Conversation
     assert not any(map(is_placeholder_input, ["Banana", "input: 2", "x = 3", "42", "[1, 2]", "+"]))
 
 
-def test_training_corpus_does_not_contain_evaluation_prompts(
-    corpus: list[Conversation], eval_texts: set[str]
-) -> None:
+def test_training_corpus_does_not_contain_evaluation_prompts(corpus: list[Conversation], eval_texts: set[str]) -> None:
     leaks = [
         (c.source, c.conv_id, text[:80])
         for c in corpus
@@ -145,23 +134,31 @@ def test_the_raw_sources_hold_exactly_the_known_overlaps(corpus: list[Conversati
 
 def test_sharegpt_both_formats(tmp_path: Path) -> None:
     sharegpt = [
-        {"id": "a", "conversations": [
-            {"from": "gpt", "value": "leading reply, dropped"},
-            {"from": "human", "value": "hi"},
-            {"from": "gpt", "value": "hello"},
-            {"from": "human", "value": "unanswered, dropped"},
-        ]},
-        {"conversations": [{"from": "system", "value": "be brief"},
-                           {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+        {
+            "id": "a",
+            "conversations": [
+                {"from": "gpt", "value": "leading reply, dropped"},
+                {"from": "human", "value": "hi"},
+                {"from": "gpt", "value": "hello"},
+                {"from": "human", "value": "unanswered, dropped"},
+            ],
+        },
+        {
+            "conversations": [
+                {"from": "system", "value": "be brief"},
+                {"from": "human", "value": "q"},
+                {"from": "gpt", "value": "a"},
+            ]
+        },
     ]
     convs = load_sharegpt(_write(tmp_path / "chats.json", json.dumps(sharegpt)))
     assert [c.conv_id for c in convs] == ["a", "1"] and convs[0].source == "chats"
     assert convs[0].messages == (
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
     )
     assert [m["role"] for m in convs[1].messages] == ["system", "user", "assistant"]
-    messages = {"id": 7, "messages": [{"role": "user", "content": "x"},
-                                      {"role": "assistant", "content": "y"}]}
+    messages = {"id": 7, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}
     jsonl = _write(tmp_path / "more.jsonl", json.dumps(messages) + "\n")
     (conv,) = load_sharegpt(jsonl, source="mine")
     assert (conv.source, conv.conv_id, len(conv.messages)) == ("mine", "7", 2)
@@ -177,9 +174,7 @@ def test_sharegpt_both_formats(tmp_path: Path) -> None:
         ({"messages": "not a list"}, "not a list"),
     ],
 )
-def test_sharegpt_malformed_record_names_file_and_line(
-    tmp_path: Path, record: dict, what: str
-) -> None:
+def test_sharegpt_malformed_record_names_file_and_line(tmp_path: Path, record: dict, what: str) -> None:
     good = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
     path = _write(tmp_path / "c.jsonl", f"{json.dumps(good)}\n{json.dumps(record)}\n")
     with pytest.raises(DRelayError) as err:
@@ -193,8 +188,7 @@ def test_sharegpt_file_errors(tmp_path: Path) -> None:
     empty = _write(tmp_path / "empty.json", "[]")
     with pytest.raises(DRelayError, match=f"no conversations in {empty}"):
         load_sharegpt(empty)
-    conv = {"id": "x", "messages": [{"role": "user", "content": "q"},
-                                    {"role": "assistant", "content": "a"}]}
+    conv = {"id": "x", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
     dup = _write(tmp_path / "dup.json", json.dumps([conv, conv]))
     with pytest.raises(DRelayError, match=r"dup.json\[1\]: duplicate conversation id 'x'"):
         load_sharegpt(dup)

@@ -91,7 +91,7 @@ def test_chat_prompts_are_used_verbatim() -> None:
 
 
 def test_humaneval_template_keeps_the_stub_verbatim() -> None:
-    stub = "def f(x):\n    \"\"\"Return x.\"\"\"\n"
+    stub = 'def f(x):\n    """Return x."""\n'
     assert f"```python\n{stub}```" in HUMANEVAL_TEMPLATE.format(prompt=stub)
 
 
@@ -204,9 +204,7 @@ def test_duplicate_ids_are_rejected(tmp_path: Path) -> None:
         load_benchmark("aime25", data_dir=tmp_path)
 
 
-def test_env_var_points_at_another_data_dir(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_env_var_points_at_another_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     rows = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n"} for i in range(3)]
     path = tmp_path / "humaneval" / "HumanEval.jsonl.gz"
     path.parent.mkdir(parents=True)

@@ -91,7 +91,9 @@ def test_paired_speedup_is_the_median_of_per_prompt_ratios():
     m = _cell("gsm8k", "native", {(0, 1): (100, 2.0, 99, 33)})  # phased: S = 5
     # per prompt-turn: (tokens, seconds) for the method and its back-to-back AR run
     pairs = [(10, 1.0, 10, 1.5), (10, 1.0, 10, 1.0), (20, 1.0, 20, 3.0), (10, 2.0, 10, 1.0), (5, 1.0, 5, 1.2)]
-    m.prompts = [PromptRecord(f"p{i}", 0, 0, 4, n, "d", wall_s=t, ar_wall_s=ta, ar_new_tokens=na) for i, (n, t, na, ta) in enumerate(pairs)]
+    m.prompts = [
+        PromptRecord(f"p{i}", 0, 0, 4, n, "d", wall_s=t, ar_wall_s=ta, ar_new_tokens=na) for i, (n, t, na, ta) in enumerate(pairs)
+    ]
     m.other_cpu_share = 0.25
     got = cell_metrics(m, ar, (1,))
     ratios = sorted([1.5, 1.0, 3.0, 0.5, 1.2])
@@ -318,7 +320,11 @@ def test_interrupted_evaluation_leaves_no_running_run_and_resumes(uri, data_dir,
     ],
 )
 def test_bad_input_is_one_line_and_starts_no_run(uri, data_dir, tmp_path, capsys, extra, message):
-    args = [a for a in _tiny_args(data_dir, tmp_path / "out") if a != "--random-drafter"] if "--checkpoint" in extra else _tiny_args(data_dir, tmp_path / "out")
+    args = (
+        [a for a in _tiny_args(data_dir, tmp_path / "out") if a != "--random-drafter"]
+        if "--checkpoint" in extra
+        else _tiny_args(data_dir, tmp_path / "out")
+    )
     rc, _, err = _cli(capsys, *args, *extra)
     assert rc == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err, err
     assert _runs(get_client()) == []
@@ -357,12 +363,37 @@ def test_eval_resumes_from_cell_files_of_an_older_layout(tmp_path, capsys, monke
         raise AssertionError("a cell was recomputed instead of loaded")
 
     monkeypatch.setattr(Evaluation, "run_cell", no_decoding)
-    rc = main(["eval", "--target", "tiny-llama", "--methods", "ar,native", "--random-drafter", "--benchmarks", "gsm8k", "--limit", "2",
-               "--data-dir", str(tmp_path / "bench"), "--max-new-tokens", "8", "--no-mlflow", "--out", str(out), "--no-progress",
-               "--timing", "phased", "--verify-length", "fixed"])  # fmt: skip  (the fixture's cells were timed in phases, at fixed length)
+    rc = main(
+        [
+            "eval",
+            "--target",
+            "tiny-llama",
+            "--methods",
+            "ar,native",
+            "--random-drafter",
+            "--benchmarks",
+            "gsm8k",
+            "--limit",
+            "2",
+            "--data-dir",
+            str(tmp_path / "bench"),
+            "--max-new-tokens",
+            "8",
+            "--no-mlflow",
+            "--out",
+            str(out),
+            "--no-progress",
+            "--timing",
+            "phased",
+            "--verify-length",
+            "fixed",
+        ]
+    )  # fmt: skip  (the fixture's cells were timed in phases, at fixed length)
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
-    old = json.loads((Path(__file__).parent / "fixtures" / "cells_before_layout_summary.json").read_text())  # the metrics the fixture's cells gave
+    old = json.loads(
+        (Path(__file__).parent / "fixtures" / "cells_before_layout_summary.json").read_text()
+    )  # the metrics the fixture's cells gave
     assert summary.keys() == old.keys()
     for method, metrics in old.items():  # each of those metrics, unchanged (the summary may add more)
         assert {k: summary[method][k] for k in metrics} == pytest.approx(metrics), method

@@ -76,7 +76,9 @@ def test_regenerate_takes_target_output_and_budget_from_a_training_config(tmp_pa
 
     out = tmp_path / "regen.jsonl"
     config = tmp_path / "train.yaml"
-    config.write_text(yaml.safe_dump({"target": {"spec": "smollm2-135m"}, "data": {"regenerated": str(out), "max_seq_len": 1056}}))
+    config.write_text(
+        yaml.safe_dump({"target": {"spec": "smollm2-135m"}, "data": {"regenerated": str(out), "max_seq_len": 1056}})
+    )
     argv = ["data", "regenerate", "--config", str(config), "--sources", "gsm8k_train", "--limit", "1", "--batch-size", "1"]
     assert main([*argv, "--device", "cpu"]) == 0
     printed = capsys.readouterr().out

@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 
 from pipelines.cli import main
-from pipelines.eval.report import ComparisonTable, MethodRow, csv_rows, markdown_relative, markdown_table, relative_improvements, render, write_report
+from pipelines.eval.report import (
+    ComparisonTable,
+    MethodRow,
+    csv_rows,
+    markdown_relative,
+    markdown_table,
+    relative_improvements,
+    render,
+    write_report,
+)
 from pipelines.common.tracking import get_client
 
 NATIVE = {"gsm8k/speedup": 2.0, "gsm8k/tau": 4.0, "mbpp/speedup": 1.0, "mbpp/tau": 2.0, "mean_speedup": 1.5, "mean_tau": 3.0}
@@ -87,9 +96,11 @@ def test_report_reads_the_latest_or_a_named_evaluation(store, capsys, monkeypatc
     assert "| Method | GSM8K S | GSM8K τ | Avg. S | Avg. τ |" in out and "| native | " in out
     expected = json.loads((root / "second" / "summary.json").read_text())["native"]
     assert f"| native | {expected['gsm8k/speedup']:.2f}× | {expected['gsm8k/tau']:.2f} |" in out
-    first_id = get_client().search_runs(
-        [get_client().get_experiment_by_name("drelay-eval").experiment_id], "attributes.run_name = 'first'"
-    )[0].info.run_id
+    first_id = (
+        get_client()
+        .search_runs([get_client().get_experiment_by_name("drelay-eval").experiment_id], "attributes.run_name = 'first'")[0]
+        .info.run_id
+    )
     rc, out, err = _report(capsys, "--run", first_id, "--run", "second", "--out", str(root / "cmp"), "--plots")
     assert rc == 0, err
     assert "| first:native |" in out and "| second:native |" in out and "+" in out  # relative improvements

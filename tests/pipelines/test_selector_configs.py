@@ -21,7 +21,9 @@ def test_every_trainable_selector_is_a_valid_selector_name(name):
 
 def test_untrainable_or_unknown_selector_names_are_one_line_errors():
     for bad in ("ar", "magic"):
-        with pytest.raises(DRelayError, match=rf"selector.name: .*'{bad}' is not a trainable selector \(choose from: native, drelay"):
+        with pytest.raises(
+            DRelayError, match=rf"selector.name: .*'{bad}' is not a trainable selector \(choose from: native, drelay"
+        ):
             load_config(None, [f"selector.name={bad}"])
 
 
@@ -40,7 +42,9 @@ def test_frozen_backbone_trains_only_a_fresh_selector(tmp_path):
     for p in trained.residual_heads():
         torch.nn.init.normal_(p)
     extra = {f"selector.{k}": v for k, v in trained.state_dict().items()}
-    save_drafter(drafter, tmp_path / "ck", extra_tensors=extra, meta={"selector": {"name": "drelay", "config": trained.config.to_dict()}})
+    save_drafter(
+        drafter, tmp_path / "ck", extra_tensors=extra, meta={"selector": {"name": "drelay", "config": trained.config.to_dict()}}
+    )
     base = [f"drafter.init_checkpoint={tmp_path / 'ck'}", "drafter.freeze=true", "target.spec=tiny-llama"]
     for name in trainable_selectors():
         module = build_module(load_config(None, [*base, f"selector.name={name}", "selector.fresh=true"]), target, [])

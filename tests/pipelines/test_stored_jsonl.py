@@ -16,7 +16,9 @@ from pipelines.data.regenerate import output_plan, read_done, read_done_ids, rec
 from pipelines.data.stored_jsonl import compress_into_xz, read_text, stored_forms
 from pipelines.train.data import data_files, read_sequences
 
-ROWS = [{"source": "s", "conv_id": str(i), "seq_id": f"q{i}", "input_ids": list(range(3 + i)), "response_start": 1} for i in range(5)]
+ROWS = [
+    {"source": "s", "conv_id": str(i), "seq_id": f"q{i}", "input_ids": list(range(3 + i)), "response_start": 1} for i in range(5)
+]
 
 
 def _lines(rows) -> str:

@@ -31,9 +31,11 @@ def _spec(**over):
         "name": "s",
         "stages": [
             {"config": str(ROOT / "platform/experiments/smollm2-135m/train.yaml"), "runs": {"base": ["train.max_steps=10"]}},
-            {"config": str(ROOT / "platform/experiments/smollm2-135m/train-drelay.yaml"),
-             "overrides": ["drafter.init_checkpoint={base}", "train.max_steps=5"],
-             "runs": {"native": ["selector.name=native"], "drelay": [], "nogr": ["selector.config.global_read=false"]}},
+            {
+                "config": str(ROOT / "platform/experiments/smollm2-135m/train-drelay.yaml"),
+                "overrides": ["drafter.init_checkpoint={base}", "train.max_steps=5"],
+                "runs": {"native": ["selector.name=native"], "drelay": [], "nogr": ["selector.config.global_read=false"]},
+            },
         ],  # fmt: skip
         "compare": {"baseline": "native", "variants": {"pick": "drelay:native"}},
         "ship": "drelay",
@@ -126,7 +128,9 @@ def test_compare_columns_from_checkpoints_outside_the_study(tmp_path, monkeypatc
     """`compare.checkpoints`: the shipped checkpoint as a column beside the study's runs."""
     from pipelines.study import runner
 
-    spec = load_study(_write(tmp_path, _spec(compare={"checkpoints": {"bundled": "checkpoints/smollm2-135m", "picked": "/abs/ck:native"}})))
+    spec = load_study(
+        _write(tmp_path, _spec(compare={"checkpoints": {"bundled": "checkpoints/smollm2-135m", "picked": "/abs/ck:native"}}))
+    )
     jobs = []
     monkeypatch.setattr(runner, "run_compare", jobs.append)
     runner._compare(spec, run_configs(spec, _repo(tmp_path)), progress=False, parent_run_id=None)

@@ -19,7 +19,13 @@ def _write(path, rows):
 
 
 def test_tokenized_file_roundtrip_and_errors(tmp_path):
-    path = _write(tmp_path / "d.jsonl", [{"seq_id": "a", "input_ids": [1, 2, 3, 4, 5], "response_start": 2}, {"seq_id": "b", "input_ids": [1, 2], "response_start": 1}])
+    path = _write(
+        tmp_path / "d.jsonl",
+        [
+            {"seq_id": "a", "input_ids": [1, 2, 3, 4, 5], "response_start": 2},
+            {"seq_id": "b", "input_ids": [1, 2], "response_start": 1},
+        ],
+    )
     seqs = read_sequences(path, max_seq_len=4)
     assert [s.seq_id for s in seqs] == ["a"] and seqs[0].input_ids == (1, 2, 3, 4)  # b has no room for an anchor
     with pytest.raises(DRelayError, match="not found"):
@@ -34,12 +40,20 @@ def test_tokenized_file_roundtrip_and_errors(tmp_path):
 
 def test_regenerated_conversations_keep_the_exact_generated_ids(tmp_path, smol):
     rec = {
-        "conv_id": "c1", "source": "test",
-        "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-                     {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye!"}],
-        "turn_token_ids": [[9, 8, 7, 2], [6, 5, 2]], "finished": True,
+        "conv_id": "c1",
+        "source": "test",
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Bye"},
+            {"role": "assistant", "content": "Bye!"},
+        ],
+        "turn_token_ids": [[9, 8, 7, 2], [6, 5, 2]],
+        "finished": True,
     }
-    seqs = read_sequences(_write(tmp_path / "r.jsonl", [rec, {"conv_id": "c2", "skipped": "prompt too long"}]), smol.tokenizer, max_seq_len=512)
+    seqs = read_sequences(
+        _write(tmp_path / "r.jsonl", [rec, {"conv_id": "c2", "skipped": "prompt too long"}]), smol.tokenizer, max_seq_len=512
+    )
     assert len(seqs) == 2
     assert seqs[0].input_ids[seqs[0].response_start :] == (9, 8, 7, 2)
     assert seqs[1].input_ids[seqs[1].response_start :] == (6, 5, 2)
@@ -64,7 +78,16 @@ def test_batches_cover_every_sequence_once_per_epoch():
 
 
 def test_collate_and_label_counts(tmp_path):
-    seqs = read_sequences(_write(tmp_path / "d.jsonl", [{"seq_id": "a", "input_ids": [3, 4, 5], "response_start": 1}, {"seq_id": "b", "input_ids": [3, 4, 4, 6], "response_start": 2}]), max_seq_len=8)
+    seqs = read_sequences(
+        _write(
+            tmp_path / "d.jsonl",
+            [
+                {"seq_id": "a", "input_ids": [3, 4, 5], "response_start": 1},
+                {"seq_id": "b", "input_ids": [3, 4, 4, 6], "response_start": 2},
+            ],
+        ),
+        max_seq_len=8,
+    )
     ids, mask = collate(seqs)
     assert ids.tolist() == [[3, 4, 5, 0], [3, 4, 4, 6]]
     assert mask.tolist() == [[False, True, True, False], [False, False, True, True]]
@@ -105,14 +128,23 @@ def test_bf16_features_are_close_to_float32_and_cached_apart(tmp_path):
 
 def test_a_glob_reads_every_shard_once(tmp_path):
     _write(tmp_path / "t.jsonl", [{"seq_id": "a", "input_ids": [1, 2, 3], "response_start": 1}])
-    _write(tmp_path / "t.shard-0-of-2.jsonl", [{"seq_id": "b", "input_ids": [1, 2, 3], "response_start": 1}, {"seq_id": "a", "input_ids": [1, 2, 3], "response_start": 1}])
+    _write(
+        tmp_path / "t.shard-0-of-2.jsonl",
+        [
+            {"seq_id": "b", "input_ids": [1, 2, 3], "response_start": 1},
+            {"seq_id": "a", "input_ids": [1, 2, 3], "response_start": 1},
+        ],
+    )
     assert sorted(s.seq_id for s in read_sequences(tmp_path / "t*.jsonl", max_seq_len=8)) == ["a", "b"]
     with pytest.raises(DRelayError, match="no training data file matches"):
         read_sequences(tmp_path / "u*.jsonl", max_seq_len=8)
 
 
 def test_line_separators_inside_json_strings_do_not_split_a_record(tmp_path):
-    rows = [{"seq_id": "a\u2028b\x85c", "input_ids": [1, 2, 3], "response_start": 1}, {"seq_id": "d", "input_ids": [4, 5, 6], "response_start": 1}]
+    rows = [
+        {"seq_id": "a\u2028b\x85c", "input_ids": [1, 2, 3], "response_start": 1},
+        {"seq_id": "d", "input_ids": [4, 5, 6], "response_start": 1},
+    ]
     path = tmp_path / "u.jsonl"
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     assert [s.seq_id for s in read_sequences(path, max_seq_len=8)] == ["a\u2028b\x85c", "d"]
@@ -153,7 +185,13 @@ def test_init_checkpoint_continues_its_trained_selector(tmp_path):
 
     target = tiny_target("tiny-llama")
     small = "selector.config={d_sel: 32, read_dim: 32, history_len: 8}"
-    over = ["target.spec=tiny-llama", "drafter.num_layers=1", "drafter.top_k=8", "drafter.draft_vocab_size=null", "selector.name=drelay"]
+    over = [
+        "target.spec=tiny-llama",
+        "drafter.num_layers=1",
+        "drafter.top_k=8",
+        "drafter.draft_vocab_size=null",
+        "selector.name=drelay",
+    ]
     cfg = load_config(None, [*over, small])
     first = build_module(cfg, target, [])
     with torch.no_grad():
@@ -223,7 +261,16 @@ def test_training_checkpoint_keeps_the_seconds_spent(tmp_path):
     from pipelines.train.model_io import build_module, restore_training_checkpoint, save_training_checkpoint
 
     target = tiny_target("tiny-llama")
-    cfg = load_config(None, ["target.spec=tiny-llama", "drafter.num_layers=1", "drafter.top_k=8", "drafter.draft_vocab_size=null", "train.max_minutes=2.5"])
+    cfg = load_config(
+        None,
+        [
+            "target.spec=tiny-llama",
+            "drafter.num_layers=1",
+            "drafter.top_k=8",
+            "drafter.draft_vocab_size=null",
+            "train.max_minutes=2.5",
+        ],
+    )
     assert cfg.train.max_minutes == 2.5
     module = build_module(cfg, target, [])
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad])

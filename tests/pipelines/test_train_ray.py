@@ -27,18 +27,35 @@ def tiny_data(tmp_path_factory):
     prompts = [torch.randint(0, target.vocab_size, (8,), generator=g).tolist() for _ in range(64)]
     outs = SpeculativeEngine(target).generate(prompts, GenerationConfig(max_new_tokens=32)).tokens
     path = tmp_path_factory.mktemp("data") / "tiny.jsonl"
-    path.write_text("".join(json.dumps({"seq_id": f"s{i}", "input_ids": p + o, "response_start": 8}) + "\n" for i, (p, o) in enumerate(zip(prompts, outs))))
+    path.write_text(
+        "".join(
+            json.dumps({"seq_id": f"s{i}", "input_ids": p + o, "response_start": 8}) + "\n"
+            for i, (p, o) in enumerate(zip(prompts, outs))
+        )
+    )
     return path
 
 
 def _config(tmp_path, data, **over):
     base = {
-        "target.spec": "tiny-llama", "data.regenerated": str(data), "data.validation_fraction": 0.1,
-        "train.max_steps": 16, "train.checkpoint_every": 4, "train.validate_every": 6, "train.seqs_per_step": 4,
-        "train.anchors_per_seq": 8, "train.validation_prompts": 2, "train.warmup_steps": 2,
-        "ray.num_workers": 2, "ray.storage_path": str(tmp_path / "ray"), "ray.run_name": "tiny",
-        "output_dir": str(tmp_path / "out"), "drafter.num_layers": 1, "drafter.top_k": 8,
-        "selector.name": "drelay", "selector.config": "{d_sel: 32, read_dim: 32, compact_dim: 16, history_len: 8}",
+        "target.spec": "tiny-llama",
+        "data.regenerated": str(data),
+        "data.validation_fraction": 0.1,
+        "train.max_steps": 16,
+        "train.checkpoint_every": 4,
+        "train.validate_every": 6,
+        "train.seqs_per_step": 4,
+        "train.anchors_per_seq": 8,
+        "train.validation_prompts": 2,
+        "train.warmup_steps": 2,
+        "ray.num_workers": 2,
+        "ray.storage_path": str(tmp_path / "ray"),
+        "ray.run_name": "tiny",
+        "output_dir": str(tmp_path / "out"),
+        "drafter.num_layers": 1,
+        "drafter.top_k": 8,
+        "selector.name": "drelay",
+        "selector.config": "{d_sel: 32, read_dim: 32, compact_dim: 16, history_len: 8}",
     }
     base.update(over)
     return load_config(None, [f"{k}={v}" for k, v in base.items()])
@@ -132,7 +149,9 @@ def test_study_trains_stages_compares_and_ships(tmp_path, tiny_data, ray_session
     drafter, extra, meta = load_drafter(tmp_path / "bundled" / "tiny-llama", target)
     assert meta["step"] == 2 and meta["run_name"] == "tiny-study-drelay"
     default_registry().from_checkpoint("drelay", drafter=drafter, tensors=extra, meta=meta)
-    runs = {r.info.run_name: r for r in get_client().search_runs([get_client().get_experiment_by_name("drelay-train").experiment_id])}
+    runs = {
+        r.info.run_name: r for r in get_client().search_runs([get_client().get_experiment_by_name("drelay-train").experiment_id])
+    }
     assert {"tiny-study-base", "tiny-study-native", "tiny-study-drelay"} <= set(runs)
     # The study is a parent run (kind `study`); its training runs and the comparison nest under it.
     from pipelines.common.tracking import PARENT_TAG

@@ -21,7 +21,12 @@ def tiny_data_file(path: Path) -> Path:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, target.vocab_size, (8,), generator=g).tolist() for _ in range(48)]
     outs = SpeculativeEngine(target).generate(prompts, GenerationConfig(max_new_tokens=24)).tokens
-    path.write_text("".join(json.dumps({"seq_id": f"s{i}", "input_ids": p + o, "response_start": 8}) + "\n" for i, (p, o) in enumerate(zip(prompts, outs))))
+    path.write_text(
+        "".join(
+            json.dumps({"seq_id": f"s{i}", "input_ids": p + o, "response_start": 8}) + "\n"
+            for i, (p, o) in enumerate(zip(prompts, outs))
+        )
+    )
     return path
 
 
@@ -66,8 +71,14 @@ BAD = [
     ({"space": {"train.nope": {"low": 0.1, "high": 0.2}}}, "space: 'train.nope' is not a training-config field"),
     ({"space": {"train.credit_floor": {"low": 0.3, "high": 0.3}}}, "space.train.credit_floor: empty range"),
     ({"space": {"train.credit_floor": {"low": 0.5, "high": 0.2}}}, "space.train.credit_floor: inverted range"),
-    ({"space": {"train.credit_floor": {"low": 0.5, "high": 1.5}}}, "space.train.credit_floor: train.credit_floor: Input should be less than or equal to 1"),
-    ({"space": {"train.credit_cap": {"values": [0.5, 4.0]}}}, "space.train.credit_cap: train.credit_cap: Input should be greater than or equal to 1"),
+    (
+        {"space": {"train.credit_floor": {"low": 0.5, "high": 1.5}}},
+        "space.train.credit_floor: train.credit_floor: Input should be less than or equal to 1",
+    ),
+    (
+        {"space": {"train.credit_cap": {"values": [0.5, 4.0]}}},
+        "space.train.credit_cap: train.credit_cap: Input should be greater than or equal to 1",
+    ),
     ({"space": {"train.credit_cap": {"values": []}}}, "space.train.credit_cap: values is empty"),
     ({"scheduler": {"name": "hyperband"}}, "scheduler.name: Input should be 'asha' or 'fifo'"),
     ({"search": "bayes"}, "search: Input should be 'random', 'grid' or 'optuna'"),
@@ -228,7 +239,9 @@ def test_a_trial_larger_than_the_cluster_is_refused(tmp_path, tiny_data, monkeyp
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
     path = write_sweep(tmp_path, tiny_data, resources={"num_workers": 1, "cpus_per_worker": 2})
     assert main(["tune", "--config", str(path)]) == 2
-    assert "resources: a trial needs 2.1 CPUs (driver_cpu 0.1 + 1 workers × 2) but the Ray cluster has 2" in capsys.readouterr().err
+    assert (
+        "resources: a trial needs 2.1 CPUs (driver_cpu 0.1 + 1 workers × 2) but the Ray cluster has 2" in capsys.readouterr().err
+    )
     assert not (tmp_path / "sweeps" / "tiny-sweep" / "sweep.json").exists()
 
 
@@ -263,7 +276,10 @@ def test_the_best_trial_is_printed_beside_the_start():
     from pipelines.tune.report import SweepResult
 
     r = SweepResult(Path("."), "p", "t1", None, [], metric="val/tau", best_value=2.454, start_value=2.91)
-    assert r.best_against_start() == "best trial: t1 val/tau 2.4540; start (init checkpoint): val/tau 2.9100; the best trial does not beat its start"
+    assert (
+        r.best_against_start()
+        == "best trial: t1 val/tau 2.4540; start (init checkpoint): val/tau 2.9100; the best trial does not beat its start"
+    )
     beat = SweepResult(Path("."), "p", "t2", None, [], metric="loss", mode="min", best_value=0.5, start_value=0.7)
     assert beat.best_against_start().endswith("loss 0.7000; the best trial beats its start")
     assert SweepResult(Path("."), "p", None, None, []).best_against_start() == "best trial: none; start: no init checkpoint"

@@ -78,7 +78,11 @@ def test_broken_specs_fail_in_one_line(tmp_path, name, edit, message):
 
 
 def test_cli_check_exits_2_on_a_missing_config(tmp_path, capsys):
-    bad = _mutate(tmp_path, "rayjob-train.yaml", lambda d: d["spec"].update(entrypoint="python -m pipelines.cli train --config platform/x.yaml"))
+    bad = _mutate(
+        tmp_path,
+        "rayjob-train.yaml",
+        lambda d: d["spec"].update(entrypoint="python -m pipelines.cli train --config platform/x.yaml"),
+    )
     assert main(["jobs", "check", str(REPO / "platform/cluster/rayjob-eval.yaml")]) == 0
     rc = main(["jobs", "check", str(bad)])
     err = capsys.readouterr().err.strip()

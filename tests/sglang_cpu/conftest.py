@@ -46,15 +46,33 @@ def dirs(tmp_path_factory):
     from drelay_model.target import load_target
 
     root = tmp_path_factory.mktemp("sglang_cpu")
-    cfg = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     Qwen3ForCausalLM(cfg).save_pretrained(root / "target")
     target = load_target(str(root / "target"), pack=False)
     drafter = BlockDrafter(DrafterConfig.for_target(target, num_layers=1, top_k=4, target_layer_ids=(0, 1, 2)), target).eval()
-    sel = default_registry().create("drelay", drafter=drafter, config={"d_sel": 32, "heads": 4, "read_dim": 16, "history_len": 8,
-                                                                          "compact_dim": 16, "ffn_mult": 2}).eval()
+    sel = (
+        default_registry()
+        .create(
+            "drelay",
+            drafter=drafter,
+            config={"d_sel": 32, "heads": 4, "read_dim": 16, "history_len": 8, "compact_dim": 16, "ffn_mult": 2},
+        )
+        .eval()
+    )
     extra = {f"selector.{k}": v for k, v in sel.state_dict().items()}
-    save_drafter(drafter, root / "ckpt", extra_tensors=extra, meta={"selector": {"name": "drelay", "config": sel.config.to_dict()}})
+    save_drafter(
+        drafter, root / "ckpt", extra_tensors=extra, meta={"selector": {"name": "drelay", "config": sel.config.to_dict()}}
+    )
     export_sglang(root / "ckpt", root / "draft")
     return {"target": root / "target", "draft": root / "draft", "embed": target.embed_weight}

@@ -82,9 +82,15 @@ def test_statistics_names_are_the_ones_sglang_emits():
     from deploy.sglang.stats import SPEC_META_KEYS
 
     tree = ast.parse(inspect.getsource(tokenizer_manager))
-    emitted = {node.slice.value for node in ast.walk(tree)
-               if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "meta_info"
-               and isinstance(node.slice, ast.Constant) and str(node.slice.value).startswith("spec_")}
+    emitted = {
+        node.slice.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Subscript)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "meta_info"
+        and isinstance(node.slice, ast.Constant)
+        and str(node.slice.value).startswith("spec_")
+    }
     assert {"spec_verify_ct", "spec_correct_drafts_histogram", "spec_accept_rate", "spec_num_correct_drafts"} <= emitted
     assert set(SPEC_META_KEYS) <= emitted, set(SPEC_META_KEYS) - emitted
 
@@ -93,6 +99,10 @@ def test_venv_holds_sglangs_pinned_versions():
     """`make sglang-env` installs what SGLang 0.5.23 pins for the packages our tests touch."""
     from importlib.metadata import requires, version
 
-    pins = dict(re.match(r"([A-Za-z0-9_.-]+)==([^;\s]+)$", r).groups() for r in requires("sglang") if re.match(r"[A-Za-z0-9_.-]+==[^;\s]+$", r))
+    pins = dict(
+        re.match(r"([A-Za-z0-9_.-]+)==([^;\s]+)$", r).groups()
+        for r in requires("sglang")
+        if re.match(r"[A-Za-z0-9_.-]+==[^;\s]+$", r)
+    )
     for name in ("torch", "transformers", "tokenizers", "openai", "sentencepiece", "apache-tvm-ffi", "compressed-tensors"):
         assert version(name).split("+")[0] == pins[name], name

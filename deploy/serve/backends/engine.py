@@ -51,7 +51,9 @@ def load_tokenizer(spec: str):
 class EngineBackend(Backend):
     def __init__(self, cfg: EngineSection, limits: LimitsSection) -> None:
         target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype)  # a one-line error without CUDA
-        spec = resolve_method(cfg.method, target_spec=cfg.target, checkpoint=_repo_path(cfg.checkpoint), random_drafter=cfg.random_drafter)
+        spec = resolve_method(
+            cfg.method, target_spec=cfg.target, checkpoint=_repo_path(cfg.checkpoint), random_drafter=cfg.random_drafter
+        )
         self.method = cfg.method
         self.engine = build_engine(target, spec, cfg.verify_length, target_spec=cfg.target)
         self.batcher = ContinuousBatcher(self.engine, max_batch=cfg.max_batch)
@@ -97,8 +99,10 @@ class EngineBackend(Backend):
         the returned iterator streams the request's chunks."""
         in_flight = len(self._queues)  # submitted and not finished (the driver may not have admitted them yet)
         if in_flight >= self.batcher.max_batch + self.max_waiting:
-            raise Overloaded(f"replica saturated: {in_flight} requests in flight "
-                             f"(max_batch {self.batcher.max_batch} + max_waiting {self.max_waiting})")
+            raise Overloaded(
+                f"replica saturated: {in_flight} requests in flight "
+                f"(max_batch {self.batcher.max_batch} + max_waiting {self.max_waiting})"
+            )
         loop, queue, rid_box = asyncio.get_running_loop(), asyncio.Queue(), []
 
         def on_update(update: RequestUpdate) -> None:

@@ -29,13 +29,23 @@ from drelay_model.errors import DRelayError
 def launch_command(cfg: SGLangSection) -> list[str]:
     """The SGLang server command line for a config (also what docs/serving.md shows)."""
     return [
-        sys.executable, "-m", "sglang.launch_server",
-        "--model-path", cfg.model_path,
-        "--speculative-algorithm", cfg.algorithm,
-        "--speculative-draft-model-path", cfg.draft_model_path,
-        "--speculative-num-draft-tokens", str(cfg.num_draft_tokens),
-        "--host", "127.0.0.1", "--port", str(cfg.port),
-        "--mem-fraction-static", str(cfg.mem_fraction_static),
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        cfg.model_path,
+        "--speculative-algorithm",
+        cfg.algorithm,
+        "--speculative-draft-model-path",
+        cfg.draft_model_path,
+        "--speculative-num-draft-tokens",
+        str(cfg.num_draft_tokens),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(cfg.port),
+        "--mem-fraction-static",
+        str(cfg.mem_fraction_static),
         *cfg.extra_args,
     ]
 
@@ -45,10 +55,16 @@ def server_env(base: dict[str, str], *, gpu_ids: list[str]) -> dict[str, str]:
     registered, and the replica's GPUs visible (Ray sets CUDA_VISIBLE_DEVICES for the actor; it is
     passed on explicitly). No GPU is one line: the replica needs `num_gpus` ≥ 1."""
     if not gpu_ids:
-        raise DRelayError("num_gpus: the sglang backend needs at least one GPU per replica (set num_gpus ≥ 1 in the serve config)")
+        raise DRelayError(
+            "num_gpus: the sglang backend needs at least one GPU per replica (set num_gpus ≥ 1 in the serve config)"
+        )
     plugins = [p for p in base.get("SGLANG_PLUGINS", "").split(",") if p.strip()]
-    return {**base, "SGLANG_PLUGINS": ",".join(dict.fromkeys([*plugins, "drelay"])),
-            "SGLANG_EXTERNAL_MODEL_PACKAGE": "deploy.sglang.models", "CUDA_VISIBLE_DEVICES": ",".join(gpu_ids)}
+    return {
+        **base,
+        "SGLANG_PLUGINS": ",".join(dict.fromkeys([*plugins, "drelay"])),
+        "SGLANG_EXTERNAL_MODEL_PACKAGE": "deploy.sglang.models",
+        "CUDA_VISIBLE_DEVICES": ",".join(gpu_ids),
+    }
 
 
 def _replica_gpu_ids() -> list[str]:
@@ -75,8 +91,13 @@ def context_window(model_path: str) -> int:
 
 def sampling_params(request: GenRequest) -> dict:
     s = request.settings
-    return {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
-            "top_k": s.top_k if s.top_k > 0 else -1, "sampling_seed": s.seed}
+    return {
+        "max_new_tokens": s.max_new_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k if s.top_k > 0 else -1,
+        "sampling_seed": s.seed,
+    }
 
 
 def chunk_from_event(event: dict, sent: int) -> tuple[GenChunk, int]:
@@ -88,8 +109,11 @@ def chunk_from_event(event: dict, sent: int) -> tuple[GenChunk, int]:
     if finish is not None:
         finish = "length" if finish == "length" else "stop"
         stats = spec_fields(meta)
-        spec = SpecStats(verify_ct=stats["verify_ct"], accept_histogram=stats["accept_histogram"],
-                         completion_tokens=int(meta.get("completion_tokens") or len(ids)))
+        spec = SpecStats(
+            verify_ct=stats["verify_ct"],
+            accept_histogram=stats["accept_histogram"],
+            completion_tokens=int(meta.get("completion_tokens") or len(ids)),
+        )
     return GenChunk(token_ids=ids[sent:], finish_reason=finish, spec=spec), len(ids)
 
 
@@ -135,7 +159,9 @@ class SGLangBackend(Backend):
 
     def check_prompt(self, prompt_ids: list[int], max_tokens: int) -> None:
         if len(prompt_ids) + max_tokens > self.context_window:
-            raise DRelayError(f"prompt has {len(prompt_ids)} tokens; with max_tokens={max_tokens} it exceeds the context window ({self.context_window})")
+            raise DRelayError(
+                f"prompt has {len(prompt_ids)} tokens; with max_tokens={max_tokens} it exceeds the context window ({self.context_window})"
+            )
 
     def submit(self, request: GenRequest) -> AsyncIterator[GenChunk]:
         self.check_prompt(request.prompt_ids, request.settings.max_new_tokens)
@@ -159,10 +185,18 @@ class SGLangBackend(Backend):
                         continue
                     chunk, sent = chunk_from_event(json.loads(line[5:]), sent)
                     ids += chunk.token_ids
-                    if chunk.finish_reason is None and request.settings.stop is not None and chunk.token_ids and request.settings.stop(ids):
+                    if (
+                        chunk.finish_reason is None
+                        and request.settings.stop is not None
+                        and chunk.token_ids
+                        and request.settings.stop(ids)
+                    ):
                         # A stop string completed: end here (closing the stream aborts the request in SGLang).
-                        yield GenChunk(token_ids=chunk.token_ids, finish_reason="stop",
-                                       spec=SpecStats(verify_ct=0, completion_tokens=len(ids)))
+                        yield GenChunk(
+                            token_ids=chunk.token_ids,
+                            finish_reason="stop",
+                            spec=SpecStats(verify_ct=0, completion_tokens=len(ids)),
+                        )
                         return
                     yield chunk
                     if chunk.finish_reason is not None:

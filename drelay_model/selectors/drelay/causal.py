@@ -240,7 +240,9 @@ class CausalSelector(nn.Module):
         return self.head(F.gelu(pre + self.prefix_out(read)))
 
     # ---- decisions -------------------------------------------------------------------------------
-    def teacher_forced(self, ev: Evidence, anchor_emb: torch.Tensor, prefix_emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def teacher_forced(
+        self, ev: Evidence, anchor_emb: torch.Tensor, prefix_emb: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """All H decisions in parallel with given prefix tokens (training; inference passes).
 
         Args:
@@ -293,7 +295,9 @@ class CausalSelector(nn.Module):
             ranks.append(rank)
         return torch.stack(picks, 1), torch.stack(gates, 1), torch.stack(ranks, 1)
 
-    def decide_block(self, ev: Evidence, anchor_emb: torch.Tensor, cand_emb: torch.Tensor, *, max_passes: int = 4) -> tuple[torch.Tensor, ...]:
+    def decide_block(
+        self, ev: Evidence, anchor_emb: torch.Tensor, cand_emb: torch.Tensor, *, max_passes: int = 4
+    ) -> tuple[torch.Tensor, ...]:
         """The same decisions as `sequential`, found by parallel passes (fewer small ops on CPU).
 
         Pass t evaluates all H decisions at once under an assumed path P (first the native one) and

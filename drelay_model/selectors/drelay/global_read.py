@@ -207,7 +207,9 @@ class GlobalRead(nn.Module):
         full = (self.rel_bias.shape[1] + 1) // 2
         return self.rel_bias[:, full - H : full + H - 1]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cand_logq: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cand_logq: torch.Tensor, key_mask: torch.Tensor | None
+    ) -> torch.Tensor:
         """The PyTorch reference of Eq. 1's attention. q, k, v [B, nh, HK, d_g]; cand_logq [B, H, K];
         key_mask [B, H, K] bool or None → [B, nh, HK, d_g]."""
         B, nh, HK, _ = q.shape

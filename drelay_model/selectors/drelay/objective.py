@@ -22,9 +22,13 @@ def drelay_training_loss(selector, inputs: SelectorTrainInputs) -> SelectorTrain
         block, anchor_ids=inputs.anchor_ids, prefix_tokens=labels, history=inputs.history, history_mask=inputs.history_mask
     )
     sel = losses.selector_loss(out.gate, out.rank, block.cand_ids, labels, valid)
-    weights = losses.repair_weights(sel, beta=knobs.beta, floor=knobs.credit_floor, cap=knobs.credit_cap, uniform=not knobs.credit)
+    weights = losses.repair_weights(
+        sel, beta=knobs.beta, floor=knobs.credit_floor, cap=knobs.credit_cap, uniform=not knobs.credit
+    )
     weighted_sum = (valid.float() * weights * sel.per_token).sum()
-    return SelectorTrainLoss(weighted_sum=weighted_sum, metrics=decision_metrics(out.gate, out.rank, block.cand_ids, labels, valid))
+    return SelectorTrainLoss(
+        weighted_sum=weighted_sum, metrics=decision_metrics(out.gate, out.rank, block.cand_ids, labels, valid)
+    )
 
 
 @torch.no_grad()

@@ -23,7 +23,14 @@ from drelay_model.kernels.cpu_linear import PackedLinear
 from drelay_model.drafter.model import DraftBlock
 from drelay_model.errors import DRelayError
 from drelay_model.training.losses import log_p_act
-from drelay_model.selectors.base import Selection, SelectionContext, Selector, SelectorCapabilities, SelectorTrainInputs, SelectorTrainLoss
+from drelay_model.selectors.base import (
+    Selection,
+    SelectionContext,
+    Selector,
+    SelectorCapabilities,
+    SelectorTrainInputs,
+    SelectorTrainLoss,
+)
 from drelay_model.selectors.drelay.causal import CausalSelector, Evidence, decide
 from drelay_model.selectors.drelay.config import DRelayConfig
 from drelay_model.selectors.drelay.global_read import GlobalRead
@@ -70,12 +77,18 @@ class DRelaySelector(Selector):
     def __init__(self, config: DRelayConfig, *, embed_weight: torch.Tensor, num_slots: int, top_k: int, feature_dim: int):
         super().__init__()
         if top_k < 2 or num_slots < 1:
-            raise DRelayError(f"selector 'drelay' needs a pool of at least 2 candidates and 1 slot (got K={top_k}, H={num_slots})")
+            raise DRelayError(
+                f"selector 'drelay' needs a pool of at least 2 candidates and 1 slot (got K={top_k}, H={num_slots})"
+            )
         d, D = config.d_sel, embed_weight.shape[1]
         self.config = config
         self.num_slots, self.top_k = num_slots, top_k
         self.capabilities = SelectorCapabilities(
-            trainable=True, needs_hidden=True, history_len=config.features_needed, supports_sampling=True, partial_block=True,
+            trainable=True,
+            needs_hidden=True,
+            history_len=config.features_needed,
+            supports_sampling=True,
+            partial_block=True,
             teacher_forced=True,
         )
         # Frozen, shared with the drafter/target; never saved in a checkpoint.
