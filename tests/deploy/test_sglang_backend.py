@@ -26,8 +26,14 @@ def test_launch_command_enables_drelay():
 def test_stream_events_keep_spec_statistics():
     chunk, sent = chunk_from_event({"output_ids": [5, 6, 7], "meta_info": {"finish_reason": None}}, 1)
     assert chunk.token_ids == [6, 7] and sent == 3 and chunk.finish_reason is None and chunk.spec is None
-    meta = {"finish_reason": {"type": "length"}, "completion_tokens": 4, "spec_verify_ct": 2,
-            "spec_correct_drafts_histogram": [0, 1, 1], "spec_accept_rate": 0.1, "spec_num_correct_drafts": 3}
+    meta = {
+        "finish_reason": {"type": "length"},
+        "completion_tokens": 4,
+        "spec_verify_ct": 2,
+        "spec_correct_drafts_histogram": [0, 1, 1],
+        "spec_accept_rate": 0.1,
+        "spec_num_correct_drafts": 3,
+    }
     chunk, sent = chunk_from_event({"output_ids": [5, 6, 7, 8], "meta_info": meta}, 3)
     assert chunk.token_ids == [8] and chunk.finish_reason == "length"
     assert chunk.spec.verify_ct == 2 and chunk.spec.accept_length == 2.0 and chunk.spec.accept_histogram == [0, 1, 1]

@@ -19,12 +19,16 @@ from drelay_model.decoding.history import VerifiedHistory
 
 ROOT = Path(__file__).resolve().parents[2]
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
-needs_sglang = pytest.mark.skipif(not (HAVE_SGLANG and torch.cuda.is_available()), reason="needs SGLang installed (docs/sglang.md) and a GPU")
+needs_sglang = pytest.mark.skipif(
+    not (HAVE_SGLANG and torch.cuda.is_available()), reason="needs SGLang installed (docs/sglang.md) and a GPU"
+)
 
 
 def test_plugin_and_model_package_import_without_sglang():
-    code = ("import sys, deploy.sglang.plugin, deploy.sglang.models.drelay_draft as m; "
-            "assert 'sglang' not in sys.modules; print(m.EntryClass.__name__)")
+    code = (
+        "import sys, deploy.sglang.plugin, deploy.sglang.models.drelay_draft as m; "
+        "assert 'sglang' not in sys.modules; print(m.EntryClass.__name__)"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env={"PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "DRelayDraftModel"
@@ -38,8 +42,10 @@ def test_entry_point_is_declared():
 
 def test_server_args_are_checked_with_one_line_errors():
     validate_server_args(SimpleNamespace(speculative_draft_model_path="/x", speculative_num_draft_tokens=16))
-    for args, needle in [(SimpleNamespace(speculative_draft_model_path=None), "--speculative-draft-model-path"),
-                         (SimpleNamespace(speculative_draft_model_path="/x", speculative_num_draft_tokens=1), "--speculative-num-draft-tokens")]:
+    for args, needle in [
+        (SimpleNamespace(speculative_draft_model_path=None), "--speculative-draft-model-path"),
+        (SimpleNamespace(speculative_draft_model_path="/x", speculative_num_draft_tokens=1), "--speculative-num-draft-tokens"),
+    ]:
         with pytest.raises(ValueError, match=needle) as exc:
             validate_server_args(args)
         assert "\n" not in str(exc.value)
@@ -86,8 +92,10 @@ def test_exported_checkpoint_loads_through_sglang_model_registry(tmp_path):
 
     trained_checkpoint(tiny_target("tiny-qwen3", layers=4), tmp_path / "ckpt")
     out = export_sglang(tmp_path / "ckpt", tmp_path / "out", dtype="float32")
-    code = ("from sglang.srt.models.registry import ModelRegistry; "
-            "cls, arch = ModelRegistry.resolve_model_cls(['DRelayDraftModel']); print(cls.__module__)")
+    code = (
+        "from sglang.srt.models.registry import ModelRegistry; "
+        "cls, arch = ModelRegistry.resolve_model_cls(['DRelayDraftModel']); print(cls.__module__)"
+    )
     env = {"PYTHONPATH": str(ROOT), "SGLANG_EXTERNAL_MODEL_PACKAGE": "deploy.sglang.models", "PATH": "/usr/bin:/bin"}
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
     assert res.returncode == 0 and "deploy.sglang.models" in res.stdout, res.stderr[-2000:]
@@ -102,6 +110,16 @@ def test_server_args_parse_with_drelay(tmp_path):
     from deploy.sglang.plugin import register
 
     register()
-    args = prepare_server_args(["--model-path", str(tmp_path), "--speculative-algorithm", ALGORITHM,
-                                "--speculative-draft-model-path", str(tmp_path), "--speculative-num-draft-tokens", "16"])
+    args = prepare_server_args(
+        [
+            "--model-path",
+            str(tmp_path),
+            "--speculative-algorithm",
+            ALGORITHM,
+            "--speculative-draft-model-path",
+            str(tmp_path),
+            "--speculative-num-draft-tokens",
+            "16",
+        ]
+    )
     assert str(args.speculative_algorithm).upper() == ALGORITHM

@@ -25,7 +25,9 @@ from drelay_model.target import tiny_target
 from tests.deploy.test_sglang_export import trained_checkpoint
 
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
-needs_sglang = pytest.mark.skipif(not (HAVE_SGLANG and torch.cuda.is_available()), reason="needs SGLang installed (docs/sglang.md) and a GPU")
+needs_sglang = pytest.mark.skipif(
+    not (HAVE_SGLANG and torch.cuda.is_available()), reason="needs SGLang installed (docs/sglang.md) and a GPU"
+)
 ATOL = 1e-5  # float32; our drafter batches rows under one masked SDPA, the reference loops them
 
 
@@ -83,9 +85,17 @@ class ToyPagedKV:
         """Per layer: the reference RadixAttention over each row's context read from the pool."""
         C = int(lens.max())
         a = model.layers[0].self_attn
-        return [reference_block_attention(self.k[i][self.req_to_token[:, :C]], self.v[i][self.req_to_token[:, :C]], lens,
-                                          block_size=model.block_size, num_heads=a.num_heads, head_dim=a.head_dim)
-                for i in range(len(model.layers))]
+        return [
+            reference_block_attention(
+                self.k[i][self.req_to_token[:, :C]],
+                self.v[i][self.req_to_token[:, :C]],
+                lens,
+                block_size=model.block_size,
+                num_heads=a.num_heads,
+                head_dim=a.head_dim,
+            )
+            for i in range(len(model.layers))
+        ]
 
 
 def scenario(drafter, target, seed=0):
@@ -190,7 +200,9 @@ def test_runner_model_draft_side_gives_the_engine_selector_path(target, tmp_path
     S = model.block_size
     ids = torch.zeros(3, S, dtype=torch.long)
     ids[:, 0] = anchors
-    hidden = model.draft_hidden((lens[:, None] + torch.arange(S)).view(-1), target.embed_weight[ids].view(3 * S, -1), forward_batch=None)
+    hidden = model.draft_hidden(
+        (lens[:, None] + torch.arange(S)).view(-1), target.embed_weight[ids].view(3 * S, -1), forward_batch=None
+    )
     model.lm_head = SimpleNamespace(weight=target.lm_head_weight)  # what the worker attaches
     assert "lm_head" not in dict(model.named_modules())
     hs = hidden.view(3, S, -1)[:, 1:]  # as _SelectorDraftSampler slices it
@@ -215,9 +227,11 @@ def test_load_weights_checks_names_and_shapes(target, tmp_path):
     cfg = drafter_config_from_hf(json.loads((out / "config.json").read_text()))
     kept = DraftRunner(cfg).load_weights(tensors.items())
     assert kept == set(tensors) and not any(n.startswith("drelay_selector.") for n in dict(DraftRunner(cfg).named_parameters()))
-    for bad, needle in [({k: v for k, v in tensors.items() if k != "fc.weight"}, "missing"),
-                        ({**tensors, "layers.0.self_attn.g_proj.weight": torch.zeros(1)}, "not part"),
-                        ({**tensors, "fc.weight": torch.zeros(2, 2)}, "shape")]:
+    for bad, needle in [
+        ({k: v for k, v in tensors.items() if k != "fc.weight"}, "missing"),
+        ({**tensors, "layers.0.self_attn.g_proj.weight": torch.zeros(1)}, "not part"),
+        ({**tensors, "fc.weight": torch.zeros(2, 2)}, "shape"),
+    ]:
         with pytest.raises(DRelayError, match=needle):
             DraftRunner(cfg).load_weights(bad.items())
     model = DraftRunner(cfg)
@@ -246,8 +260,14 @@ def test_interface_matches_sglangs_dflash_draft_model():
     runner's arguments, and the registry's class attaches one RadixAttention per layer."""
     from sglang.srt.models.dflash import DFlashAttention, DFlashDraftModel
 
-    hooks = ["forward", "load_weights", "set_block_size", "project_target_hidden", "prepare_context_hidden_for_kv",
-             "get_input_embeddings"]
+    hooks = [
+        "forward",
+        "load_weights",
+        "set_block_size",
+        "project_target_hidden",
+        "prepare_context_hidden_for_kv",
+        "get_input_embeddings",
+    ]
     assert all(callable(getattr(DRelayRunnerModel, h, None)) and hasattr(DFlashDraftModel, h) for h in hooks)
     ours = list(inspect.signature(DRelayRunnerModel.forward).parameters)
     theirs = list(inspect.signature(DFlashDraftModel.forward).parameters)

@@ -26,8 +26,9 @@ def called_spec_methods() -> dict[str, str]:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
-    methods = {n for cls in (SpeculativeAlgorithm, CustomSpecAlgo) for n, v in vars(cls).items()
-               if callable(v) and not n.startswith("_")} - {"register", "from_string"}
+    methods = {
+        n for cls in (SpeculativeAlgorithm, CustomSpecAlgo) for n, v in vars(cls).items() if callable(v) and not n.startswith("_")
+    } - {"register", "from_string"}
     own = {Path(spec_info.__file__), Path(spec_registry.__file__)}
     found: dict[str, str] = {}
     for path in sorted((Path(sglang.__file__).parent / "srt").rglob("*.py")):
@@ -46,7 +47,9 @@ def called_spec_methods() -> dict[str, str]:
 def test_plugin_loads_through_load_plugins(drelay_registered):
     from importlib.metadata import entry_points
 
-    assert any(ep.name == "drelay" and ep.value == "deploy.sglang.plugin:register" for ep in entry_points(group="sglang.srt.plugins"))
+    assert any(
+        ep.name == "drelay" and ep.value == "deploy.sglang.plugin:register" for ep in entry_points(group="sglang.srt.plugins")
+    )
     assert type(drelay_registered).__name__ == "DRelaySpecAlgo" and drelay_registered.name == "DRELAY"
     assert drelay_registered.supports_overlap
 
@@ -64,7 +67,9 @@ def test_every_method_sglang_calls_answers_as_dflash(drelay_registered, dirs):
 
     dflash = SpeculativeAlgorithm.DFLASH
     calls = called_spec_methods()
-    assert {"handle_server_args", "need_topk", "carries_draft_hidden_states", "create_future_map", "is_dflash_family"} <= set(calls)
+    assert {"handle_server_args", "need_topk", "carries_draft_hidden_states", "create_future_map", "is_dflash_family"} <= set(
+        calls
+    )
     missing = sorted(n for n in calls if not callable(getattr(drelay_registered, n, None)))
     assert not missing, f"SGLang calls these on an algorithm, DRELAY lacks them: {[(n, calls[n]) for n in missing]}"
     own = {"create_worker", "handle_server_args", "create_future_map", "build_disagg_draft_input"}  # checked below / elsewhere
@@ -90,8 +95,15 @@ def test_future_map_holds_drelay_and_asks_dflash_questions(drelay_registered):
 def _server_args(dirs, algorithm: str):
     from sglang.srt.server_args import ServerArgs
 
-    return ServerArgs(model_path=str(dirs["target"]), speculative_algorithm=algorithm, device="cuda", random_seed=0,
-                      speculative_draft_model_path=str(dirs["draft"]), speculative_num_draft_tokens=16, skip_tokenizer_init=True)
+    return ServerArgs(
+        model_path=str(dirs["target"]),
+        speculative_algorithm=algorithm,
+        device="cuda",
+        random_seed=0,
+        speculative_draft_model_path=str(dirs["draft"]),
+        speculative_num_draft_tokens=16,
+        skip_tokenizer_init=True,
+    )
 
 
 def test_server_args_resolve_as_dflash(drelay_registered, dirs):
