@@ -65,7 +65,7 @@ def test_observations_go_to_the_arm_that_ran_and_probes_take_the_best_upper_esti
     assert policy.upper_rates(0)[0] > policy.upper_rates(1)[0] + 0.03
     before = list(policy.arms[1].seen)
     policy.observe(torch.full((1, 1), 0.5), torch.tensor([1]), torch.tensor([1]))
-    assert policy.arms[1].seen == before and policy.arms[0].hits[0] > 1.0 * policy.rate_decay
+    assert policy.arms[1].seen == before and policy.arms[0].hits[0] > 1.0 * policy.settings.rate_decay
 
 
 def test_engines_get_the_arms_their_selector_allows(target, make_drafter):

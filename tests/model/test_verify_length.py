@@ -163,7 +163,7 @@ def test_rounds_extend_the_drafter_context_lazily_and_exactly(target, make_draft
     round the first accepted + 1 of each row); the next drafted round extends the drafter's context
     and the verified history by all of them in one call. Both then equal extending them once per
     round, and dropping a row drops its pending features."""
-    from drelay_model.decoding.engine import _BatchState
+    from drelay_model.decoding.batch_state import BatchState
     from drelay_model.decoding.history import VerifiedHistory
 
     drafter = make_drafter(target)
@@ -187,7 +187,7 @@ def test_rounds_extend_the_drafter_context_lazily_and_exactly(target, make_draft
             eager.crop(start + counts)
             hist_eager.push(f, counts)
         cache = target.new_cache(3, 24)
-        state = _BatchState(rows=[0, 1, 2], cache=cache, ctx=lazy, history=hist_lazy, anchor=torch.zeros(3, dtype=torch.long))
+        state = BatchState(rows=[0, 1, 2], cache=cache, ctx=lazy, history=hist_lazy, anchor=torch.zeros(3, dtype=torch.long))
         for f, counts in rounds:
             state.defer(f, counts)
         state.keep([0, 2])  # row 1 finished: its pending features go with it
@@ -254,7 +254,7 @@ def test_measured_times_rescale_the_curve_and_move_the_plan():
     slow = CostAwareLength(base, H)
     set_counts(slow, [100.0] * H, [30.0] * H)
     slow.observe_times(verify_width=1, verify_ms=30.0, head_slots=H, decided=H, draft_ms=1e6)  # one spike
-    assert slow.draft_ms(H) <= base.draft_ms(H) * 2 ** (1 - slow.time_decay) + 1e-9
+    assert slow.draft_ms(H) <= base.draft_ms(H) * 2 ** (1 - slow.settings.time_decay) + 1e-9
     for _ in range(60):  # drafting really takes 12× the model
         slow.observe_times(verify_width=1, verify_ms=30.0, head_slots=H, decided=H, draft_ms=12 * base.draft_ms(H))
     assert slow.draft_ms(H) == pytest.approx(12 * base.draft_ms(H), rel=0.05)
