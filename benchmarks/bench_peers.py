@@ -68,7 +68,11 @@ def run_ours(target, checkpoint: str, prompts, max_new: int, batches: list[int])
                 parts.append(result.stats)
             seconds = time.perf_counter() - t0
             stats = DecodeStats.merged(parts)
-            out[method][b] = {"tok_s": sum(map(len, tokens)) / seconds, "tau": stats.tau if method != "ar" else 1.0, "tokens": tokens}
+            out[method][b] = {
+                "tok_s": sum(map(len, tokens)) / seconds,
+                "tau": stats.tau if method != "ar" else 1.0,
+                "tokens": tokens,
+            }
     return out
 
 
@@ -115,8 +119,10 @@ def main(argv=None) -> int:
     print(f"{'method':<8}{'batch':>6}{'ours tok/s':>12}{'vLLM tok/s':>12}{'ours÷vLLM':>11}{'τ ours':>8}{'τ vLLM':>8}{'same':>6}")
     for m, rows in table.items():
         for b, r in rows.items():
-            print(f"{m:<8}{b:>6}{r['ours_tok_s']:>12.1f}{r['vllm_tok_s']:>12.1f}{r['ratio']:>10.2f}×"
-                  f"{r['ours_tau']:>8.3f}{r['vllm_tau']:>8.3f}{r['same_outputs']:>4}/{len(prompts)}")
+            print(
+                f"{m:<8}{b:>6}{r['ours_tok_s']:>12.1f}{r['vllm_tok_s']:>12.1f}{r['ratio']:>10.2f}×"
+                f"{r['ours_tau']:>8.3f}{r['vllm_tau']:>8.3f}{r['same_outputs']:>4}/{len(prompts)}"
+            )
     result = {"args": {k: v for k, v in vars(args).items() if k != "batches"}, "table": table, "wall_s": wall,
               "vllm_load_s": {m: peer[m]["load_s"] for m in METHODS}}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
