@@ -93,7 +93,8 @@ def run_peer(python, model_dir: str, draft: str, prompts, max_new: int, batches:
 
 def main(argv=None) -> int:
     from deploy.vllm.export import export_vllm
-    from deploy.vllm.peer import gsm8k_prompts, vllm_python
+    from deploy.vllm.peer import vllm_python
+    from pipelines.data.eval_sets import first_turn_prompts
     from drelay_model.errors import DRelayError
     from drelay_model.target import load_target
     from drelay_model.target.loading import SMOLLM2, cache_root
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
     if python is None:
         raise DRelayError("the vLLM venv is missing: run `make vllm-env` (or set DRELAY_VLLM_PYTHON)")
     target = load_target(SMOLLM2)
-    prompts = gsm8k_prompts(target.tokenizer, args.prompts)
+    prompts = first_turn_prompts(target.tokenizer, "gsm8k", args.prompts)
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         draft = export_vllm(args.checkpoint, Path(tmp) / "draft", target=target)
         t0 = time.perf_counter()

@@ -45,14 +45,6 @@ def run_vllm(python: Path, request: dict, *, timeout_s: float = 1800) -> dict:
         return json.loads(res.read_text())
 
 
-def gsm8k_prompts(tokenizer, n: int) -> list[list[int]]:
-    """The first `n` of a seeded GSM8K subset as chat prompts (the same ids for both engines)."""
-    from pipelines.common.chat import user_prompt
-    from pipelines.data.eval_sets import load_benchmark
-
-    return [user_prompt(tokenizer, p.turns[0]) for p in load_benchmark("gsm8k", limit=n, seed=0)]
-
-
 def our_engine(target, method: str, checkpoint: str | None):
     """Our engine for `method` (`ar` or a selector over `checkpoint`) at fixed verification length
     (no measured costs: every round verifies the whole block, as vLLM's DFlash does)."""

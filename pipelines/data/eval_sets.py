@@ -44,9 +44,7 @@ MBPP_TEST_IDS = range(11, 511)
 
 # --- Prompt templates (str.format fields in braces; literal braces doubled) --------------------
 
-MATH_TEMPLATE = (
-    "{problem}\n\nPlease reason step by step, and put your final answer within \\boxed{{}}."
-)
+MATH_TEMPLATE = "{problem}\n\nPlease reason step by step, and put your final answer within \\boxed{{}}."
 """GSM8K, MATH-500 and AIME25: the problem, then the usual zero-shot chain-of-thought request
 with a `\\boxed{}` final answer (the convention of Qwen-style math evals)."""
 
@@ -236,9 +234,7 @@ def _livecodebench(rows: list[Row]) -> list[BenchmarkPrompt]:
         has_starter = "starter_code" in row.data
         starter = text_field(row, "starter_code", allow_empty=True) if has_starter else ""
         if starter.strip():
-            turn = LIVECODEBENCH_STARTER_TEMPLATE.format(
-                problem=text, starter_code=starter.rstrip()
-            )
+            turn = LIVECODEBENCH_STARTER_TEMPLATE.format(problem=text, starter_code=starter.rstrip())
         else:
             turn = LIVECODEBENCH_STDIN_TEMPLATE.format(problem=text)
         out.append(BenchmarkPrompt("livecodebench", str(i), (turn,), (problem,)))
@@ -347,3 +343,11 @@ def parse_benchmarks(text: str, flag: str = "--benchmarks") -> tuple[str, ...]:
 def load_benchmarks(names: tuple[str, ...], *, limit: int | None, seed: int = 0, data_dir: str | Path | None = None):
     """{name: prompts} for several benchmarks, each as `load_benchmark` returns it."""
     return {b: load_benchmark(b, limit=limit, seed=seed, data_dir=data_dir) for b in names}
+
+
+def first_turn_prompts(tokenizer, benchmark: str, n: int, *, seed: int = 0) -> list[list[int]]:
+    """The first `n` prompts of a seeded subset of `benchmark`, each its first turn rendered as a chat
+    prompt (token ids): the same ids for every engine compared on them."""
+    from pipelines.common.chat import user_prompt
+
+    return [user_prompt(tokenizer, p.turns[0]) for p in load_benchmark(benchmark, limit=n, seed=seed)]

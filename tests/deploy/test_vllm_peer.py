@@ -9,12 +9,13 @@ import os
 
 import pytest
 
-from deploy.vllm.peer import gsm8k_prompts, mean_acceptance_length, our_engine, run_vllm, vllm_python
+from deploy.vllm.peer import mean_acceptance_length, our_engine, run_vllm, vllm_python
 from drelay_model.decoding import GenerationConfig
 from drelay_model.target import load_target
 from drelay_model.target.loading import SMOLLM2, cache_root
 from pipelines.cli.main import main as drelay
 from pipelines.common.paths import BUNDLED_CHECKPOINTS
+from pipelines.data.eval_sets import first_turn_prompts
 
 pytestmark = [
     pytest.mark.vllm,
@@ -33,7 +34,7 @@ def setup(tmp_path_factory):
     target = load_target(SMOLLM2)
     draft = tmp_path_factory.mktemp("vllm") / "draft"
     assert drelay(["export", "--format", "vllm", str(CHECKPOINT), str(draft)]) == 0
-    prompts = gsm8k_prompts(target.tokenizer, N_PROMPTS)
+    prompts = first_turn_prompts(target.tokenizer, "gsm8k", N_PROMPTS)
     base = {"model": str(cache_root() / SMOLLM2), "prompts": prompts, "max_new_tokens": MAX_NEW, "eager": True}
     ar = run_vllm(vllm_python(), {**base, "draft": None, "batch_sizes": [N_PROMPTS]})
     dflash = run_vllm(vllm_python(), {**base, "draft": str(draft), "num_speculative_tokens": 15, "batch_sizes": [1, N_PROMPTS]})
