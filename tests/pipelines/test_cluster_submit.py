@@ -71,10 +71,15 @@ def test_bad_submissions_are_one_line_exit_2(argv, message, monkeypatch, capsys)
 def ray_head(tmp_path):
     """`ray start --head --block` on 127.0.0.1 in its own process group; killed (group) afterwards."""
     port, dash = _free_port(), _free_port()
+    # The suite's own Ray instance may hold the default agent ports: this head takes free ones, or its
+    # job agent never starts and every submission is refused ("No available agent").
+    agent_ports = [f"--{flag}={_free_port()}" for flag in (
+        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port",
+        "ray-client-server-port")]  # fmt: skip
     temp = Path(f"/tmp/drelay-ray-{os.getpid()}-{port}")  # short: Ray's socket paths have a length limit
     env = {**os.environ, "PATH": f"{RAY.parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
     cmd = [str(RAY), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-           f"--dashboard-port={dash}", "--include-dashboard=true", "--num-cpus=2", f"--temp-dir={temp}", "--disable-usage-stats"]  # fmt: skip
+           f"--dashboard-port={dash}", "--include-dashboard=true", "--num-cpus=2", f"--temp-dir={temp}", "--disable-usage-stats", *agent_ports]  # fmt: skip
     log = (tmp_path / "ray.log").open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     address = f"http://127.0.0.1:{dash}"
@@ -106,22 +111,30 @@ def ray_head(tmp_path):
         shutil.rmtree(temp, ignore_errors=True)
 
 
+def _drelay_cli(*argv: str) -> subprocess.CompletedProcess:
+    """`drelay ARGV` as a user runs it, in its own process: a test process may hold the suite's own
+    Ray instance, and a client is never run inside a Ray driver."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    return subprocess.run([sys.executable, "-m", "pipelines.cli", *argv], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+
+
 @pytest.mark.slow
-def test_submit_eval_to_a_real_ray_head(ray_head, tmp_path, capsys, monkeypatch):
+def test_submit_eval_to_a_real_ray_head(ray_head, tmp_path):
     address, temp = ray_head
-    root = tmp_path / "shared"
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # the job's store: <root>/mlflow.db
+    root = tmp_path / "shared"  # the job's MLflow store: <root>/mlflow.db
     argv = ["submit", "--address", address, "--output-root", str(root), "eval", "--target", "tiny-llama", "--random-drafter",
             "--limit", "1", "--max-new-tokens", "8", "--benchmarks", "gsm8k", "--no-progress", "--run-name", "submitted"]  # fmt: skip
-    rc = main(argv)
-    out = capsys.readouterr()
-    job_id = out.out.splitlines()[0]
-    assert rc == 0 and "SUCCEEDED" in out.err, out.err[-2000:]
+    out = _drelay_cli(*argv)
+    assert out.returncode == 0 and "SUCCEEDED" in out.stderr, out.stderr[-2000:]
+    job_id = out.stdout.splitlines()[0]
     assert (root / "eval" / "submitted" / "config.json").is_file() and (root / "mlflow.db").is_file()
     unpacked = list(temp.glob("session_*/runtime_resources/working_dir_files/*/"))
     assert unpacked and not any((d / "outputs").exists() for d in unpacked)  # nothing written into the job's copy
-    assert main(["jobs", "list", "--address", address]) == 0 and job_id in capsys.readouterr().out
-    assert main(["jobs", "logs", job_id, "--address", address]) == 0 and "Outputs:" in capsys.readouterr().out
+    listed = _drelay_cli("jobs", "list", "--address", address)
+    assert listed.returncode == 0 and job_id in listed.stdout, listed.stderr[-2000:]
+    logs = _drelay_cli("jobs", "logs", job_id, "--address", address)
+    assert logs.returncode == 0 and "Outputs:" in logs.stdout, logs.stderr[-2000:]
 
     from pipelines.common.tracking import get_client
 
