@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from deploy.draft_config import architecture_fields
 from deploy.sglang.model import ARCHITECTURE, CONFIG, MODEL_TYPE, WEIGHTS, exported_name
 from drelay_model.atomic import atomic_directory
 from drelay_model.drafter import DrafterConfig, read_checkpoint
@@ -34,16 +35,8 @@ def hf_config(config: DrafterConfig, meta: dict, *, dtype: torch.dtype, has_sele
     doc = {
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
-        "hidden_size": config.hidden_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
+        **architecture_fields(config, dtype=dtype),
         "vocab_size": config.target.vocab_size if config.target is not None else None,
-        "intermediate_size": config.intermediate_size,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "block_size": config.block_size,
         # mask_token(_id): the DFLASH worker fills slots 1..H with this id before embedding them;
         # our model class overwrites those slots with `mask_embedding`, so any in-vocabulary id
         # works. A name no tokenizer has, so SGLang's tokenizer cross-check never conflicts.
@@ -53,7 +46,6 @@ def hf_config(config: DrafterConfig, meta: dict, *, dtype: torch.dtype, has_sele
             "mask_token": MASK_TOKEN,
             "mask_token_id": 0,
         },
-        "torch_dtype": str(dtype).removeprefix("torch."),
         "drelay_drafter": config.to_dict(),
     }
     if doc["vocab_size"] is None:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from deploy.draft_config import architecture_fields
 from drelay_model.atomic import atomic_directory
 from drelay_model.drafter import DrafterConfig, read_checkpoint
 from drelay_model.errors import DRelayError
@@ -105,23 +106,14 @@ def vllm_config(config: DrafterConfig, *, vocab_size: int, mask_id: int, dtype: 
     doc = {
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
-        "hidden_size": config.hidden_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "intermediate_size": config.intermediate_size,
+        **architecture_fields(config, dtype=dtype),
         "hidden_act": "silu",
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
         "max_position_embeddings": MAX_POSITIONS,
         "vocab_size": vocab_size,
         "attention_bias": False,
         "tie_word_embeddings": False,
-        "block_size": config.block_size,
         "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": list(config.target_layer_ids)},
-        "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if config.draft_vocab_size is not None:
         doc["draft_vocab_size"] = config.draft_vocab_size
