@@ -29,6 +29,7 @@ import torch
 from drelay_model.decoding.batch_state import BatchState
 from drelay_model.decoding.engine import SpeculativeEngine
 from drelay_model.decoding.generation import GenerationConfig
+from drelay_model.decoding.logprobs import TokenLogprob, first_token_logprobs
 from drelay_model.decoding.sampling import accept_rows, pick_row
 from drelay_model.decoding.stats import DecodeStats, tau_of
 from drelay_model.errors import DRelayError
@@ -77,13 +78,15 @@ class RequestStats:
 @dataclass(frozen=True)
 class RequestUpdate:
     """What one step produced for one request: `new_tokens` just committed (may be empty when it
-    finished without a new token, e.g. cancelled); finish_reason 'stop' | 'length' | 'cancelled'."""
+    finished without a new token, e.g. cancelled); finish_reason 'stop' | 'length' | 'cancelled';
+    logprobs: one entry per new token when the request asked (`submit(logprobs=k)`), else None."""
 
     request_id: int
     new_tokens: list[int]
     finished: bool
     finish_reason: str | None
     stats: RequestStats
+    logprobs: list[TokenLogprob] | None = None
 
 
 UpdateCallback = Callable[[RequestUpdate], None]
@@ -98,6 +101,7 @@ class _Request:
     stats: RequestStats
     need: int  # KV positions this request may use: prompt + budget + one block + 2
     generator: torch.Generator | None = None
+    logprobs: int | None = None  # alternatives per token when the request asked for log-probabilities
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     t_submit: float = field(default_factory=time.perf_counter)
@@ -123,16 +127,24 @@ class ContinuousBatcher:
 
     # ---- public --------------------------------------------------------------------------------
     def submit(
-        self, prompt: list[int], settings: GenerationConfig = GenerationConfig(), on_update: UpdateCallback | None = None
+        self,
+        prompt: list[int],
+        settings: GenerationConfig = GenerationConfig(),
+        on_update: UpdateCallback | None = None,
+        *,
+        logprobs: int | None = None,
     ) -> int:
-        """Queue a request; returns its id. Raises DRelayError for a prompt the target cannot take."""
+        """Queue a request; returns its id. Raises DRelayError for a prompt the target cannot take.
+        logprobs = k ≥ 0: each update carries its tokens' log-probabilities and k alternatives."""
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+            raise DRelayError(f"logprobs must be an integer ≥ 0 or None, got {logprobs!r}")
         need = self.engine.check_prompt(prompt, settings)
         stats = RequestStats(num_slots=self.engine.num_slots, prompt_tokens=len(prompt))
         gen = None if settings.greedy else torch.Generator(device=self.engine.device).manual_seed(settings.seed)
         with self._lock:
             rid = self._next_id
             self._next_id += 1
-            self._pending.append(_Request(rid, list(prompt), settings, on_update, stats, need, gen))
+            self._pending.append(_Request(rid, list(prompt), settings, on_update, stats, need, gen, logprobs))
         return rid
 
     def cancel(self, request_id: int) -> None:
@@ -188,6 +200,7 @@ class ContinuousBatcher:
         state, last_logits = self.engine.prefill([r.prompt for r in requests], [r.id for r in requests], capacity)
         first = [pick_row(last_logits[i : i + 1], r.settings, r.generator) for i, r in enumerate(requests)]
         state.anchor = torch.cat(first)  # [B]
+        lps = first_token_logprobs(last_logits, state.anchor, [r.logprobs for r in requests])
         self.stats.time_prefill += time.perf_counter() - t0
         self.stats.time_total += time.perf_counter() - t0
         self.stats.generated += len(requests)
@@ -195,10 +208,10 @@ class ContinuousBatcher:
             self._state.sync_context(self.engine.drafter)  # the rows joining have no pending features
         self._state = state if self._state is None else self._state.merge(state)
         updates = []
-        for r, tok in zip(requests, state.anchor.tolist()):
+        for r, tok, lp in zip(requests, state.anchor.tolist(), lps):
             self._running[r.id] = r
             r.stats.time_to_first_token = time.perf_counter() - r.t_submit
-            updates.append(self._commit(r, [tok]))
+            updates.append(self._commit(r, [tok], lp))
         return updates
 
     def _round(self) -> list[RequestUpdate]:
@@ -206,12 +219,12 @@ class ContinuousBatcher:
         reqs = [self._running[i] for i in state.rows]
         accept_rule = partial(accept_rows, settings=[r.settings for r in reqs], generators=[r.generator for r in reqs])
         t0 = time.perf_counter()
-        result = self.engine.round(state, accept_rule, self.stats, self.policy)
+        result = self.engine.round(state, accept_rule, self.stats, self.policy, logprobs=[r.logprobs for r in reqs])
         n_list, x_list, p_list = result.accepted.tolist(), result.next_token.tolist(), result.path.tolist()  # one host copy
         updates, committed = [], []
         for i, r in enumerate(reqs):
             before = len(r.tokens)
-            update = self._commit(r, p_list[i][: n_list[i]] + [x_list[i]])
+            update = self._commit(r, p_list[i][: n_list[i]] + [x_list[i]], result.logprobs and result.logprobs[i])
             committed.append(len(r.tokens) - before)
             r.stats.record_round(n_list[i], committed[-1])
             updates.append(update)
@@ -237,8 +250,9 @@ class ContinuousBatcher:
             state.set_capacity(need)
 
     # ---- host-side bookkeeping -----------------------------------------------------------------
-    def _commit(self, r: _Request, new_tokens: list[int]) -> RequestUpdate:
-        """Append tokens until EOS, the stop predicate or the budget ends the request."""
+    def _commit(self, r: _Request, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> RequestUpdate:
+        """Append tokens until EOS, the stop predicate or the budget ends the request; `logprobs`
+        (one per new token, when the request asked) are cut to the tokens kept."""
         p, eos = r.settings, self.engine.target.eos_token_ids
         added, reason = [], None
         for t in new_tokens:
@@ -251,14 +265,17 @@ class ContinuousBatcher:
             if reason:
                 break
         r.stats.generated = len(r.tokens)
+        kept = None if logprobs is None else logprobs[: len(added)]
         if reason:
-            return self._finish(r, added, reason)
-        return self._notify(r, RequestUpdate(r.id, added, False, None, r.stats))
+            return self._finish(r, added, reason, kept)
+        return self._notify(r, RequestUpdate(r.id, added, False, None, r.stats, kept))
 
-    def _finish(self, r: _Request, added: list[int], reason: str) -> RequestUpdate:
+    def _finish(self, r: _Request, added: list[int], reason: str, logprobs: list[TokenLogprob] | None = None) -> RequestUpdate:
         r.finish_reason = reason
         r.stats.time_total = time.perf_counter() - r.t_submit
-        return self._notify(r, RequestUpdate(r.id, added, True, reason, r.stats))
+        if logprobs is None and r.logprobs is not None:
+            logprobs = []  # a request that asked always gets a list, one entry per new token
+        return self._notify(r, RequestUpdate(r.id, added, True, reason, r.stats, logprobs))
 
     @staticmethod
     def _notify(r: _Request, update: RequestUpdate) -> RequestUpdate:

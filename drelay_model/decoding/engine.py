@@ -18,7 +18,7 @@ engine knows nothing about tokenization: token ids in and out.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +27,7 @@ from drelay_model.decoding.batch_state import BatchState
 from drelay_model.decoding.generation import GenerationConfig, SettingsError
 from drelay_model.decoding.history import VerifiedHistory
 from drelay_model.decoding.length_bandit import CostAwareLength
+from drelay_model.decoding.logprobs import round_logprobs
 from drelay_model.decoding.rounds import PathChoice, RoundPlan, RoundResult, RoundTimer, Verified
 from drelay_model.decoding.stats import DecodeStats
 from drelay_model.decoding.verify import accept, accept_sampled, pick_tokens
@@ -180,13 +181,16 @@ class SpeculativeEngine:
         return state, res.logits[:, 0]
 
     def round(self, state: BatchState, accept_rule: AcceptRule, stats: DecodeStats,
-              policy: CostAwareLength | None = None, sampler: Sampler | None = None) -> RoundResult:  # fmt: skip
+              policy: CostAwareLength | None = None, sampler: Sampler | None = None,
+              logprobs: Sequence[int | None] | None = None) -> RoundResult:  # fmt: skip
         """One batched round over every row of `state`: plan → draft → select → verify → commit.
 
         `accept_rule` is the acceptance rule (`accept` at the call's temperature; the continuous
         batcher passes per-row settings); `sampler` replaces the choice of a selector that samples
         its path (`capabilities.samples_path`) with a sampled one, whose proposal then goes to
-        `accept_rule`. With a policy, the round's phase times feed it (`RoundTimer.feed`)."""
+        `accept_rule`. With a policy, the round's phase times feed it (`RoundTimer.feed`). `logprobs`
+        (one entry per row: k alternatives, or None) asks for the committed tokens' log-probabilities
+        from the verify logits (`logprobs.round_logprobs`; rows with None cost nothing)."""
         timer = RoundTimer()
         plan = self.plan(policy)
         if plan.drafts:
@@ -206,7 +210,10 @@ class SpeculativeEngine:
         timer.record(stats)
         if policy is not None:
             timer.feed(policy, plan, verify_width=1 + choice.path.shape[1])
-        return RoundResult(verified.accepted, verified.next_token, choice.path)
+        lp = None
+        if logprobs is not None and any(k is not None for k in logprobs):
+            lp = round_logprobs(verified.logits, choice.path, verified.accepted, verified.next_token, logprobs)
+        return RoundResult(verified.accepted, verified.next_token, choice.path, logprobs=lp)
 
     def plan(self, policy: CostAwareLength | None) -> RoundPlan:
         """How many path tokens this round may verify (all H without a policy; 0 = an AR round), how
@@ -260,7 +267,7 @@ class SpeculativeEngine:
             accepted, next_token = accept_rule(choice.path, res.logits, choice.length)
         else:
             accepted, next_token = accept_rule(choice.path, res.logits, choice.length, choice.proposal)
-        return Verified(start, res.features, accepted, next_token)
+        return Verified(start, res.features, accepted, next_token, res.logits)
 
     def commit(self, state: BatchState, choice: PathChoice, verified: Verified) -> None:
         """Keep the anchor and the accepted drafts in the target's cache; queue their features for

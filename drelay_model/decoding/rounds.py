@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from drelay_model.decoding.length_bandit import CostAwareLength
+from drelay_model.decoding.logprobs import RowLogprobs
 from drelay_model.decoding.stats import DecodeStats
 from drelay_model.selectors.base import Selector
 
@@ -50,21 +51,26 @@ class PathChoice:
 @dataclass(frozen=True)
 class Verified:
     """start [R] int64: the target cache's lengths before the verify forward; features [R, 1 + G, F]:
-    the target's features at the verified positions; accepted [R] int64; next_token [R] int64."""
+    the target's features at the verified positions; accepted [R] int64; next_token [R] int64;
+    logits [R, 1 + G, V]: the target's logits there (for committed tokens' log-probabilities)."""
 
     start: torch.Tensor
     features: torch.Tensor
     accepted: torch.Tensor
     next_token: torch.Tensor
+    logits: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class RoundResult:
-    """accepted [R] int64 drafts each row accepted, next_token [R] int64 (the new anchor), path [R, G]."""
+    """accepted [R] int64 drafts each row accepted, next_token [R] int64 (the new anchor), path [R, G];
+    logprobs: per row the committed tokens' log-probabilities (`logprobs.round_logprobs`; None for a
+    row that did not ask), or None when no row asked."""
 
     accepted: torch.Tensor
     next_token: torch.Tensor
     path: torch.Tensor
+    logprobs: list[RowLogprobs] | None = None
 
 
 @dataclass
