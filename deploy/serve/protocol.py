@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from deploy.serve.logprobs import MAX_CHAT_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS
 from drelay_model.errors import DRelayError
 
 
@@ -77,11 +78,36 @@ class _Sampling(_Body):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def logprob_alternatives(self) -> int | None:
+        """k alternatives per token when log-probabilities were asked (`logprobs: true`), else None."""
+        if not self.logprobs:
+            if self.top_logprobs is not None:
+                raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+            return None
+        k = self.top_logprobs or 0
+        if not 0 <= k <= MAX_CHAT_TOP_LOGPROBS:
+            raise ApiError(400, f"top_logprobs: must be in 0..{MAX_CHAT_TOP_LOGPROBS}, got {k}", param="top_logprobs")
+        return k
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
     echo: bool = False
+    logprobs: int | None = None
+
+    def logprob_alternatives(self) -> int | None:
+        """k alternatives per token when `logprobs: k` was asked, else None."""
+        k = self.logprobs
+        if k is None:
+            return None
+        if not 0 <= k <= MAX_COMPLETION_LOGPROBS:
+            raise ApiError(400, f"logprobs: must be in 0..{MAX_COMPLETION_LOGPROBS}, got {k}", param="logprobs")
+        if self.echo:
+            raise ApiError(400, "echo: the prompt's log-probabilities (echo with logprobs) are not served", param="echo")
+        return k
 
 
 def parse_body(raw: bytes, model: type[_Body]):

@@ -1,6 +1,7 @@
 """The OpenAI routes' logic, independent of Ray: validate → render the prompt → submit to the backend →
 answer in one JSON body or as server-sent events. Every answer carries `usage`; requests that set
-`return_spec_tokens_details: true` also get SGLang's `sglext` object (+ the method name)."""
+`return_spec_tokens_details: true` also get SGLang's `sglext` object (+ the method name); requests that
+ask `logprobs` get each token's log-probability (`deploy/serve/logprobs.py`), in every streamed chunk."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import AsyncIterator
 
 from deploy.serve.backends.base import Backend, GenChunk, GenRequest, Overloaded, SpecStats
 from deploy.serve.config import ServeConfig
+from deploy.serve.logprobs import LogprobRenderer, TokenTexts
 from deploy.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse_body
 from drelay_model.decoding import GenerationConfig, SettingsError
 from drelay_model.errors import DRelayError
@@ -59,6 +61,7 @@ def _stop_predicate(tokenizer, stops: list[str]):
 class Service:
     def __init__(self, cfg: ServeConfig, backend: Backend, api_key: str | None = None, metrics=None) -> None:
         self.cfg, self.backend, self.api_key, self.metrics = cfg, backend, api_key, metrics
+        self.token_texts = TokenTexts(backend.tokenizer)  # logprobs' token strings, cached
 
     # ---- small routes --------------------------------------------------------------------------
     def check_auth(self, authorization: str | None) -> None:
@@ -81,6 +84,7 @@ class Service:
             )
         prompt_ids, field = self._prompt(route, body)
         stops = body.stop_list()
+        k = body.logprob_alternatives()  # None: not asked
         settings = self._settings(body, _stop_predicate(self.backend.tokenizer, stops))
         lim = self.cfg.limits
         if len(prompt_ids) > lim.max_prompt_tokens:
@@ -90,7 +94,7 @@ class Service:
                 param=field,
                 code="context_length_exceeded",
             )
-        request = GenRequest(prompt_ids=prompt_ids, settings=settings)
+        request = GenRequest(prompt_ids=prompt_ids, settings=settings, logprobs=k)
         try:
             chunks = self.backend.submit(request)
         except Overloaded as exc:
@@ -100,6 +104,7 @@ class Service:
         except DRelayError as exc:
             raise ApiError(400, f"{field}: {exc}", param=field, code="context_length_exceeded") from None
         call = _Call(route, body, len(prompt_ids), _Text(self.backend.tokenizer, stops), self)
+        call.logprobs = None if k is None else LogprobRenderer(self.token_texts, route, k)
         return call.stream(chunks) if body.stream else await call.collect(chunks)
 
     def _prompt(self, route: str, body) -> tuple[list[int], str]:
@@ -150,6 +155,7 @@ class _Call:
         self.id = ("chatcmpl-" if route == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.t0, self.t_first, self.n_tokens = time.perf_counter(), None, 0
+        self.logprobs: LogprobRenderer | None = None  # set when the request asked for log-probabilities
 
     def _track(self, chunk: GenChunk) -> None:
         if self.t_first is None:
@@ -184,12 +190,12 @@ class _Call:
             }
         return usage, sglext
 
-    def _choice(self, text: str, finish: str | None, *, delta: bool) -> dict:
+    def _choice(self, text: str, finish: str | None, *, delta: bool, logprobs: dict | None = None) -> dict:
         if self.route == "completions":
-            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
         if delta:
-            return {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish}
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish}
 
     def _object(self, stream: bool) -> str:
         if self.route == "chat":
@@ -200,13 +206,16 @@ class _Call:
         return {"id": self.id, "object": self._object(stream), "created": self.created, "model": self.body.model, **fields}
 
     async def collect(self, chunks: AsyncIterator[GenChunk]) -> dict:
-        last = None
+        last, entries = None, []
         async for chunk in chunks:
             self._track(chunk)
             self.text.push(chunk.token_ids, final=chunk.finish_reason is not None)
+            entries += chunk.logprobs or []
             last = chunk
         usage, sglext = self._done(last.spec)
-        out = self._envelope(False, choices=[self._choice(self.text.full(), last.finish_reason, delta=False)], usage=usage)
+        logprobs = self.logprobs.render(entries) if self.logprobs else None
+        choice = self._choice(self.text.full(), last.finish_reason, delta=False, logprobs=logprobs)
+        out = self._envelope(False, choices=[choice], usage=usage)
         if sglext is not None:
             out["sglext"] = sglext
         return out
@@ -222,8 +231,10 @@ class _Call:
             async for chunk in chunks:
                 self._track(chunk)
                 delta = self.text.push(chunk.token_ids, final=chunk.finish_reason is not None)
-                if delta or chunk.finish_reason:
-                    yield sse(self._envelope(True, choices=[self._choice(delta, chunk.finish_reason, delta=True)]))
+                logprobs = self.logprobs.render(chunk.logprobs or []) if self.logprobs else None  # this chunk's tokens
+                if delta or chunk.finish_reason or (chunk.logprobs and logprobs):
+                    choice = self._choice(delta, chunk.finish_reason, delta=True, logprobs=logprobs)
+                    yield sse(self._envelope(True, choices=[choice]))
                 if chunk.finish_reason:
                     usage, sglext = self._done(chunk.spec)
                     tail = self._envelope(True, choices=[], usage=usage)

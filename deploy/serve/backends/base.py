@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from drelay_model.decoding import GenerationConfig
+from drelay_model.decoding.logprobs import TokenLogprob
 from drelay_model.errors import DRelayError
 
 
@@ -19,10 +20,12 @@ class Overloaded(DRelayError):
 
 @dataclass(frozen=True)
 class GenRequest:
-    """A tokenized prompt and its validated decode settings (token budget, sampling, stop predicate)."""
+    """A tokenized prompt and its validated decode settings (token budget, sampling, stop predicate);
+    logprobs = k ≥ 0 asks for each token's log-probability and its k most likely alternatives."""
 
     prompt_ids: list[int]
     settings: GenerationConfig = GenerationConfig()
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -45,11 +48,13 @@ class SpecStats:
 
 @dataclass(frozen=True)
 class GenChunk:
-    """Newly committed ids; the last chunk has finish_reason ('stop' | 'length') and the stats."""
+    """Newly committed ids; the last chunk has finish_reason ('stop' | 'length') and the stats;
+    logprobs: one entry per id when the request asked, else None."""
 
     token_ids: list[int]
     finish_reason: str | None = None
     spec: SpecStats | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Backend:

@@ -113,7 +113,7 @@ class EngineBackend(Backend):
             if update.finished:  # free the slot even if no one ever reads the stream (client gone early)
                 loop.call_soon_threadsafe(self._queues.pop, rid_box[0], None)
 
-        rid = self.batcher.submit(request.prompt_ids, request.settings, on_update)
+        rid = self.batcher.submit(request.prompt_ids, request.settings, on_update, logprobs=request.logprobs)
         rid_box.append(rid)  # set before the loop runs any callback scheduled above
         self._queues[rid] = (loop, queue)
         self._wake.set()
@@ -131,7 +131,8 @@ class EngineBackend(Backend):
                 if finished:
                     s = update.stats
                     spec = SpecStats(verify_ct=s.rounds, accept_histogram=list(s.accept_hist), completion_tokens=s.generated)
-                yield GenChunk(token_ids=update.new_tokens, finish_reason=update.finish_reason if finished else None, spec=spec)
+                reason = update.finish_reason if finished else None
+                yield GenChunk(token_ids=update.new_tokens, finish_reason=reason, spec=spec, logprobs=update.logprobs)
         finally:
             self._queues.pop(rid, None)
             if not finished:

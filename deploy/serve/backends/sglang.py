@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from deploy.serve.backends.base import Backend, GenChunk, GenRequest, Overloaded, SpecStats
 from deploy.serve.config import LimitsSection, SGLangSection
 from deploy.sglang.stats import spec_fields
+from drelay_model.decoding.logprobs import TokenLogprob
 from drelay_model.errors import DRelayError
 
 
@@ -63,6 +64,7 @@ def server_env(base: dict[str, str], *, gpu_ids: list[str]) -> dict[str, str]:
         **base,
         "SGLANG_PLUGINS": ",".join(dict.fromkeys([*plugins, "drelay"])),
         "SGLANG_EXTERNAL_MODEL_PACKAGE": "deploy.sglang.models",
+        "SGLANG_RETURN_ORIGINAL_LOGPROB": "1",  # logprobs of the raw distribution (as the engine backend)
         "CUDA_VISIBLE_DEVICES": ",".join(gpu_ids),
     }
 
@@ -100,10 +102,34 @@ def sampling_params(request: GenRequest) -> dict:
     }
 
 
+def request_body(request: GenRequest) -> dict:
+    """SGLang's `/generate` body: token ids, sampling, streaming; with `return_logprob` and
+    `top_logprobs_num` when the request asked for log-probabilities (output tokens only, as SGLang's
+    own OpenAI server asks them)."""
+    body = {"input_ids": request.prompt_ids, "sampling_params": sampling_params(request), "stream": True}
+    if request.logprobs is not None:
+        body |= {"return_logprob": True, "top_logprobs_num": request.logprobs, "logprob_start_len": -1}
+    return body
+
+
+def _logprobs(meta: dict, sent: int, n: int) -> list[TokenLogprob] | None:
+    """The new tokens' entries from `meta_info`'s cumulative `output_token_logprobs`
+    [(logprob, id, text)] and `output_top_logprobs` [[(logprob, id, text), …] | None]."""
+    if "output_token_logprobs" not in meta:
+        return None
+    chosen = (meta.get("output_token_logprobs") or [])[sent : sent + n]
+    tops = (meta.get("output_top_logprobs") or [])[sent : sent + n]
+    tops = [*tops, *[None] * (len(chosen) - len(tops))]
+    return [
+        TokenLogprob(int(c[1]), float(c[0]), tuple((int(t[1]), float(t[0])) for t in (top or []))) for c, top in zip(chosen, tops)
+    ]
+
+
 def chunk_from_event(event: dict, sent: int) -> tuple[GenChunk, int]:
     """One streamed `/generate` event (cumulative `output_ids`) → the new ids since `sent`."""
     ids = event.get("output_ids") or []
     meta = event.get("meta_info") or {}
+    logprobs = _logprobs(meta, sent, len(ids) - sent)
     finish = (meta.get("finish_reason") or {}).get("type")
     spec = None
     if finish is not None:
@@ -114,7 +140,7 @@ def chunk_from_event(event: dict, sent: int) -> tuple[GenChunk, int]:
             accept_histogram=stats["accept_histogram"],
             completion_tokens=int(meta.get("completion_tokens") or len(ids)),
         )
-    return GenChunk(token_ids=ids[sent:], finish_reason=finish, spec=spec), len(ids)
+    return GenChunk(token_ids=ids[sent:], finish_reason=finish, spec=spec, logprobs=logprobs), len(ids)
 
 
 class SGLangBackend(Backend):
@@ -172,7 +198,7 @@ class SGLangBackend(Backend):
     async def _stream(self, request: GenRequest) -> AsyncIterator[GenChunk]:
         import aiohttp
 
-        body = {"input_ids": request.prompt_ids, "sampling_params": sampling_params(request), "stream": True}
+        body = request_body(request)
         self._inflight += 1
         try:
             async with aiohttp.ClientSession() as session, session.post(self.url + "/generate", json=body) as resp:
@@ -196,6 +222,7 @@ class SGLangBackend(Backend):
                             token_ids=chunk.token_ids,
                             finish_reason="stop",
                             spec=SpecStats(verify_ct=0, completion_tokens=len(ids)),
+                            logprobs=chunk.logprobs,
                         )
                         return
                     yield chunk
