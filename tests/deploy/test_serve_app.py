@@ -267,3 +267,38 @@ def test_prometheus_metrics_are_exported(server, client):
     missing = [name for name in wanted if name not in text]
     assert not missing, f"not exported: {missing}"
     assert 'method="native"' in text and 'route="completions"' in text
+
+
+def test_logprobs_on_both_routes_streamed_and_not(server, client):
+    """The official client parses `logprobs` (chat: content[] with top_logprobs; completions: tokens,
+    token_logprobs, top_logprobs, text_offset), streamed chunks carry their tokens' entries, and a bad
+    value is a 400 naming its field (values against the target's forward: test_serve_logprobs.py)."""
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Count to three."}], max_tokens=8, temperature=0)
+    whole = client.chat.completions.create(logprobs=True, top_logprobs=2, **chat)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 8
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token and c.logprob <= 0 for c in content)
+    chunks = list(client.chat.completions.create(logprobs=True, top_logprobs=2, stream=True, **chat))
+    streamed = [e for ch in chunks for c in ch.choices if c.logprobs for e in c.logprobs.content]
+    assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+
+    comp = dict(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    lp = client.completions.create(logprobs=1, **comp).choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert all(top[t] == v for t, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
+    parts = [c.choices[0].logprobs for c in client.completions.create(logprobs=1, stream=True, **comp) if c.choices]
+    assert [t for p in parts if p for t in p.tokens] == lp.tokens
+
+    bad = [
+        ("chat/completions", {"messages": chat["messages"], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("chat/completions", {"messages": chat["messages"], "top_logprobs": 1}, "top_logprobs"),
+        ("completions", {"prompt": "x", "logprobs": 6}, "logprobs"),
+    ]
+    for route, body, param in bad:
+        r = requests.post(
+            f"{server}/v1/{route}", headers={"Authorization": f"Bearer {KEY}"}, timeout=60, json={"model": MODEL, **body}
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(logprobs=True, top_logprobs=99, **chat)
