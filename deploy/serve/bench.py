@@ -1,30 +1,24 @@
-"""`drelay serve-bench`: a bounded load generator for an OpenAI-compatible endpoint, results to MLflow.
+"""The load generator of `drelay serve-bench`: streamed greedy chat requests against an OpenAI-compatible
+endpoint, timed from the client's side (the command itself: `deploy/serve/bench_run.py`).
 
-    drelay serve-bench --config platform/serve/smollm2-135m.yaml --concurrency 1 4 16 32 \
-        --requests 32 --max-tokens 64 --time-limit 300
-
-At each concurrency level C, C client threads send streamed chat requests (GSM8K test questions,
-greedy) until `--requests` have been sent or `--time-limit` seconds have passed; each level reports
-  throughput   completion tokens / wall seconds of the level;  req_per_s
-  latency      p50 / p99 of arrival → last byte;  ttft  p50 / p99 of arrival → first content
-  tau          mean of the responses' tokens per verification round (sglext)
+One leg at concurrency C: C client threads send requests (GSM8K test questions) until `requests` have
+been sent or `time_limit` seconds have passed. A level's result merges its legs and reports
+  throughput   completion tokens / wall seconds of its legs;  req_per_s
+  latency      p50 / p99 of send → last byte;  ttft  p50 / p99 of send → first content
+  tau          mean of the responses' tokens per verification round (sglext; absent from other servers)
   failures     requests that got no 200 or an in-band error; status counts by code
-With `--config` the command starts the app itself (local Ray) and stops it afterwards; with `--url`
-it loads an endpoint that is already running. One MLflow run per invocation, one child per level.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import math
 import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from drelay_model.errors import DRelayError
 
 PROMPTS = Path(__file__).resolve().parents[2] / "data" / "benchmarks" / "gsm8k" / "test.jsonl"
 
@@ -44,7 +38,13 @@ class LevelResult:
     wall_s: float
     samples: list[Sample] = field(default_factory=list)
 
-    def summary(self) -> dict[str, float]:
+    @classmethod
+    def merged(cls, legs: list["LevelResult"]) -> "LevelResult":
+        """One level from its legs (same concurrency): samples pooled, wall seconds summed."""
+        assert legs and len({leg.concurrency for leg in legs}) == 1, "legs of one level"
+        return cls(legs[0].concurrency, sum(leg.wall_s for leg in legs), [s for leg in legs for s in leg.samples])
+
+    def summary(self) -> dict[str, float | None]:
         ok = [s for s in self.samples if s.status == 200]
         lat, ttft = sorted(s.latency for s in ok), sorted(s.ttft for s in ok)
         taus = [s.tau for s in ok if s.tau is not None]
@@ -60,7 +60,7 @@ class LevelResult:
             "latency_p99_s": _pct(lat, 99),
             "ttft_p50_s": _pct(ttft, 50),
             "ttft_p99_s": _pct(ttft, 99),
-            "tau_mean": statistics.fmean(taus) if taus else 0.0,
+            "tau_mean": statistics.fmean(taus) if taus else None,  # None: the server reports no sglext
         }
         for code in sorted({s.status for s in self.samples}):
             out[f"status_{code}"] = sum(s.status == code for s in self.samples)
@@ -68,9 +68,10 @@ class LevelResult:
 
 
 def _pct(sorted_values: list[float], q: float) -> float:
+    """The nearest-rank q-th percentile: the smallest value with at least q% of the values ≤ it."""
     if not sorted_values:
         return 0.0
-    i = min(len(sorted_values) - 1, max(0, round(q / 100 * len(sorted_values) + 0.5) - 1))
+    i = min(len(sorted_values) - 1, max(0, math.ceil(q / 100 * len(sorted_values)) - 1))
     return sorted_values[i]
 
 
@@ -90,6 +91,7 @@ def one_request(url: str, model: str, prompt: str, max_tokens: int, api_key: str
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
+        "stream_options": {"include_usage": True},  # vLLM sends usage only when asked
         "return_spec_tokens_details": True,
     }
     t0 = time.perf_counter()
@@ -127,7 +129,10 @@ def run_level(
     max_tokens: int,
     time_limit: float,
     api_key: str | None,
+    prompt_offset: int = 0,
 ) -> LevelResult:
+    """One leg: `concurrency` client threads until `requests_n` were sent or `time_limit` passed;
+    request i asks prompt `prompt_offset + i` (the same prompts for both endpoints of a pair)."""
     lock, sent, samples = threading.Lock(), [0], []
     deadline = time.perf_counter() + time_limit
 
@@ -138,7 +143,7 @@ def run_level(
                     return
                 i = sent[0]
                 sent[0] += 1
-            s = one_request(url, model, prompts[i % len(prompts)], max_tokens, api_key)
+            s = one_request(url, model, prompts[(prompt_offset + i) % len(prompts)], max_tokens, api_key)
             with lock:
                 samples.append(s)
 
@@ -147,95 +152,3 @@ def run_level(
         for f in [pool.submit(worker) for _ in range(concurrency)]:
             f.result()
     return LevelResult(concurrency=concurrency, wall_s=time.perf_counter() - t0, samples=samples)
-
-
-def add_bench_args(parser: argparse.ArgumentParser) -> None:
-    src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--config", help="serve config to start locally for the benchmark (platform/serve/*.yaml)")
-    src.add_argument("--url", help="an endpoint that is already running (http://host:port)")
-    parser.add_argument("--model", help="model id (default: the config's model_id)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
-    parser.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--time-limit", type=float, default=300.0, help="seconds per level (then no new requests)")
-    parser.add_argument("--experiment", default="serve-bench", help="MLflow experiment")
-    parser.add_argument("--run-name", default=None)
-    parser.add_argument("--api-key", default=None)
-
-
-def _check(args) -> None:
-    if any(c < 1 or c > 256 for c in args.concurrency):
-        raise DRelayError("--concurrency: each level must be in [1, 256]")
-    if args.requests < 1 or args.max_tokens < 1 or args.time_limit <= 0:
-        raise DRelayError("--requests and --max-tokens must be ≥ 1, --time-limit > 0")
-    if args.url is None and args.model is not None:
-        raise DRelayError("--model goes with --url (a --config names its own model_id)")
-    if args.url is not None and args.model is None:
-        raise DRelayError("--url needs --model")
-
-
-def run_bench(args: argparse.Namespace) -> int:
-    from pipelines.common.tracking import tracked_run
-
-    _check(args)
-    cfg = None
-    if args.config:
-        from deploy.serve.commands import start
-        from deploy.serve.config import load_serve_config
-
-        cfg = load_serve_config(args.config)
-        url, model = start(cfg, name="drelay-bench"), cfg.model_id
-        _wait_ready(url)
-    else:
-        url, model = args.url.rstrip("/"), args.model
-    prompts = load_prompts(max(args.requests, 1))
-    params = {
-        "url": url,
-        "model": model,
-        "requests": args.requests,
-        "max_tokens": args.max_tokens,
-        "time_limit": args.time_limit,
-        "method": cfg.method if cfg else "unknown",
-        "config": args.config or "",
-    }
-    rows = []
-    try:
-        with tracked_run(args.experiment, run_name=args.run_name or f"serve-bench-{model}", params=params) as run:
-            for c in args.concurrency:
-                level = run_level(
-                    url,
-                    model,
-                    prompts,
-                    concurrency=c,
-                    requests_n=args.requests,
-                    max_tokens=args.max_tokens,
-                    time_limit=args.time_limit,
-                    api_key=args.api_key,
-                )
-                row = level.summary()
-                rows.append(row)
-                with run.child(f"c{c}") as child:
-                    child.log_metrics(row)
-                run.log_metrics({k: v for k, v in row.items() if k != "concurrency"}, step=c)
-                print(json.dumps(row), flush=True)
-            run.log_table(rows, "serve_bench.json")
-    finally:
-        if cfg is not None:
-            from ray import serve
-
-            serve.shutdown()
-    return 0
-
-
-def _wait_ready(url: str, timeout: float = 600.0) -> None:
-    import requests
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if requests.get(f"{url}/ready", timeout=5).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    raise DRelayError(f"the endpoint at {url} was not ready after {timeout:.0f} s")

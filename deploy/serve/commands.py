@@ -17,8 +17,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="override the config's port")
 
 
-def start(cfg, *, name: str = "drelay"):
-    """Start (or join) a local Ray cluster and deploy `cfg`; returns the base URL once ready."""
+def start(cfg, *, name: str = "drelay", route_prefix: str | None = None) -> str:
+    """Start (or join) a local Ray cluster and deploy `cfg` as application `name` (at `route_prefix`,
+    default the config's) without waiting for it; returns its base URL. Several applications share
+    the node's one Serve HTTP proxy (the first one's host and port), each under its own prefix."""
     import ray
     from ray import serve
 
@@ -27,8 +29,9 @@ def start(cfg, *, name: str = "drelay"):
     if not ray.is_initialized():
         ray.init(log_to_driver=False)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
-    serve.run(application(cfg), name=name, route_prefix=cfg.route_prefix, blocking=False)
-    return f"http://{cfg.host}:{cfg.port}"
+    prefix = route_prefix or cfg.route_prefix
+    serve.run(application(cfg), name=name, route_prefix=prefix, blocking=False)
+    return f"http://{cfg.host}:{cfg.port}{prefix.rstrip('/')}"
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -1,5 +1,6 @@
-"""`drelay serve-bench`: a bounded load generator against an OpenAI-compatible endpoint; throughput,
-latency, time to first token and τ per concurrency level, written to MLflow (`deploy/serve/bench.py`)."""
+"""`drelay serve-bench`: a bounded load generator against one OpenAI-compatible endpoint or two side by
+side (`--config A --config B` or `--url A --url B`; B ÷ A per level); throughput, latency, time to
+first token and τ per concurrency level, written to MLflow (`deploy/serve/bench_run.py`)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,14 @@ import argparse
 
 
 def add_parser(sub) -> None:
-    from deploy.serve.bench import add_bench_args
+    from deploy.serve.bench_run import add_bench_args
 
-    p = sub.add_parser("serve-bench", help="load-test an endpoint; results to MLflow", description=__doc__)
+    p = sub.add_parser("serve-bench", help="load-test an endpoint, or two side by side; results to MLflow", description=__doc__)
     add_bench_args(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from deploy.serve.bench import run_bench
+    from deploy.serve.bench_run import run_bench
 
     return run_bench(args)
