@@ -21,10 +21,25 @@ log = logging.getLogger(__name__)
 api = FastAPI(title="DRelay OpenAI-compatible server")
 
 
+def replica_threads(cfg: ServeConfig) -> int:
+    """torch's intra-op threads for an engine replica: `engine.threads`, else every core this process
+    may run on (its CPU affinity). Ray's own default, OMP_NUM_THREADS = the replica's `num_cpus`, would
+    leave the default config (`num_cpus: 1`) decoding on one thread."""
+    if cfg.engine.threads is not None:
+        return cfg.engine.threads
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def make_backend(cfg: ServeConfig):
     if cfg.backend == "engine":
+        import torch
+
         from deploy.serve.backends.engine import EngineBackend
 
+        torch.set_num_threads(replica_threads(cfg))  # before the model loads (weight packing follows it)
         return EngineBackend(cfg.engine, cfg.limits)
     from deploy.serve.backends.sglang import SGLangBackend
 
@@ -54,7 +69,9 @@ class OpenAIServer:
 
     @api.get("/health")
     async def health(self) -> dict:
-        return {"status": "ok", "pid": os.getpid()}
+        import torch
+
+        return {"status": "ok", "pid": os.getpid(), "torch_threads": torch.get_num_threads()}
 
     @api.get("/ready")
     async def ready(self):

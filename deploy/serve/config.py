@@ -30,6 +30,11 @@ class EngineSection(StrictConfig):
     device: Literal["cpu", "cuda", "auto"] = "cpu"  # auto: CUDA when present
     dtype: Literal["float32", "bfloat16"] = "float32"
     max_batch: int = Field(16, ge=1, le=1024)  # rows decoded together (continuous batching)
+    # torch's intra-op threads in each replica, set before the model loads. Default: every core the
+    # replica's process may run on, not Ray's OMP_NUM_THREADS = the replica's `num_cpus` (1 in the shipped
+    # configs: one thread); `num_cpus` stays Ray's scheduling reservation. When several replicas share a
+    # node, give each its share (cores ÷ replicas).
+    threads: int | None = Field(None, ge=1, le=1024)
     # cost: each round verifies as many drafts as pay off on this machine (costs measured once and
     # cached, `drelay costs`); fixed: the selector's whole path (the paper's setting)
     verify_length: Literal["fixed", "cost"] = "fixed"
@@ -93,7 +98,7 @@ class ServeConfig(StrictConfig):
     autoscaling: AutoscalingSection = AutoscalingSection()
     max_ongoing_requests: int = Field(48, ge=1)  # per replica (Ray Serve)
     max_queued_requests: int = Field(256, ge=-1)  # at the proxy, across replicas (-1: unbounded)
-    num_cpus: float = Field(1.0, gt=0)  # per replica
+    num_cpus: float = Field(1.0, gt=0)  # per replica: Ray's scheduling reservation (torch's threads: engine.threads)
     num_gpus: float = Field(0.0, ge=0)
     graceful_shutdown_timeout_s: float = Field(60.0, ge=0)  # in-flight requests get this long to finish
     host: str = "127.0.0.1"

@@ -66,3 +66,40 @@ def test_registry_references_pass_through_config_path_resolution():
 
     assert _repo_path("models:/drelay-smollm2@champion") == "models:/drelay-smollm2@champion"
     assert Path(_repo_path("checkpoints/smollm2-135m")).is_dir()  # relative to the repository root
+
+
+def test_a_closed_event_loop_does_not_end_the_batcher_thread(backend):
+    """Updates for a request whose event loop has closed (the replica shutting down, or the caller's
+    `asyncio.run` over) are dropped: an engine failure delivered to such a request must not raise
+    `RuntimeError: Event loop is closed` out of the batcher thread (which would end it, unhandled)."""
+    import threading
+    import time
+
+    closed, raised = threading.Event(), []
+    previous_hook = threading.excepthook
+    threading.excepthook = raised.append
+
+    def stop_after_close(ids: list[int]) -> bool:  # runs on the batcher thread, inside a round
+        closed.wait(30)
+        raise ValueError("engine failure after the caller's loop closed")
+
+    async def submit():
+        backend.submit(GenRequest(prompt_ids=[7, 8, 9], settings=GenerationConfig(max_new_tokens=4, stop=stop_after_close)))
+
+    async def healthy():
+        return [c async for c in backend.submit(GenRequest(prompt_ids=[4, 5], settings=GenerationConfig(max_new_tokens=3)))]
+
+    try:
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(submit())
+        loop.close()
+        closed.set()
+        for _ in range(1200):  # until the engine failure has been handled (its request dropped)
+            if not backend._queues:
+                break
+            time.sleep(0.05)
+        chunks = asyncio.run(asyncio.wait_for(healthy(), 120))  # the same thread still serves
+    finally:
+        threading.excepthook = previous_hook
+    assert not raised and backend._thread.is_alive()
+    assert sum(len(c.token_ids) for c in chunks) == 3 and chunks[-1].finish_reason == "length"

@@ -48,6 +48,17 @@ def load_tokenizer(spec: str):
         raise DRelayError(f"engine.tokenizer: cannot load '{spec}': {str(exc).splitlines()[0]}") from None
 
 
+def _deliver(loop: asyncio.AbstractEventLoop, callback, *args) -> bool:
+    """Schedule `callback(*args)` on a request's event loop from the batcher thread; False when that
+    loop has closed (the app is shutting down, or the caller's `asyncio.run` ended): the update has no
+    reader, and raising here would end the batcher thread with an unhandled exception."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # "Event loop is closed" (checking is_closed() first would race the close)
+        return False
+    return True
+
+
 class EngineBackend(Backend):
     def __init__(self, cfg: EngineSection, limits: LimitsSection) -> None:
         target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype)  # a one-line error without CUDA
@@ -83,7 +94,7 @@ class EngineBackend(Backend):
 
     def _fail_all(self, exc: Exception) -> None:
         for loop, queue in list(self._queues.values()):
-            loop.call_soon_threadsafe(queue.put_nowait, exc)
+            _deliver(loop, queue.put_nowait, exc)
         self._queues.clear()
         self.batcher = ContinuousBatcher(self.engine, max_batch=self.batcher.max_batch)
 
@@ -106,12 +117,13 @@ class EngineBackend(Backend):
         loop, queue, rid_box = asyncio.get_running_loop(), asyncio.Queue(), []
 
         def on_update(update: RequestUpdate) -> None:
-            if loop.is_closed():  # the caller's loop is gone: nothing to deliver to
-                self.batcher.cancel(rid_box[0])
+            if not _deliver(loop, queue.put_nowait, update):  # the caller's loop is gone (shutdown)
+                self._queues.pop(rid_box[0], None)
+                if not update.finished:
+                    self.batcher.cancel(rid_box[0])
                 return
-            loop.call_soon_threadsafe(queue.put_nowait, update)
             if update.finished:  # free the slot even if no one ever reads the stream (client gone early)
-                loop.call_soon_threadsafe(self._queues.pop, rid_box[0], None)
+                _deliver(loop, self._queues.pop, rid_box[0], None)
 
         rid = self.batcher.submit(request.prompt_ids, request.settings, on_update, logprobs=request.logprobs)
         rid_box.append(rid)  # set before the loop runs any callback scheduled above
