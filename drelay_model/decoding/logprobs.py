@@ -92,5 +92,7 @@ def round_logprobs(
 def first_token_logprobs(last_logits: torch.Tensor, first: torch.Tensor, ks: Sequence[int | None]) -> list[RowLogprobs]:
     """The prefill token: last_logits [B, V] at each prompt's last position, first [B] → one
     TokenLogprob per asking row."""
+    if all(k is None for k in ks):
+        return [None] * len(ks)
     ones = torch.ones(first.shape[0], dtype=torch.long, device=first.device)
     return token_logprobs(last_logits[:, None], first[:, None], ones, ks)

@@ -130,3 +130,35 @@ def test_submit_rejects_a_bad_k(target):
     for bad in (-1, 1.5, True):
         with pytest.raises(DRelayError, match="logprobs"):
             batcher.submit([1, 2], logprobs=bad)
+
+
+@pytest.mark.slow
+def test_smollm2_with_its_trained_drafter(smol):
+    """The CPU default: SmolLM2-135M with the bundled DRelay drafter, whose rounds accept drafts."""
+    from pathlib import Path
+
+    from pipelines.common.methods import load_method, resolve_method
+
+    checkpoint = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m"
+    drafter, selector = load_method(resolve_method("drelay", target_spec="smollm2-135m", checkpoint=str(checkpoint)), smol)
+    engine = SpeculativeEngine(smol, drafter, selector)
+    tok = smol.tokenizer
+    prompts = [tok("The first five prime numbers are")["input_ids"], tok("def fibonacci(n):")["input_ids"]]
+    batcher = ContinuousBatcher(engine, max_batch=2)
+    tokens, lps = _run_pair(batcher, prompts, budgets=(16, 12), asks=(5, 0))
+    assert batcher.stats.accept_hist[1:].sum() > 0  # some values come from accepted drafts' positions
+    _check(smol, prompts, tokens, lps, asks=(5, 0))
+
+
+def _run_pair(batcher: ContinuousBatcher, prompts, budgets, asks):
+    tokens: dict[int, list[int]] = {}
+    lps: dict[int, list] = {}
+
+    def on_update(u):
+        tokens.setdefault(u.request_id, []).extend(u.new_tokens)
+        lps.setdefault(u.request_id, []).extend(u.logprobs)
+
+    for p, n, k in zip(prompts, budgets, asks):
+        batcher.submit(p, GenerationConfig(max_new_tokens=n), on_update, logprobs=k)
+    batcher.run()
+    return tokens, lps
