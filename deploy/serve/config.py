@@ -35,9 +35,10 @@ class EngineSection(StrictConfig):
     # configs: one thread); `num_cpus` stays Ray's scheduling reservation. When several replicas share a
     # node, give each its share (cores ÷ replicas).
     threads: int | None = Field(None, ge=1, le=1024)
-    # cost: each round verifies as many drafts as pay off on this machine (costs measured once and
-    # cached, `drelay costs`); fixed: the selector's whole path (the paper's setting)
-    verify_length: Literal["fixed", "cost"] = "fixed"
+    # cost: each round verifies as many drafts as pay off on this machine at the batch's current size
+    # (0: an AR round for the whole batch; the cost surface over batch sizes 1 … max_batch is measured
+    # once per machine and cached, `drelay costs`); fixed: the selector's whole path (the paper's setting)
+    verify_length: Literal["fixed", "cost"] = "cost"
 
 
 class SGLangSection(StrictConfig):

@@ -186,6 +186,11 @@ class _Call:
                 "spec_verify_ct": spec.verify_ct,
                 "spec_accept_length": spec.accept_length,
                 "spec_accept_histogram": spec.accept_histogram,
+                **(
+                    {}
+                    if spec.drafted_ct is None
+                    else {"spec_drafted_ct": spec.drafted_ct, "spec_verify_length": spec.verify_length}
+                ),
                 "method": self.service.cfg.method,
             }
         return usage, sglext

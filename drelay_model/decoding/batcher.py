@@ -43,6 +43,8 @@ class RequestStats:
     committed     tokens committed by those rounds = accepted + bonus (the prefill token excluded).
     accepted      drafted tokens accepted and committed; bonus = one target token per round.
     accept_hist   [H+1]: accept_hist[n] = rounds that committed exactly n drafts.
+    drafted_rounds  rounds that drafted (the rest were AR rounds of a cost-aware policy).
+    verified_drafts drafts submitted for verification in those rounds (mean_verify_length per round).
     generated     all generated tokens = committed + 1 (the prefill token).
     """
 
@@ -52,6 +54,8 @@ class RequestStats:
     rounds: int = 0
     committed: int = 0
     accepted: int = 0
+    drafted_rounds: int = 0
+    verified_drafts: int = 0
     generated: int = 0
     time_to_first_token: float = 0.0
     time_total: float = 0.0
@@ -59,12 +63,21 @@ class RequestStats:
     def __post_init__(self) -> None:
         self.accept_hist = self.accept_hist or [0] * (self.num_slots + 1)
 
-    def record_round(self, accepted: int, committed: int) -> None:
+    def record_round(self, accepted: int, committed: int, verified: int | None = None) -> None:
+        """One round: drafts accepted, tokens committed, and the drafts verified (None: an AR round)."""
+        if verified is not None:
+            self.drafted_rounds += 1
+            self.verified_drafts += verified
         n = min(accepted, committed - 1)  # as DecodeStats: only drafts actually committed count
         self.accept_hist[n] += 1
         self.accepted += n
         self.committed += committed
         self.rounds += 1
+
+    @property
+    def mean_verify_length(self) -> float:
+        """Drafts verified per drafted round (0.0 when none drafted)."""
+        return self.verified_drafts / self.drafted_rounds if self.drafted_rounds else 0.0
 
     @property
     def bonus(self) -> int:
@@ -221,14 +234,15 @@ class ContinuousBatcher:
         t0 = time.perf_counter()
         result = self.engine.round(state, accept_rule, self.stats, self.policy, logprobs=[r.logprobs for r in reqs])
         n_list, x_list, p_list = result.accepted.tolist(), result.next_token.tolist(), result.path.tolist()  # one host copy
+        v_list = result.length.tolist() if result.drafted else None
         updates, committed = [], []
         for i, r in enumerate(reqs):
             before = len(r.tokens)
             update = self._commit(r, p_list[i][: n_list[i]] + [x_list[i]], result.logprobs and result.logprobs[i])
             committed.append(len(r.tokens) - before)
-            r.stats.record_round(n_list[i], committed[-1])
+            r.stats.record_round(n_list[i], committed[-1], None if v_list is None else v_list[i])
             updates.append(update)
-        self.stats.record_round(n_list, committed)
+        self.stats.record_round(n_list, committed, v_list)
         self.stats.steps += 1
         self.stats.generated += sum(committed)
         self.stats.time_total += time.perf_counter() - t0

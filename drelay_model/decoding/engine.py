@@ -132,7 +132,7 @@ class SpeculativeEngine:
             n_list, x_list, p_list = result.accepted.tolist(), result.next_token.tolist(), result.path.tolist()  # one host copy
             for i, b in enumerate(state.rows):
                 committed.append(self._commit(out[b], p_list[i][: n_list[i]] + [x_list[i]], config, eos))
-            stats.record_round(n_list, committed)
+            stats.record_round(n_list, committed, result.length.tolist() if result.drafted else None)
             stats.steps += 1
             state.keep([b for b in state.rows if not self._finished(out[b], config, eos)])
         stats.generated = sum(len(o) for o in out)
@@ -192,7 +192,7 @@ class SpeculativeEngine:
         (one entry per row: k alternatives, or None) asks for the committed tokens' log-probabilities
         from the verify logits (`logprobs.round_logprobs`; rows with None cost nothing)."""
         timer = RoundTimer()
-        plan = self.plan(policy)
+        plan = self.plan(policy, rows=state.anchor.shape[0])
         if plan.drafts:
             timer.mark("draft_start")
             block = self.draft(state, plan, timer)
@@ -213,20 +213,22 @@ class SpeculativeEngine:
         lp = None
         if logprobs is not None and any(k is not None for k in logprobs):
             lp = round_logprobs(verified.logits, choice.path, verified.accepted, verified.next_token, logprobs)
-        return RoundResult(verified.accepted, verified.next_token, choice.path, logprobs=lp)
+        return RoundResult(
+            verified.accepted, verified.next_token, choice.path, logprobs=lp, length=choice.length, drafted=plan.drafts
+        )
 
-    def plan(self, policy: CostAwareLength | None) -> RoundPlan:
-        """How many path tokens this round may verify (all H without a policy; 0 = an AR round), how
-        many slots get an LM head, and which selector picks the path (a two-armed policy's native-arm
-        rounds keep the native path without running the selector)."""
+    def plan(self, policy: CostAwareLength | None, rows: int = 1) -> RoundPlan:
+        """How many path tokens a round over `rows` rows may verify (all H without a policy; 0 = an
+        AR round), how many slots get an LM head, and which selector picks the path (a two-armed
+        policy's native-arm rounds keep the native path without running the selector)."""
         H = self.num_slots
-        planned = H if policy is None else policy.plan(partial=self.selector.capabilities.partial_block)
+        planned = H if policy is None else policy.plan(partial=self.selector.capabilities.partial_block, batch=rows)
         runs_selector = policy is None or policy.use_selector
         selector = self.selector if runs_selector else self._native
         if self.drafter is None or planned == 0:
-            return RoundPlan(0, 0, selector, runs_selector)
+            return RoundPlan(0, 0, selector, runs_selector, rows)
         head = planned if selector.capabilities.partial_block else H
-        return RoundPlan(planned, head, selector, runs_selector)
+        return RoundPlan(planned, head, selector, runs_selector, rows)
 
     def draft(self, state: BatchState, plan: RoundPlan, timer: RoundTimer):
         """Catch the drafter's context up with the verified features it has not seen, then draft one
@@ -242,7 +244,8 @@ class SpeculativeEngine:
         self, state: BatchState, block, plan: RoundPlan, policy: CostAwareLength | None, sampler: Sampler | None
     ) -> PathChoice:
         """The path each row submits: the plan's selector (or the sampler) over the block; with a
-        policy, each row's path is cut where verifying more stops paying (`CostAwareLength.choose`)."""
+        policy, the batch's paths are cut where verifying more stops paying (`CostAwareLength.choose`:
+        one length for the batch, since the verify forward is as wide as its longest row)."""
         planned, selector = plan.verify_slots, plan.selector
         ctx = state.selection_context(max_slots=planned if planned < self.num_slots else None)
         samples = sampler is not None and selector.capabilities.samples_path

@@ -2,16 +2,21 @@
 
 Why it is built this way, and what it measures: docs/verification-length.md. The spec:
 
-    E(L) = 1 + Σ_{i=1..L} Π_{j≤i} p_j                 expected tokens a round verifying L drafts commits
-    t(L) = s_d·draft(L) + s_v·verify(1 + L) + o_D     its modelled time (t(0) = s_v·verify(1) + o_AR), from
-                                                      the measured curve (`verify_costs.py`)
+    E(L) = 1 + Σ_{i=1..L} Π_{j≤i} p_j                 expected tokens one row verifying L drafts commits
+    t_b(L) = s_d·draft(b, L) + s_v·verify(b, 1 + L) + o_D    a round over b rows, its modelled time
+                                                      (t_b(0) = s_v·verify(b, 1) + o_AR), from the
+                                                      measured surface (`verify_costs.py`)
 
-    plan     before drafting: the (arm, L ≥ 1) maximising E(L) / t(L) at the arm's upper per-slot rates
-             â⁺ (`slot_rates.py`); it drafts when that beats an AR round by `min_gain`, else returns 0
-             (an AR round) except every `probe`-th round, which drafts anyway and verifies ≥ 1 draft
-             (the interval doubles while probes lose, up to `max_probe`, and halves when the plan drafts)
-    choose   after drafting, per row: L ≤ L_plan maximising E(L) / t(L) with drafting sunk, p_i = the
-             calibrated confidence of the chosen candidate's q (running counts per q-bin)
+    plan     before drafting: the (arm, L ≥ 1) maximising b·E(L) / t_b(L) at the arm's upper per-slot
+             rates â⁺ (`slot_rates.py`); it drafts when that beats an AR round (b / t_b(0)) by
+             `min_gain`, else returns 0 (an AR round for the whole batch) except every `probe`-th
+             round, which drafts anyway and verifies ≥ 1 draft (the interval doubles while probes
+             lose, up to `max_probe`, and halves when the plan drafts)
+    choose   after drafting, one length G ≤ L_plan for the batch: the G maximising Σ_rows E_r(G) /
+             t_b(G) with drafting sunk, p_i = the calibrated confidence of each row's chosen candidate
+             (running counts per q-bin). One length, not one per row: the verify forward's width is
+             the longest row's, so a row verifying fewer than G drafts saves nothing and only
+             commits less.
     observe  the verified outcomes update the round's arm and the calibration bins
     observe_times  measured phase times update s_d, s_v (one token / wider verifies) and o (AR / drafted)
 
@@ -115,17 +120,18 @@ class CostAwareLength:
         self._since_probe, self._interval = 0, settings.probe
         self._probing = False  # this round's plan is a probe
 
-    # ---- the scaled cost curve -------------------------------------------------------------------
-    def draft_ms(self, head_slots: int, decided: int | None = None) -> float:
-        return math.exp(self.log_draft_scale) * self.costs.draft_ms(head_slots, decided)
+    # ---- the scaled cost surface -----------------------------------------------------------------
+    def draft_ms(self, head_slots: int, decided: int | None = None, batch: int = 1) -> float:
+        return math.exp(self.log_draft_scale) * self.costs.draft_ms(head_slots, decided, batch)
 
-    def verify_ms(self, width: int) -> float:
-        """Verifying `width` tokens (the anchor + width − 1 drafts)."""
-        return math.exp(self.log_verify_scale[width > 1]) * self.costs.verify_ms[width - 1]
+    def verify_ms(self, width: int, batch: int = 1) -> float:
+        """Verifying `width` tokens (the anchor + width − 1 drafts) in each of `batch` rows."""
+        return math.exp(self.log_verify_scale[width > 1]) * self.costs.verify(width, batch)
 
-    def round_ms(self, head_slots: int, decided: int, width: int) -> float:
-        """A whole round: drafting (0 for an AR round) + verifying `width` tokens + the rest."""
-        return self.draft_ms(head_slots, decided) + self.verify_ms(width) + self.other_ms[head_slots > 0]
+    def round_ms(self, head_slots: int, decided: int, width: int, batch: int = 1) -> float:
+        """A whole round over `batch` rows: drafting (0 for an AR round) + verifying `width` tokens
+        per row + the rest."""
+        return self.draft_ms(head_slots, decided, batch) + self.verify_ms(width, batch) + self.other_ms[head_slots > 0]
 
     def slot_rates(self, arm: int = 0) -> list[float]:
         """[H] â_i of an arm. The selector's arm starts from the native arm's long-run rates, not
@@ -144,21 +150,22 @@ class CostAwareLength:
         return self.arm == 0
 
     # ---- before drafting -------------------------------------------------------------------------
-    def plan(self, *, partial: bool = True) -> int:
-        """How many slots to draft heads for this round (0: an AR round); `arm` says which kind of
-        drafted round. partial=False: the selector needs all H heads whatever is verified, so a
-        round that runs it always pays for the full block."""
-        H, s = self.num_slots, self.settings
-        t_ar = self.round_ms(0, 0, 1)
+    def plan(self, *, partial: bool = True, batch: int = 1) -> int:
+        """How many slots to draft heads for this round over `batch` rows (0: an AR round); `arm`
+        says which kind of drafted round. partial=False: the selector needs all H heads whatever is
+        verified, so a round that runs it always pays for the full block. The rates are the arm's,
+        shared by every row, so the batch's expected tokens are batch·E(L)."""
+        H, s, b = self.num_slots, self.settings, batch
+        t_ar = self.round_ms(0, 0, 1, b)
         options = []  # (tokens per ms, L, arm) of each arm's best L > 0
         for a in range(len(self.arms)):
-            e = expected_committed(self.upper_rates(a))  # [H + 1]
-            t = [t_ar] + [self.round_ms(L if partial or a == 1 else H, L if a == 0 else 0, L + 1) for L in range(1, H + 1)]
+            e = [b * x for x in expected_committed(self.upper_rates(a))]  # [H + 1]
+            t = [t_ar] + [self.round_ms(L if partial or a == 1 else H, L if a == 0 else 0, L + 1, b) for L in range(1, H + 1)]
             best = _best(e, t, start=1)
             options.append((e[best] / t[best], best, a))
         rate, best, arm = max(options, key=lambda o: (o[0], o[2]))  # a tie goes to the cheaper native arm
         self._probing = False
-        if rate >= (1.0 + s.min_gain) / t_ar:
+        if rate >= (1.0 + s.min_gain) * b / t_ar:
             # drafting pays: probe sooner again once it stops (halving, not a reset, so that one
             # lucky probe on unpredictable text does not restart probing every few rounds)
             self._interval, self._since_probe = max(s.probe, self._interval // 2), 0
@@ -187,15 +194,19 @@ class CostAwareLength:
         return min(max((self.bin_hits[b] + prior * q) / (self.bin_seen[b] + prior), 0.0), 1.0)
 
     def choose(self, q: torch.Tensor, head_slots: int) -> torch.Tensor:
-        """Per-row verification length ≤ P from the chosen candidates' q [B, P] (the planned slots)
-        → [B] int64 (on q's device). head_slots: the slots drafted with an LM head this round (≥ P),
-        whose cost is already spent."""
-        P = q.shape[1]
+        """The batch's verification length G ≤ P from the chosen candidates' q [B, P] (the planned
+        slots) → [B] int64, G in every row (on q's device). head_slots: the slots drafted with an LM
+        head this round (≥ P), whose cost is already spent. G maximises Σ_rows E_r(G) / t_B(G): the
+        verify forward is 1 + G tokens wide whatever each row would verify."""
+        B, P = q.shape
         decided = P if self.arm == 0 else 0
-        t = [self.round_ms(head_slots, decided, L + 1) for L in range(P + 1)]  # drafting is sunk: the same in every t
+        t = [self.round_ms(head_slots, decided, L + 1, B) for L in range(P + 1)]  # drafting is sunk: the same in every t
         start = int(self._probing and P > 0)
-        rows = [_best(expected_committed([self.confidence(v) for v in row]), t, start) for row in q.detach().tolist()]
-        return torch.tensor(rows, dtype=torch.long, device=q.device)
+        e = [0.0] * (P + 1)  # Σ_rows E_r(L)
+        for row in q.detach().tolist():
+            for L, x in enumerate(expected_committed([self.confidence(v) for v in row])):
+                e[L] += x
+        return torch.full((B,), _best(e, t, start), dtype=torch.long, device=q.device)
 
     # ---- after verification ----------------------------------------------------------------------
     def observe(self, q: torch.Tensor, length: torch.Tensor, accepted: torch.Tensor) -> None:
@@ -219,10 +230,12 @@ class CostAwareLength:
         decided: int = 0,
         draft_ms: float = 0.0,
         round_ms: float | None = None,
+        batch: int = 1,
     ) -> None:
-        """Update the running scales from one round's measured phase times (ms): verification of
-        `verify_width` tokens, for a drafted round (head_slots > 0) its drafting phase, and the
-        whole round (`round_ms`: what is left after both phases is the round's other work o)."""
+        """Update the running scales from one round's measured phase times (ms) over `batch` rows,
+        each compared with the surface at that batch size: verification of `verify_width` tokens
+        per row, for a drafted round (head_slots > 0) its drafting phase, and the whole round
+        (`round_ms`: what is left after both phases is the round's other work o)."""
         decay = self.settings.time_decay
 
         def update(log_scale: float, measured: float, modelled: float) -> float:
@@ -232,10 +245,10 @@ class CostAwareLength:
             r = min(max(math.log(measured / modelled), log_scale - _MAX_LOG_RATIO), log_scale + _MAX_LOG_RATIO)
             return decay * log_scale + (1 - decay) * r
 
-        w = min(verify_width, len(self.costs.verify_ms))
-        self.log_verify_scale[w > 1] = update(self.log_verify_scale[w > 1], verify_ms, self.costs.verify_ms[w - 1])
+        w = min(verify_width, self.costs.max_slots + 1)
+        self.log_verify_scale[w > 1] = update(self.log_verify_scale[w > 1], verify_ms, self.costs.verify(w, batch))
         if head_slots > 0:
-            self.log_draft_scale = update(self.log_draft_scale, draft_ms, self.costs.draft_ms(head_slots, decided))
+            self.log_draft_scale = update(self.log_draft_scale, draft_ms, self.costs.draft_ms(head_slots, decided, batch))
         if round_ms is not None:
             rest = max(round_ms - verify_ms - (draft_ms if head_slots > 0 else 0.0), 0.0)
             kind = int(head_slots > 0)

@@ -24,12 +24,14 @@ from drelay_model.selectors.base import Selector
 class RoundPlan:
     """verify_slots: path tokens the round may verify (0 = an AR round); head_slots: slots drafted
     with an LM head (= verify_slots, or all H for a selector that reads the whole pool); selector:
-    what picks the path (the engine's selector, or the native path on a native-arm round)."""
+    what picks the path (the engine's selector, or the native path on a native-arm round); rows:
+    the batch size the round was planned for."""
 
     verify_slots: int
     head_slots: int
     selector: Selector | None
     runs_selector: bool
+    rows: int = 1
 
     @property
     def drafts(self) -> bool:
@@ -65,12 +67,15 @@ class Verified:
 class RoundResult:
     """accepted [R] int64 drafts each row accepted, next_token [R] int64 (the new anchor), path [R, G];
     logprobs: per row the committed tokens' log-probabilities (`logprobs.round_logprobs`; None for a
-    row that did not ask), or None when no row asked."""
+    row that did not ask), or None when no row asked; length [R] int64: the drafts each row submitted
+    for verification (0 in an AR round); drafted: whether the round drafted."""
 
     accepted: torch.Tensor
     next_token: torch.Tensor
     path: torch.Tensor
     logprobs: list[RowLogprobs] | None = None
+    length: torch.Tensor | None = None
+    drafted: bool = False
 
 
 @dataclass
@@ -114,10 +119,10 @@ class RoundTimer:
         would make drafting look dearer the longer it paused."""
         catch_up_ms = drafting_ms = 0.0
         if self.drafting:
-            catch_up_ms = 1e3 * (self.synced - self.draft_start) - policy.costs.extend_ms
+            catch_up_ms = 1e3 * (self.synced - self.draft_start) - policy.costs.extend(plan.rows)
             drafting_ms = 1e3 * (self.selected - self.draft_start) - catch_up_ms
         policy.observe_times(
             verify_width=verify_width, verify_ms=1e3 * (self.verified - self.verify_start), head_slots=plan.head_slots if plan.drafts else 0,
             decided=plan.verify_slots if plan.runs_selector else 0, draft_ms=drafting_ms,
-            round_ms=1e3 * (time.perf_counter() - self.start) - catch_up_ms,
+            round_ms=1e3 * (time.perf_counter() - self.start) - catch_up_ms, batch=plan.rows,
         )  # fmt: skip

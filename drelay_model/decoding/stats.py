@@ -30,6 +30,8 @@ class DecodeStats:
     rounds       row-rounds (one per row per verification).
     steps        engine iterations (one batched draft → select → verify each).
     drafted_steps   steps that drafted (the rest were AR rounds of a cost-aware policy);
+    drafted_rounds  row-rounds of those steps; verified_drafts: the drafts they submitted for
+                    verification (mean_verify_length = verified_drafts / drafted_rounds);
     selector_steps  drafted steps that ran the selector (the rest kept the native path: a
                     two-armed cost-aware policy's native arm).
     requests     generate() rows, i.e. prefills.
@@ -42,6 +44,8 @@ class DecodeStats:
     rounds: int = 0
     steps: int = 0
     drafted_steps: int = 0
+    drafted_rounds: int = 0
+    verified_drafts: int = 0
     selector_steps: int = 0
     generated: int = 0
     requests: int = 0
@@ -54,7 +58,8 @@ class DecodeStats:
     def __post_init__(self) -> None:
         self.accept_hist = torch.zeros(self.num_slots + 1, dtype=torch.long)
 
-    _COUNTS = ("committed", "rounds", "steps", "drafted_steps", "selector_steps", "generated", "requests")
+    _COUNTS = ("committed", "rounds", "steps", "drafted_steps", "drafted_rounds", "verified_drafts", "selector_steps",
+               "generated", "requests")  # fmt: skip
     _TIMES = ("time_prefill", "time_draft", "time_select", "time_verify", "time_total")
 
     def __add__(self, other: "DecodeStats") -> "DecodeStats":
@@ -93,7 +98,12 @@ class DecodeStats:
             raise KeyError(f"unknown DecodeStats fields: {sorted(unknown)}")
         return out
 
-    def record_round(self, accepted: list[int], committed: list[int]) -> None:
+    def record_round(self, accepted: list[int], committed: list[int], verified: list[int] | None = None) -> None:
+        """One step's row-rounds: drafts accepted and tokens committed per row, and for a drafted step
+        the drafts each row submitted for verification (None: an AR step)."""
+        if verified is not None:
+            self.drafted_rounds += len(verified)
+            self.verified_drafts += sum(verified)
         for n, c in zip(accepted, committed):
             # A round cut short by EOS or the budget counts only the drafts it actually committed,
             # so real decoding and replay (which cannot see past the end) record the same histogram.
@@ -105,6 +115,11 @@ class DecodeStats:
     def tau(self) -> float:
         """Tokens committed per verification round (1.0 for autoregressive decoding)."""
         return tau_of(self.committed, self.rounds)
+
+    @property
+    def mean_verify_length(self) -> float:
+        """Drafts verified per drafted row-round (0.0 when none drafted)."""
+        return self.verified_drafts / self.drafted_rounds if self.drafted_rounds else 0.0
 
     @property
     def slot_acceptance(self) -> list[float]:

@@ -1,20 +1,30 @@
-"""The measured cost curve of one round, for cost-aware verification length (`length_bandit.py`).
+"""The measured cost surface of a round over batch size, for cost-aware verification length
+(`length_bandit.py`).
 
-A round that drafts h slots, decides d of them and verifies L costs
+A round over b rows that drafts h slots, decides d of them and verifies L per row costs
 
-    t(h, d, L) = draft(h) + select + (d − 1)·select_slot + extend + verify(1 + L)     (h > 0, d > 0)
-    t(h, 0, L) = draft(h) + extend + verify(1 + L)              (the native path, no selector call)
-    t(0, 0, 0) = verify(1)                                                           (an AR round)
+    t(b; h, d, L) = draft(b, h) + select(b) + (d − 1)·select_slot(b) + extend(b) + verify(b, 1 + L)
+    t(b; h, 0, L) = draft(b, h) + extend(b) + verify(b, 1 + L)        (the native path, no selector call)
+    t(b; 0, 0, 0) = verify(b, 1)                                      (an AR round for the whole batch)
 
-draft(h) is the drafter over a block of the anchor and h masked positions, with an LM head on each
-(`BlockDrafter.draft(slots=h)`); a selector that reads the whole pool always pays draft(H). Files
-written before draft(h) was measured model it as block + h·head over the whole block.
+verify(b, t) is one target forward over b rows × t new tokens on a cached context; draft(b, h) the
+drafter over b blocks of the anchor and h masked positions, with an LM head on each
+(`BlockDrafter.draft(slots=h)`); a selector that reads the whole pool always pays draft(b, H).
+
+Every term is measured at a grid of batch sizes b_1 = 1 < b_2 < … (`surface_batches`: powers of two
+up to the batcher's max_batch) and is linear in b between grid points (beyond the last one, the last
+segment's slope continues). b = 1 is one point of the surface: a single-row engine reads the same
+tables at b = 1.
 
 `measure_costs` times every term once per machine, target and drafter (cached as JSON by
-`pipelines.common.costs`). On a shared machine single timings swing by ±30%, so it interleaves all
-terms in each repetition (drift then shifts every term alike), takes the median per term, and fits
-verify(t) non-decreasing by isotonic regression (a running maximum would let one slow first call
-flatten the whole curve). The policy rescales the curve online from the rounds it times.
+`pipelines.common.costs`). On a shared machine single timings swing by ±30%, so each repetition
+interleaves all terms at every batch size (drift then shifts every term alike), each term is the
+median over repetitions, and the verify and draft tables are fitted non-decreasing in both b and
+t (or h) by isotonic regression (a running maximum would let one slow first call flatten the whole
+curve). Measuring stops after the first repetition that ends more than `budget_s` after the
+warm-up began (at least 3 repetitions), so it takes at most max(`budget_s` + one repetition, four
+repetitions) once the model is loaded. The policy rescales the surface
+online from the rounds it times.
 """
 
 from __future__ import annotations
@@ -32,66 +42,128 @@ import torch
 
 from drelay_model.errors import DRelayError
 
+# What `measure_costs` measures, versioned: 2 = draft(h) per length, 3 = a partial-block selector's
+# select_ms on a one-slot block, 4 = every term over batch sizes. A cached file of an older version
+# is measured again.
+COSTS_VERSION = 4
 
-# What `measure_costs` measures, versioned: 2 = draft(h) per length, 3 = a partial-block
-# selector's select_ms on a one-slot block. A cached file of an older version is measured again.
-COSTS_VERSION = 3
+Table = tuple[tuple[float, ...], ...]
+
+
+class StaleCosts(DRelayError):
+    """A cost file written by an older measurement (its `version` < COSTS_VERSION)."""
+
+
+def surface_batches(max_batch: int) -> tuple[int, ...]:
+    """The batch sizes measured for a batcher of `max_batch` rows: 1, 2, 4, … < max_batch, max_batch."""
+    if max_batch < 1:
+        raise DRelayError(f"max_batch must be ≥ 1, got {max_batch}")
+    sizes = [1 << k for k in range(max_batch.bit_length()) if 1 << k < max_batch]
+    return (*sizes, max_batch)
+
+
+def check_batch_sizes(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """A grid of batch sizes must ascend strictly from 1."""
+    if not sizes or sizes[0] != 1 or any(a >= b for a, b in zip(sizes, sizes[1:])):
+        raise DRelayError(f"batch_sizes must ascend strictly from 1, got {tuple(sizes)}")
+    return tuple(sizes)
+
+
+def _interp(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
+    """ys linear in x between the grid points xs; the last segment's slope (≥ 0) continues past
+    them; below xs[0] the first value."""
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0]
+    for i in range(1, len(xs)):
+        if x <= xs[i] or i == len(xs) - 1:
+            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+            slope = (y1 - y0) / (x1 - x0)
+            if x > x1:
+                slope = max(slope, 0.0)
+            return y0 + slope * (x - x0)
+    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
 class VerifyCosts:
-    """Measured costs in milliseconds (batch of one row).
+    """Measured costs in milliseconds over batch sizes (the module docstring).
 
-    verify_ms  [H + 1] target forward over t = 1 .. H + 1 new tokens on a cached context
-    block_ms   drafter layers over one whole block (everything but the LM head)
-    head_ms    LM head + top-K for one slot
-    draft_slots_ms  [H] the drafter over a block of h = 1 .. H slots, heads included (empty in files
-               written before it existed: then block_ms + h·head_ms)
-    select_ms  the selector deciding one slot (`SelectionContext.max_slots` = 1) on a whole block, or on
-               a one-slot block for a partial-block selector
-    select_slot_ms  each further decided slot (0 for a selector whose cost does not depend on it;
-               files written before it existed hold the whole block's cost in select_ms)
-    extend_ms  extending the drafter's context by a drafted round's verified positions (0 in files
-               written before it existed)
+    batch_sizes     [N] ascending grid of batch sizes, starting at 1
+    verify_ms       [N][H + 1] target forward over b rows × t = 1 .. H + 1 new tokens
+    draft_slots_ms  [N][H] the drafter over b blocks of h = 1 .. H slots, LM heads included
+    select_ms       [N] the selector deciding one slot per row (`SelectionContext.max_slots` = 1) on a
+                    whole block, or on a one-slot block for a partial-block selector
+    select_slot_ms  [N] each further decided slot (0 for a selector whose cost does not depend on it)
+    extend_ms       [N] extending the drafter's context by a drafted round's verified positions
+
+    A flat verify_ms / draft_slots_ms and scalar select/extend terms give a one-point surface at b = 1
+    (what synthetic costs in tests use).
     """
 
-    verify_ms: tuple[float, ...]
-    block_ms: float
-    head_ms: float
-    select_ms: float
-    select_slot_ms: float = 0.0
-    extend_ms: float = 0.0
-    draft_slots_ms: tuple[float, ...] = ()
-    version: int = COSTS_VERSION  # of the measurement (files written before versions existed: 1)
+    verify_ms: Table
+    draft_slots_ms: Table
+    select_ms: tuple[float, ...]  # (a number: the same at every batch size, normalised to a tuple)
+    select_slot_ms: tuple[float, ...] = 0.0
+    extend_ms: tuple[float, ...] = 0.0
+    batch_sizes: tuple[int, ...] = (1,)
+    version: int = COSTS_VERSION  # of the measurement
 
     def __post_init__(self) -> None:
-        if not self.verify_ms or any(not (t > 0 and math.isfinite(t)) for t in self.verify_ms):
+        n = len(check_batch_sizes(self.batch_sizes))
+        for name in ("verify_ms", "draft_slots_ms"):
+            value = getattr(self, name)
+            flat = not value or not isinstance(value[0], (list, tuple))
+            table = (tuple(float(t) for t in value),) if flat else tuple(tuple(float(t) for t in row) for row in value)
+            object.__setattr__(self, name, table)
+        for name in ("select_ms", "select_slot_ms", "extend_ms"):
+            value = getattr(self, name)
+            value = (value,) * n if isinstance(value, (int, float)) else tuple(value)
+            object.__setattr__(self, name, tuple(float(t) for t in value))
+        H = len(self.verify_ms[0]) - 1
+        if len(self.verify_ms) != n or any(len(r) != H + 1 for r in self.verify_ms) or H < 0:
+            raise DRelayError(f"verify_ms must hold {n} rows of equal length ≥ 1 (one per batch size)")
+        if any(not (t > 0 and math.isfinite(t)) for r in self.verify_ms for t in r):
             raise DRelayError(f"verify_ms must be positive and finite, got {self.verify_ms}")
-        others = (self.block_ms, self.head_ms, self.select_ms, self.select_slot_ms, self.extend_ms)
-        if any(not (t >= 0 and math.isfinite(t)) for t in others):
-            raise DRelayError("block_ms, head_ms, select_ms, select_slot_ms and extend_ms must be finite and ≥ 0")
-        if any(not (t > 0 and math.isfinite(t)) for t in self.draft_slots_ms) or len(self.draft_slots_ms) > self.max_slots:
-            raise DRelayError(
-                f"draft_slots_ms must hold at most {self.max_slots} positive finite times, got {self.draft_slots_ms}"
-            )
+        if len(self.draft_slots_ms) != n or any(len(r) != H for r in self.draft_slots_ms):
+            raise DRelayError(f"draft_slots_ms must hold {n} rows of {H} times (one per batch size and slot count)")
+        if any(not (t > 0 and math.isfinite(t)) for r in self.draft_slots_ms for t in r):
+            raise DRelayError(f"draft_slots_ms must be positive and finite, got {self.draft_slots_ms}")
+        for name in ("select_ms", "select_slot_ms", "extend_ms"):
+            value = getattr(self, name)
+            if len(value) != n or any(not (t >= 0 and math.isfinite(t)) for t in value):
+                raise DRelayError(f"{name} must hold {n} finite times ≥ 0 (one per batch size), got {value}")
 
     @property
     def max_slots(self) -> int:
-        return len(self.verify_ms) - 1
+        return len(self.verify_ms[0]) - 1
 
-    def draft_ms(self, head_slots: int, decided: int | None = None) -> float:
-        """Drafting `head_slots` slots, selecting `decided` of them (default: all of them; 0: the
-        native path, no selector call) and extending the drafter's context afterwards; 0 with no
-        drafting."""
+    @property
+    def max_batch(self) -> int:
+        """The largest measured batch size (larger ones are extrapolated)."""
+        return self.batch_sizes[-1]
+
+    def _at(self, column: list[float] | tuple[float, ...], batch: float) -> float:
+        return _interp(self.batch_sizes, tuple(column), batch)
+
+    def verify(self, width: int, batch: float = 1) -> float:
+        """A target forward over `batch` rows × `width` tokens (the anchor + width − 1 drafts)."""
+        return self._at([row[width - 1] for row in self.verify_ms], batch)
+
+    def extend(self, batch: float = 1) -> float:
+        return self._at(self.extend_ms, batch)
+
+    def draft_ms(self, head_slots: int, decided: int | None = None, batch: float = 1) -> float:
+        """Drafting `head_slots` slots for `batch` rows, selecting `decided` of them (default: all of
+        them; 0: the native path, no selector call) and extending the drafter's context afterwards;
+        0 with no drafting."""
         if head_slots == 0:
             return 0.0
         decided = head_slots if decided is None else decided
-        select = self.select_ms + (decided - 1) * self.select_slot_ms if decided > 0 else 0.0  # 0: no selector ran
-        if head_slots <= len(self.draft_slots_ms):
-            drafting = self.draft_slots_ms[head_slots - 1]
-        else:  # an older file: the whole block, heads on head_slots of it
-            drafting = self.block_ms + head_slots * self.head_ms
-        return drafting + select + self.extend_ms
+        select = 0.0
+        if decided > 0:  # 0: no selector ran
+            select = self._at(self.select_ms, batch) + (decided - 1) * self._at(self.select_slot_ms, batch)
+        drafting = self._at([row[head_slots - 1] for row in self.draft_slots_ms], batch)
+        return drafting + select + self.extend(batch)
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -102,15 +174,21 @@ class VerifyCosts:
 
     @classmethod
     def load(cls, path: str | Path) -> "VerifyCosts":
+        """The surface in `path`; StaleCosts for a file of an older version, DRelayError (one line)
+        for anything else unreadable."""
         try:
             raw = json.loads(Path(path).read_text())
-            return cls(verify_ms=tuple(float(t) for t in raw["verify_ms"]), block_ms=float(raw["block_ms"]),
-                       head_ms=float(raw["head_ms"]), select_ms=float(raw["select_ms"]),
-                       select_slot_ms=float(raw.get("select_slot_ms", 0.0)),
-                       extend_ms=float(raw.get("extend_ms", 0.0)),
-                       draft_slots_ms=tuple(float(t) for t in raw.get("draft_slots_ms", ())),
-                       version=int(raw.get("version", 1)))  # fmt: skip
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            version = int(raw.get("version", 1)) if isinstance(raw, dict) else 0
+        except (OSError, ValueError, TypeError) as exc:
+            raise DRelayError(f"cannot read verification costs from {path}: {exc}") from exc
+        if 0 < version < COSTS_VERSION:
+            raise StaleCosts(f"the costs at {path} predate what is measured now (version {version} < {COSTS_VERSION})")
+        try:
+            fields = {f.name for f in dataclasses.fields(cls)}
+            if set(raw) != fields:
+                raise KeyError(f"expected the fields {sorted(fields)}, got {sorted(raw)}")
+            return cls(**{**raw, "batch_sizes": tuple(int(b) for b in raw["batch_sizes"])})
+        except (ValueError, KeyError, TypeError) as exc:
             raise DRelayError(f"cannot read verification costs from {path}: {exc}") from exc
 
 
@@ -127,32 +205,44 @@ def isotonic(values: list[float]) -> list[float]:
     return [m for m, n in blocks for _ in range(n)]
 
 
-@torch.inference_mode()
-def measure_costs(target, drafter, selector, *, context_len: int = 200, reps: int = 9, extend_tokens: int = 4) -> VerifyCosts:
-    """Time one row's verify(1 .. H + 1), drafting of 1 .. H slots, the LM head per slot, selection
-    and context extension (by `extend_tokens` positions, a typical drafted round), in ms: the median of `reps`
-    interleaved repetitions after one warm-up."""
+def isotonic_2d(table: list[list[float]], sweeps: int = 20) -> Table:
+    """A [N][T] table made non-decreasing along both axes: isotonic regression along t and along b in
+    turn (alternating projections) until both hold; a last running maximum over b settles what is
+    left (within float error after the sweeps)."""
+    rows = [list(r) for r in table]
+    for _ in range(sweeps):
+        rows = [isotonic(r) for r in rows]
+        cols = [isotonic([r[t] for r in rows]) for t in range(len(rows[0]))]
+        rows = [[cols[t][i] for t in range(len(cols))] for i in range(len(rows))]
+        if all(a <= b for r in rows for a, b in zip(r, r[1:])):
+            break
+    rows = [isotonic(r) for r in rows]
+    for i in range(1, len(rows)):
+        rows[i] = [max(a, b) for a, b in zip(rows[i], rows[i - 1])]
+    return tuple(tuple(r) for r in rows)
+
+
+def _batch_calls(target, drafter, selector, b: int, *, context_len: int, extend_tokens: int) -> dict:
+    """Callables timing every term at `b` rows, keyed (term, b[, t or h])."""
     from drelay_model.selectors.base import SelectionContext  # local: selectors import the drafter
 
-    if reps < 1 or context_len < 2:
-        raise DRelayError(f"measure_costs needs reps ≥ 1 and context_len ≥ 2, got {reps}, {context_len}")
     H = drafter.config.num_slots
     device = target.embed_weight.device
     layers = drafter.config.target_layer_ids
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, target.vocab_size, (1, context_len), generator=g).to(device)
-    cache = target.new_cache(1, context_len + H + 2)
+    g = torch.Generator().manual_seed(b)
+    ids = torch.randint(0, target.vocab_size, (b, context_len), generator=g).to(device)
+    cache = target.new_cache(b, context_len + H + 2)
     res = target(ids, cache, feature_layers=layers)
-    ctx = drafter.new_context_cache(1, context_len + H + 2 + extend_tokens)
+    ctx = drafter.new_context_cache(b, context_len + H + 2 + extend_tokens)
     drafter.extend_context(res.features, ctx)
     base, ctx_base = cache.lengths.clone(), ctx.lengths.clone()
     anchor = ids[:, -1]
     block = drafter.draft(anchor, ctx)
-    sctx = SelectionContext(anchor_ids=anchor, anchor_pos=ctx.lengths.clone(), row_ids=torch.zeros(1, dtype=torch.long))
+    rows = torch.arange(b, dtype=torch.long, device=device)
+    sctx = SelectionContext(anchor_ids=anchor, anchor_pos=ctx.lengths.clone(), row_ids=rows)
     if selector.capabilities.history_len:
-        hist = torch.zeros(1, selector.capabilities.history_len, res.features.shape[-1], dtype=res.features.dtype, device=device)
-        sctx = SelectionContext(anchor_ids=anchor, anchor_pos=sctx.anchor_pos, row_ids=sctx.row_ids, history=hist,
-                                history_mask=torch.ones(hist.shape[:2], dtype=torch.bool, device=device))  # fmt: skip
+        hist = torch.zeros(b, selector.capabilities.history_len, res.features.shape[-1], dtype=res.features.dtype, device=device)
+        sctx = dataclasses.replace(sctx, history=hist, history_mask=torch.ones(hist.shape[:2], dtype=torch.bool, device=device))
     one_slot = dataclasses.replace(sctx, max_slots=1)
     # a partial-block selector decides one slot on a one-slot block (what a 1-draft round runs)
     one_block = drafter.draft(anchor, ctx, slots=1) if selector.capabilities.partial_block else block
@@ -166,28 +256,57 @@ def measure_costs(target, drafter, selector, *, context_len: int = 200, reps: in
         drafter.extend_context(new_feats, ctx)
         ctx.crop(ctx_base)
 
-    calls = {("verify", t): (lambda t=t: verify(t)) for t in range(1, H + 2)}
-    calls |= {("draft", h): (lambda h=h: drafter.draft(anchor, ctx, slots=h)) for h in range(1, H + 1)}
-    calls |= {"pool_all": lambda: drafter.pool(block.hidden), "pool_one": lambda: drafter.pool(block.hidden[:, :1]),
-              "select_one": lambda: selector.select(one_block, one_slot), "select_all": lambda: selector.select(block, sctx),
-              "extend": extend}  # fmt: skip
+    calls = {("verify", b, t): (lambda t=t: verify(t)) for t in range(1, H + 2)}
+    calls |= {("draft", b, h): (lambda h=h: drafter.draft(anchor, ctx, slots=h)) for h in range(1, H + 1)}
+    calls |= {("select_one", b): lambda: selector.select(one_block, one_slot), ("select_all", b): lambda: selector.select(block, sctx),
+              ("extend", b): extend}  # fmt: skip
+    return calls
+
+
+@torch.inference_mode()
+def measure_costs(
+    target,
+    drafter,
+    selector,
+    *,
+    batch_sizes: tuple[int, ...] = (1,),
+    context_len: int = 200,
+    reps: int = 9,
+    budget_s: float = 60.0,
+    extend_tokens: int = 4,
+) -> VerifyCosts:
+    """Time verify(b, 1 .. H + 1), drafting of 1 .. H slots, selection and context extension (by
+    `extend_tokens` positions, a typical drafted round) at every batch size b, in ms: the median of
+    up to `reps` interleaved repetitions after one warm-up, stopping after the first repetition that
+    ends more than `budget_s` seconds after the warm-up began (at least min(3, reps) repetitions)."""
+    if reps < 1 or context_len < 2 or budget_s <= 0:
+        raise DRelayError(
+            f"measure_costs needs reps ≥ 1, context_len ≥ 2 and budget_s > 0, got {reps}, {context_len}, {budget_s}"
+        )
+    check_batch_sizes(batch_sizes)
+    H = drafter.config.num_slots
+    calls: dict = {}
+    for b in batch_sizes:
+        calls |= _batch_calls(target, drafter, selector, b, context_len=context_len, extend_tokens=extend_tokens)
     times: dict = defaultdict(list)
+    t_start = time.perf_counter()
     for rep in range(reps + 1):  # repetition 0 warms up
         for key, fn in calls.items():
             t0 = time.perf_counter()
             fn()
             if rep:
                 times[key].append(1e3 * (time.perf_counter() - t0))
+        if rep >= min(3, reps) and time.perf_counter() - t_start > budget_s:
+            break
     ms = {key: statistics.median(v) for key, v in times.items()}
-    verify_ms = tuple(isotonic([ms[("verify", t)] for t in range(1, H + 2)]))
-    draft_slots_ms = tuple(isotonic([ms[("draft", h)] for h in range(1, H + 1)]))
-    head_ms = max(ms["pool_all"] - ms["pool_one"], 0.0) / max(H - 1, 1)
+    per_slot = max(H - 1, 1)
     return VerifyCosts(
-        verify_ms=verify_ms,
-        block_ms=max(draft_slots_ms[-1] - H * head_ms, 0.0),
-        head_ms=head_ms,
-        select_ms=ms["select_one"],
-        select_slot_ms=max(ms["select_all"] - ms["select_one"], 0.0) / max(H - 1, 1),
-        extend_ms=ms["extend"],
-        draft_slots_ms=draft_slots_ms,
+        verify_ms=isotonic_2d([[ms[("verify", b, t)] for t in range(1, H + 2)] for b in batch_sizes]),
+        draft_slots_ms=isotonic_2d([[ms[("draft", b, h)] for h in range(1, H + 1)] for b in batch_sizes])
+        if H
+        else ((),) * len(batch_sizes),
+        select_ms=tuple(ms[("select_one", b)] for b in batch_sizes),
+        select_slot_ms=tuple(max(ms[("select_all", b)] - ms[("select_one", b)], 0.0) / per_slot for b in batch_sizes),
+        extend_ms=tuple(ms[("extend", b)] for b in batch_sizes),
+        batch_sizes=tuple(batch_sizes),
     )

@@ -1,4 +1,7 @@
-"""`drelay costs`: measure (or show) the round cost curve that cost-aware verification length uses."""
+"""`drelay costs`: measure (or show) the round cost surface that cost-aware verification length uses.
+
+The table prints, at each batch size b, an AR step's time and, for a round verifying h drafts per
+row, its time relative to that AR step: the tokens per row such a round must commit to break even."""
 
 from __future__ import annotations
 
@@ -6,14 +9,15 @@ import argparse
 import dataclasses
 import json
 
+from drelay_model.decoding.verify_costs import VerifyCosts
 from drelay_model.errors import DRelayError
 from pipelines.cli.options import add_target
-from pipelines.common.costs import costs_path, verify_costs
+from pipelines.common.costs import DEFAULT_MAX_BATCH, costs_path, verify_costs
 from pipelines.common.methods import NATIVE, load_method, load_target_spec, method_names, resolve_method
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("costs", help="measure the per-round cost curve for cost-aware verification", description=__doc__)
+    p = sub.add_parser("costs", help="measure the round cost surface for cost-aware verification", description=__doc__)
     add_target(p)
     p.add_argument("--method", default=NATIVE, help=f"selector: {', '.join(method_names()[1:])}")
     p.add_argument("--checkpoint", help="drafter checkpoint directory (default: the one bundled for the target)")
@@ -21,7 +25,11 @@ def add_parser(sub) -> None:
         "--random-drafter", action="store_true", help="an untrained drafter (timing only: costs do not depend on training)"
     )
     p.add_argument("--reps", type=int, default=9, help="interleaved repetitions whose median each term is (1–99; default 9)")
-    p.add_argument("--show", action="store_true", help="print the cached curve without measuring")
+    p.add_argument(
+        "--max-batch", type=int, default=DEFAULT_MAX_BATCH, help=f"measure batch sizes 1 … this (default {DEFAULT_MAX_BATCH})"
+    )
+    p.add_argument("--batch", type=int, nargs="+", help="batch sizes to show (default: the measured ones; others interpolated)")
+    p.add_argument("--show", action="store_true", help="print the cached surface without measuring")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -32,19 +40,37 @@ def run(args: argparse.Namespace) -> int:
         raise DRelayError("--method ar has no drafting costs; choose a selector")
     if not 1 <= args.reps <= 99:
         raise DRelayError(f"--reps must be in [1, 99], got {args.reps}")
+    if not 1 <= args.max_batch <= 1024 or any(not 1 <= b <= 1024 for b in args.batch or ()):
+        raise DRelayError("--max-batch and --batch must be in [1, 1024]")
     target = load_target_spec(args.target, device=args.device, dtype=args.dtype)
     if args.show and not costs_path(args.target, spec, target.embed_weight.device.type, packed=target.packed).exists():
         raise DRelayError(f"no cached costs for {args.target}/{args.method}; run without --show to measure them")
     drafter, selector = load_method(spec, target)
-    costs = verify_costs(target, drafter, selector, target_spec=args.target, spec=spec, remeasure=not args.show, reps=args.reps)
+    max_batch = max([args.max_batch, *(args.batch or ())])
+    costs = verify_costs(
+        target, drafter, selector, target_spec=args.target, spec=spec, remeasure=not args.show, reps=args.reps,
+        max_batch=1 if args.show else max_batch,
+    )  # fmt: skip
     if args.json:
         print(json.dumps(dataclasses.asdict(costs)))
         return 0
-    print(
-        f"drafter block {costs.block_ms:.1f} ms + LM head {costs.head_ms:.2f} ms/slot + select {costs.select_ms:.1f} ms"
-        f" (+ {costs.select_slot_ms:.2f} ms per further decided slot) + context extension {costs.extend_ms:.1f} ms"
-    )
-    if costs.draft_slots_ms:
-        print("draft(h slots) ms: " + "  ".join(f"{h}:{ms:.1f}" for h, ms in enumerate(costs.draft_slots_ms, start=1)))
-    print("verify(t) ms: " + "  ".join(f"{t}:{ms:.1f}" for t, ms in enumerate(costs.verify_ms, start=1)))
+    print("\n".join(surface_table(costs, args.batch or costs.batch_sizes)))
     return 0
+
+
+def surface_table(costs: VerifyCosts, batches) -> list[str]:
+    """Lines of the table: per batch size b, the AR step (ms, and ms per row) and a round verifying h
+    drafts per row (drafting h slots, the selector deciding them, verifying 1 + h) ÷ the AR step."""
+    H = costs.max_slots
+    hs = [h for h in (1, 2, 4, 8, H) if 1 <= h <= H]
+    hs = sorted(set(hs))
+    lines = [
+        f"batch sizes measured: {', '.join(map(str, costs.batch_sizes))} (others linear in b between them)",
+        "round verifying h drafts per row ÷ an AR step at the same batch size (the tokens per row it must commit to pay)",
+        f"{'b':>5} {'AR ms':>8} {'ms/row':>7} " + " ".join(f"{f'h={h}':>6}" for h in hs),
+    ]
+    for b in batches:
+        ar = costs.verify(1, b)
+        ratios = [(costs.draft_ms(h, h, b) + costs.verify(1 + h, b)) / ar for h in hs]
+        lines.append(f"{b:>5} {ar:>8.1f} {ar / b:>7.2f} " + " ".join(f"{r:>6.2f}" for r in ratios))
+    return lines

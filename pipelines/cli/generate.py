@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     target = load_target_spec(args.target, device=args.device, dtype=args.dtype)
     spec = resolve_method(args.method, target_spec=args.target, checkpoint=args.checkpoint, random_drafter=args.random_drafter)
     messages, prompt_ids = _read_prompts(args, target.tokenizer)
-    engine = build_engine(target, spec, args.verify_length, target_spec=args.target)
+    # the batch never holds more rows than prompts: the cost surface need not reach further
+    engine = build_engine(target, spec, args.verify_length, target_spec=args.target, max_batch=len(prompt_ids))
     if args.compare_ar and not spec.is_ar:
         ar_engine = build_engine(target, MethodSpec(AR), target_spec=args.target)
         result, ar, speedup, speedups = paired_with_ar(engine, ar_engine, prompt_ids, config, args.repeats)

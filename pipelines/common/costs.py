@@ -1,11 +1,13 @@
-"""Measured round costs for cost-aware verification length, cached per machine.
+"""The measured round cost surface for cost-aware verification length, cached per machine.
 
 One JSON file per (target, checkpoint, method, torch threads, device and its processor model,
 packed linears or not, and on CPU what the drafter runs below float32: `cpu_linear.draft_precisions`)
-under $DRELAY_CACHE_DIR/costs/ (default ~/.cache/drelay/costs/): measuring takes a few seconds on
-the CPU default, and the costs belong to the machine, not to the repository (a home directory
-shared by cluster nodes of different CPU or GPU models keeps one file per model). `drelay costs`
-re-measures.
+under $DRELAY_CACHE_DIR/costs/ (default ~/.cache/drelay/costs/), holding the surface over the batch
+sizes 1 … max_batch (`surface_batches`): measuring takes about `MEASURE_BUDGET_S` + one repetition
+(docs/verification-length.md has today's figure on the CPU default), and the costs belong to the
+machine, not to the repository (a home directory shared by cluster nodes of different CPU or GPU
+models keeps one file per model). A file of an older version, or one whose surface stops below the
+max_batch asked for, is measured again; `drelay costs` re-measures.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from __future__ import annotations
 import hashlib
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
 
-from drelay_model.decoding.verify_costs import COSTS_VERSION, VerifyCosts, measure_costs
+from drelay_model.decoding.verify_costs import StaleCosts, VerifyCosts, measure_costs, surface_batches
 from drelay_model.kernels import cpu_linear
 from drelay_model.target.loading import cache_root
 from pipelines.common.methods import MethodSpec
@@ -45,22 +48,42 @@ def costs_path(target_spec: str, spec: MethodSpec, device: str = "cpu", *, packe
     return cache_root() / "costs" / name.replace("/", "_")
 
 
+MEASURE_BUDGET_S = 60.0  # measuring stops after the first repetition that ends this long after the warm-up began
+DEFAULT_MAX_BATCH = 16  # the batch sizes measured when the caller names none (the serve default)
+
+
 def verify_costs(
-    target, drafter, selector, *, target_spec: str, spec: MethodSpec, remeasure: bool = False, reps: int = 9
+    target,
+    drafter,
+    selector,
+    *,
+    target_spec: str,
+    spec: MethodSpec,
+    remeasure: bool = False,
+    reps: int = 9,
+    max_batch: int = DEFAULT_MAX_BATCH,
 ) -> VerifyCosts:
-    """The cached cost curve, measured (and cached) on first use or when `remeasure` (the median of
-    `reps` interleaved repetitions per term)."""
+    """The cached cost surface over batch sizes 1 … max_batch, measured (and cached) on first use,
+    when stale or too narrow, or when `remeasure` (the median of up to `reps` interleaved
+    repetitions per term, within `MEASURE_BUDGET_S`)."""
     device = str(target.embed_weight.device.type)
     path = costs_path(target_spec, spec, device, packed=getattr(target, "packed", False))
     if path.exists() and not remeasure:
-        costs = VerifyCosts.load(path)
-        if costs.version >= COSTS_VERSION:
-            return costs
-        print(
-            f"the cached costs at {path} predate what is measured now (version {costs.version} < {COSTS_VERSION}): re-measuring",
-            file=sys.stderr,
-        )
-    print(f"measuring verification costs once for {target_spec}/{spec.name} (cached at {path})", file=sys.stderr)
-    costs = measure_costs(target, drafter, selector, reps=reps)
+        try:
+            costs = VerifyCosts.load(path)
+            if costs.max_batch >= max_batch:
+                return costs
+            print(f"the cached costs at {path} stop at batch {costs.max_batch} < {max_batch}: re-measuring", file=sys.stderr)
+        except StaleCosts as exc:
+            print(f"{exc}: re-measuring", file=sys.stderr)
+    batches = surface_batches(max_batch)
+    print(
+        f"measuring verification costs once for {target_spec}/{spec.name} at batch sizes {', '.join(map(str, batches))}"
+        f" (≤ {MEASURE_BUDGET_S:.0f} s + one repetition; cached at {path})",
+        file=sys.stderr,
+    )
+    t0 = time.perf_counter()
+    costs = measure_costs(target, drafter, selector, batch_sizes=batches, reps=reps, budget_s=MEASURE_BUDGET_S)
     costs.save(path)
+    print(f"measured in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return costs

@@ -7,8 +7,9 @@ backend, the speed benchmarks) builds its engines here, so the steps target → 
 costs → engine and the default verification length are written once.
 
 Verification lengths:
-    cost   each round verifies as many drafts as pay off on this machine (0 = an AR round), from the
-           cost curve measured once per machine and cached (`pipelines.common.costs`, `drelay costs`)
+    cost   each round verifies as many drafts as pay off on this machine at the batch's current size
+           (0 = an AR round), from the cost surface over batch sizes measured once per machine and
+           cached (`pipelines.common.costs`, `drelay costs`)
     fixed  every round verifies the selector's whole path (the paper's setting)
 AR decodes the same either way.
 """
@@ -20,7 +21,7 @@ from drelay_model.drafter import BlockDrafter
 from drelay_model.errors import DRelayError
 from drelay_model.selectors import Selector
 from drelay_model.target import TargetModel
-from pipelines.common.costs import verify_costs
+from pipelines.common.costs import DEFAULT_MAX_BATCH, verify_costs
 from pipelines.common.methods import MethodSpec, load_method
 
 VERIFY_LENGTHS = ("cost", "fixed")
@@ -41,15 +42,19 @@ def build_engine(
     target_spec: str,
     method: tuple[BlockDrafter | None, Selector | None] | None = None,
     remeasure: bool = False,
+    max_batch: int = DEFAULT_MAX_BATCH,
 ) -> SpeculativeEngine:
     """The engine that decodes `spec` on `target` with `verify_length`.
 
     target_spec: the target's spec string (it keys the cached cost curve); method: the spec's
     (drafter, selector) when the caller has loaded them already (None: loaded here); remeasure:
-    measure the cost curve again instead of reading the cache."""
+    measure the cost surface again instead of reading the cache; max_batch: the largest batch the
+    engine decodes (the surface is measured up to it; larger batches are extrapolated)."""
     check_verify_length(verify_length)
     drafter, selector = load_method(spec, target) if method is None else method
     costs = None
     if verify_length == "cost" and drafter is not None:
-        costs = verify_costs(target, drafter, selector, target_spec=target_spec, spec=spec, remeasure=remeasure)
+        costs = verify_costs(
+            target, drafter, selector, target_spec=target_spec, spec=spec, remeasure=remeasure, max_batch=max_batch
+        )
     return SpeculativeEngine(target, drafter, selector, costs=costs)

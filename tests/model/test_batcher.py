@@ -167,12 +167,12 @@ def test_cost_aware_length_in_the_batcher_is_lossless(target, make_drafter, prom
     """With measured costs the batcher cuts each round's verification (down to AR rounds when
     drafting never pays); joining requests still decode exactly as alone."""
     from drelay_model.decoding import SpeculativeEngine
-    from drelay_model.decoding.verify_costs import VerifyCosts
+    from tests.model.test_verify_length import one_row
 
     prompts = prompts_of(target.vocab_size, LENGTHS)
     drafter = make_drafter(target, top_k=16)
     H = drafter.config.num_slots
-    costs = VerifyCosts(verify_ms=tuple(10.0 + i for i in range(H + 1)), block_ms=block_ms, head_ms=0.1, select_ms=0.1)
+    costs = one_row(verify_ms=tuple(10.0 + i for i in range(H + 1)), block_ms=block_ms, head_ms=0.1, select_ms=0.1)
     engine = SpeculativeEngine(target, drafter, costs=costs)
     streamed, finals = _staggered(ContinuousBatcher(engine, max_batch=4), prompts, JOIN_BUDGETS)
     reference = SpeculativeEngine(target)
@@ -192,3 +192,54 @@ def test_the_batcher_drives_the_engine_through_its_public_phases():
     private = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
                and isinstance(n.value, ast.Attribute) and n.value.attr == "engine"]  # fmt: skip
     assert private == []
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_arrivals_under_the_batch_aware_plan_decode_as_ar_alone(hf_greedy, target, make_drafter, scripted_selector, seed):
+    """Requests of random prompt lengths and budgets arrive at random steps and leave when done; the
+    cost surface makes drafting pay for one row and not for four, so the batch-aware plan switches
+    between drafted and AR rounds as the batch changes. Every request's output is the target's own
+    greedy continuation of its prompt alone."""
+    import random
+
+    from drelay_model.decoding.verify_costs import VerifyCosts, surface_batches
+
+    rng = random.Random(seed)
+    n = 7
+    lengths, budgets = [rng.randint(2, 14) for _ in range(n)], [rng.randint(2, 28) for _ in range(n)]
+    arrivals = sorted(rng.randint(0, 14) for _ in range(n))
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, target.vocab_size, (k,), generator=g).tolist() for k in lengths]
+    reference = [hf_greedy(target, p, budgets[i]) for i, p in enumerate(prompts)]
+    selector = scripted_selector([p + r for p, r in zip(prompts, reference)], error_rate=0.3, vocab=target.vocab_size)
+    engine = _engine(target, make_drafter, "native", selector)
+    H = engine.num_slots
+    slope = {1: 0.1, 2: 8.0, 4: 60.0}  # ms per verified draft per round: cheap alone, dear at four rows
+    engine.costs = VerifyCosts(
+        verify_ms=[[10.0 * b + slope[b] * (t - 1) for t in range(1, H + 2)] for b in surface_batches(4)],
+        draft_slots_ms=[[0.5 * b] * H for b in surface_batches(4)], select_ms=0.1, batch_sizes=surface_batches(4),
+    )  # fmt: skip
+    batcher = ContinuousBatcher(engine, max_batch=4)
+    streamed: dict[int, list[int]] = {}
+    finals = {}
+
+    def on_update(u):
+        streamed.setdefault(u.request_id, []).extend(u.new_tokens)
+        if u.finished:
+            finals[u.request_id] = u
+
+    step, submitted = 0, 0
+    while submitted < n or not batcher.idle:
+        while submitted < n and arrivals[submitted] <= step:
+            assert batcher.submit(prompts[submitted], GenerationConfig(max_new_tokens=budgets[submitted]), on_update) == submitted
+            submitted += 1
+        batcher.step()
+        step += 1
+    for i in range(n):
+        assert streamed[i] == reference[i], i
+        s = finals[i].stats
+        _check_stats(finals[i], streamed[i])
+        assert s.drafted_rounds <= s.rounds and s.verified_drafts <= H * s.drafted_rounds
+    total = batcher.stats
+    assert total.drafted_rounds == sum(finals[i].stats.drafted_rounds for i in range(n))
+    assert total.verified_drafts == sum(finals[i].stats.verified_drafts for i in range(n))

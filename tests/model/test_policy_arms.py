@@ -13,18 +13,18 @@ from drelay_model.decoding.length_bandit import BanditSettings, CostAwareLength
 from drelay_model.decoding.verify_costs import VerifyCosts
 from drelay_model.errors import DRelayError
 from drelay_model.selectors import SelectionContext, default_registry
-from tests.model.test_verify_length import set_counts
+from tests.model.test_verify_length import one_row, set_counts
 
 H = 4
 
 
 def costs(select: float = 1.0) -> VerifyCosts:
-    return VerifyCosts(verify_ms=(30.0, 30.5, 31.0, 31.5, 32.0), block_ms=1.0, head_ms=0.1, select_ms=select)
+    return one_row(verify_ms=(30.0, 30.5, 31.0, 31.5, 32.0), block_ms=1.0, head_ms=0.1, select_ms=select)
 
 
 def test_the_native_path_costs_no_selection():
     c = costs(select=5.0)
-    assert c.draft_ms(2, decided=0) == pytest.approx(c.draft_ms(2, decided=2) - 5.0 - c.select_slot_ms)
+    assert c.draft_ms(2, decided=0) == pytest.approx(c.draft_ms(2, decided=2) - 5.0 - c.select_slot_ms[0])
 
 
 def test_the_plan_runs_the_selector_only_where_its_repairs_pay():
@@ -50,7 +50,7 @@ def test_the_selector_arm_starts_from_the_native_arms_rates():
         and policy.slot_rates(0)[0] < 0.12
     )
     priced = CostAwareLength(
-        VerifyCosts(verify_ms=(30.0, 30.5, 31.0, 31.5, 32.0), block_ms=8.0, head_ms=0.1, select_ms=0.5), H, native_arm=True
+        one_row(verify_ms=(30.0, 30.5, 31.0, 31.5, 32.0), block_ms=8.0, head_ms=0.1, select_ms=0.5), H, native_arm=True
     )
     set_counts(priced, [100.0] * H, [10.0] * H, 1)
     set_counts(priced, [30.0] * H, [3.0] * H, 0)
@@ -70,9 +70,7 @@ def test_observations_go_to_the_arm_that_ran_and_probes_take_the_best_upper_esti
 
 def test_engines_get_the_arms_their_selector_allows(target, make_drafter):
     drafter = make_drafter(target, top_k=16)
-    c = VerifyCosts(
-        verify_ms=tuple(10.0 + i for i in range(drafter.config.num_slots + 1)), block_ms=1.0, head_ms=0.1, select_ms=0.1
-    )
+    c = one_row(verify_ms=tuple(10.0 + i for i in range(drafter.config.num_slots + 1)), block_ms=1.0, head_ms=0.1, select_ms=0.1)
     drelay = default_registry().create("drelay", drafter=drafter).eval()
     assert len(SpeculativeEngine(target, drafter, drelay, costs=c).policy.arms) == 2
     assert len(SpeculativeEngine(target, drafter, costs=c).policy.arms) == 1  # native: nothing cheaper to keep
@@ -85,7 +83,7 @@ def test_native_arm_rounds_never_call_the_selector_and_stay_lossless(target, mak
     real_select = selector.select
     selector.select = lambda block, ctx: calls.append(block.cand_ids.shape[1]) or real_select(block, ctx)
     Hd = drafter.config.num_slots
-    c = VerifyCosts(verify_ms=tuple(10.0 + 0.01 * i for i in range(Hd + 1)), block_ms=0.1, head_ms=0.01, select_ms=1000.0)
+    c = one_row(verify_ms=tuple(10.0 + 0.01 * i for i in range(Hd + 1)), block_ms=0.1, head_ms=0.01, select_ms=1000.0)
     prompts = prompts_of(target.vocab_size, (6, 9))
     cfg = GenerationConfig(max_new_tokens=20)
     greedy = SpeculativeEngine(target).generate(prompts, cfg).tokens
@@ -141,7 +139,7 @@ class _ArThenDraft(CostAwareLength):
         super().__init__(c, num_slots)
         self.ar_rounds, self.rounds, self.told = ar_rounds, 0, []
 
-    def plan(self, *, partial: bool = True) -> int:
+    def plan(self, *, partial: bool = True, batch: int = 1) -> int:
         self.rounds += 1
         self.arm = 0
         return 0 if self.rounds <= self.ar_rounds else 1
@@ -160,9 +158,7 @@ def test_the_catch_up_after_ar_rounds_is_not_charged_to_drafting(target, make_dr
 
     drafter = make_drafter(target, top_k=16)
     n = drafter.config.num_slots
-    c = VerifyCosts(
-        verify_ms=tuple(30.0 + 0.5 * i for i in range(n + 1)), block_ms=1.0, head_ms=0.1, select_ms=1.0, extend_ms=0.5
-    )
+    c = one_row(verify_ms=tuple(30.0 + 0.5 * i for i in range(n + 1)), block_ms=1.0, head_ms=0.1, select_ms=1.0, extend_ms=0.5)
     engine = SpeculativeEngine(target, drafter, costs=c)
     engine.policy = policy = _ArThenDraft(c, drafter.config.num_slots, ar_rounds=6)
     real = drafter.extend_context

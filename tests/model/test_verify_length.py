@@ -10,7 +10,7 @@ import torch
 
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine
 from drelay_model.decoding.length_bandit import BanditSettings, CostAwareLength, expected_committed
-from drelay_model.decoding.verify_costs import VerifyCosts, measure_costs
+from drelay_model.decoding.verify_costs import VerifyCosts
 from drelay_model.errors import DRelayError
 from drelay_model.selectors import default_registry
 
@@ -24,8 +24,14 @@ def set_counts(policy: CostAwareLength, seen: list[float], hits: list[float], ar
     rates.first_verified = int(seen[0])
 
 
+def one_row(*, verify_ms, block_ms: float, head_ms: float, select_ms: float, **more) -> VerifyCosts:
+    """A one-point (b = 1) surface whose drafting of h slots costs block_ms + h·head_ms."""
+    slots = tuple(block_ms + h * head_ms for h in range(1, len(verify_ms)))
+    return VerifyCosts(verify_ms=tuple(verify_ms), draft_slots_ms=slots, select_ms=select_ms, **more)
+
+
 def costs(verify=(30.0, 32.0, 34.0, 36.0, 38.0), block=5.0, head=1.0, select=1.0) -> VerifyCosts:
-    return VerifyCosts(verify_ms=tuple(verify), block_ms=block, head_ms=head, select_ms=select)
+    return one_row(verify_ms=verify, block_ms=block, head_ms=head, select_ms=select)
 
 
 def test_expected_committed_is_the_mean_of_1_plus_accepted():
@@ -71,9 +77,9 @@ def test_observe_learns_acceptance_and_calibration():
 
 def test_bad_costs_are_clear_errors(tmp_path):
     with pytest.raises(DRelayError, match="verify_ms"):
-        VerifyCosts(verify_ms=(10.0, -1.0), block_ms=1.0, head_ms=1.0, select_ms=1.0)
-    with pytest.raises(DRelayError, match="block_ms"):
-        VerifyCosts(verify_ms=(10.0,), block_ms=float("nan"), head_ms=1.0, select_ms=1.0)
+        VerifyCosts(verify_ms=(10.0, -1.0), draft_slots_ms=(1.0,), select_ms=1.0)
+    with pytest.raises(DRelayError, match="draft_slots_ms"):
+        VerifyCosts(verify_ms=(10.0, 11.0), draft_slots_ms=(float("nan"),), select_ms=1.0)
     bad = tmp_path / "costs.json"
     bad.write_text("{not json")
     with pytest.raises(DRelayError, match="cannot read"):
@@ -92,7 +98,7 @@ class _Forced(CostAwareLength):
         super().__init__(costs(verify=[1.0] * (num_slots + 1)), num_slots, native_arm=arm == 1)
         self.length, self.forced_arm = length, arm
 
-    def plan(self, *, partial: bool = True) -> int:
+    def plan(self, *, partial: bool = True, batch: int = 1) -> int:
         self.arm = self.forced_arm
         return self.length
 
@@ -126,36 +132,11 @@ def test_cost_aware_engine_is_lossless_and_falls_back_to_ar(target, make_drafter
     cfg = GenerationConfig(max_new_tokens=30)
     greedy = SpeculativeEngine(target).generate(prompts, cfg).tokens
     H = drafter.config.num_slots
-    c = VerifyCosts(verify_ms=tuple(10.0 + i for i in range(H + 1)), block_ms=block_ms, head_ms=0.1, select_ms=0.1)
+    c = costs(verify=tuple(10.0 + i for i in range(H + 1)), block=block_ms, head=0.1, select=0.1)
     out = SpeculativeEngine(target, drafter, costs=c).generate(prompts, cfg)
     assert out.tokens == greedy
     if block_ms > 100:  # drafting never pays: all but the probe rounds are AR rounds
         assert out.stats.accept_hist[0] >= out.stats.rounds - 8
-
-
-def test_measure_costs_on_a_tiny_target(target, make_drafter):
-    drafter = make_drafter(target)
-    selector = default_registry().create("native", drafter=drafter)
-    c = measure_costs(target, drafter, selector, context_len=16, reps=2)
-    assert len(c.verify_ms) == drafter.config.num_slots + 1 and c.block_ms >= 0 and c.select_ms >= 0
-    assert len(c.draft_slots_ms) == drafter.config.num_slots and list(c.draft_slots_ms) == sorted(c.draft_slots_ms)
-
-
-def test_select_cost_grows_with_the_decided_slots_and_old_files_load(tmp_path):
-    """draft_ms charges select_ms for the first decided slot and select_slot_ms for each further
-    one; a cost file written before select_slot_ms existed loads with 0 (its select_ms was the whole
-    block's cost)."""
-    import json
-
-    c = VerifyCosts(verify_ms=(10.0, 11.0, 12.0, 13.0), block_ms=2.0, head_ms=0.5, select_ms=1.0, select_slot_ms=0.25)
-    assert c.draft_ms(0) == 0.0
-    assert c.draft_ms(3, decided=1) == 2.0 + 1.5 + 1.0
-    assert c.draft_ms(3) == c.draft_ms(3, decided=3) == 2.0 + 1.5 + 1.0 + 2 * 0.25
-    old = tmp_path / "old.json"
-    old.write_text(json.dumps({"verify_ms": [10.0, 11.0], "block_ms": 2.0, "head_ms": 0.5, "select_ms": 3.0}))
-    assert VerifyCosts.load(old).select_slot_ms == 0.0
-    c.save(tmp_path / "new.json")
-    assert VerifyCosts.load(tmp_path / "new.json") == c
 
 
 def test_rounds_extend_the_drafter_context_lazily_and_exactly(target, make_drafter):
@@ -214,31 +195,6 @@ def test_isotonic_fit_is_non_decreasing_and_pools_outliers():
     assert fit == sorted(fit) and fit[-1] == 36.0 and fit[0] < 30.0
 
 
-def test_measured_drafting_by_slots_prices_a_partial_draft(tmp_path):
-    """draft_slots_ms[h − 1] prices drafting h slots (a block of that size); without it (older
-    files) drafting is block + h·head; the times are range-checked and survive save/load."""
-    c = VerifyCosts(verify_ms=(10.0, 11.0, 12.0), block_ms=2.0, head_ms=0.5, select_ms=1.0, draft_slots_ms=(1.5, 1.75))
-    assert c.draft_ms(1) == 1.5 + 1.0 and c.draft_ms(2) == 1.75 + 1.0
-    assert VerifyCosts(verify_ms=(10.0, 11.0, 12.0), block_ms=2.0, head_ms=0.5, select_ms=1.0).draft_ms(2) == 2.0 + 1.0 + 1.0
-    c.save(tmp_path / "c.json")
-    assert VerifyCosts.load(tmp_path / "c.json") == c
-    for bad in ((0.0,), (1.0, float("inf")), (1.0, 1.0, 1.0)):
-        with pytest.raises(DRelayError, match="draft_slots_ms"):
-            VerifyCosts(verify_ms=(10.0, 11.0, 12.0), block_ms=2.0, head_ms=0.5, select_ms=1.0, draft_slots_ms=bad)
-
-
-def test_extend_cost_counts_in_drafting_and_old_files_load(tmp_path):
-    import json
-
-    c = VerifyCosts(verify_ms=(10.0, 11.0), block_ms=2.0, head_ms=0.5, select_ms=1.0, extend_ms=0.75)
-    assert c.draft_ms(0) == 0.0 and c.draft_ms(1) == 2.0 + 0.5 + 1.0 + 0.75
-    old = tmp_path / "old.json"
-    old.write_text(json.dumps({"verify_ms": [10.0, 11.0], "block_ms": 2.0, "head_ms": 0.5, "select_ms": 1.0}))
-    assert VerifyCosts.load(old).extend_ms == 0.0
-    with pytest.raises(DRelayError, match="extend_ms"):
-        VerifyCosts(verify_ms=(10.0,), block_ms=1.0, head_ms=1.0, select_ms=1.0, extend_ms=-1.0)
-
-
 def test_measured_times_rescale_the_curve_and_move_the_plan():
     """Drafting measured far slower than modelled (caches the target flushed, a busy machine) turns
     the plan to AR rounds; measured in line with the model, the scales stay at 1. One spike moves a
@@ -264,15 +220,6 @@ def test_measured_times_rescale_the_curve_and_move_the_plan():
     for bad in ({"probe": 0}, {"probe": 8, "max_probe": 4}):  # the probe interval halves and doubles
         with pytest.raises(DRelayError, match="probe and max_probe"):
             CostAwareLength(base, H, BanditSettings(**bad))
-
-
-def test_measure_costs_is_interleaved_and_monotone(target, make_drafter):
-    drafter = make_drafter(target)
-    selector = default_registry().create("native", drafter=drafter)
-    c = measure_costs(target, drafter, selector, context_len=16, reps=3)
-    assert list(c.verify_ms) == sorted(c.verify_ms) and c.extend_ms > 0
-    with pytest.raises(DRelayError, match="reps"):
-        measure_costs(target, drafter, selector, reps=0)
 
 
 def test_rarely_reached_slots_borrow_the_rate_below_and_wide_verifies_learn_their_own_scale():
@@ -301,7 +248,7 @@ def test_the_policy_carries_what_it_learned_across_generate_calls(target, make_d
     prompts = prompts_of(target.vocab_size, (6,))
     drafter = make_drafter(target, top_k=16)
     H = drafter.config.num_slots
-    c = VerifyCosts(verify_ms=tuple(10.0 + 0.1 * i for i in range(H + 1)), block_ms=0.1, head_ms=0.01, select_ms=0.01)
+    c = one_row(verify_ms=tuple(10.0 + 0.1 * i for i in range(H + 1)), block_ms=0.1, head_ms=0.01, select_ms=0.01)
     engine = SpeculativeEngine(target, drafter, costs=c)
     policy = engine.policy
     first = engine.generate(prompts, GenerationConfig(max_new_tokens=12))

@@ -35,11 +35,20 @@ class SpecStats:
     verify_ct         verification rounds (target forwards after prefill).
     accept_histogram  [H+1] rounds that accepted exactly n drafts.
     completion_tokens generated tokens; accept_length = completion_tokens / verify_ct (SGLang's rule).
+    drafted_ct        rounds that drafted (the rest were AR rounds of cost-aware verification; None:
+                      the backend does not say); verified_drafts: drafts verified in them.
     """
 
     verify_ct: int
     accept_histogram: list[int] = field(default_factory=list)
     completion_tokens: int = 0
+    drafted_ct: int | None = None
+    verified_drafts: int = 0
+
+    @property
+    def verify_length(self) -> float:
+        """Mean drafts verified per drafted round (0.0 when none drafted)."""
+        return self.verified_drafts / self.drafted_ct if self.drafted_ct else 0.0
 
     @property
     def accept_length(self) -> float:

@@ -66,7 +66,7 @@ class EngineBackend(Backend):
             cfg.method, target_spec=cfg.target, checkpoint=_repo_path(cfg.checkpoint), random_drafter=cfg.random_drafter
         )
         self.method = cfg.method
-        self.engine = build_engine(target, spec, cfg.verify_length, target_spec=cfg.target)
+        self.engine = build_engine(target, spec, cfg.verify_length, target_spec=cfg.target, max_batch=cfg.max_batch)
         self.batcher = ContinuousBatcher(self.engine, max_batch=cfg.max_batch)
         self.tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else target.tokenizer
         if self.tokenizer is None:
@@ -142,7 +142,8 @@ class EngineBackend(Backend):
                 spec = None
                 if finished:
                     s = update.stats
-                    spec = SpecStats(verify_ct=s.rounds, accept_histogram=list(s.accept_hist), completion_tokens=s.generated)
+                    spec = SpecStats(verify_ct=s.rounds, accept_histogram=list(s.accept_hist), completion_tokens=s.generated,
+                                     drafted_ct=s.drafted_rounds, verified_drafts=s.verified_drafts)  # fmt: skip
                 reason = update.finish_reason if finished else None
                 yield GenChunk(token_ids=update.new_tokens, finish_reason=reason, spec=spec, logprobs=update.logprobs)
         finally:
