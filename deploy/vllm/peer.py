@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -31,18 +32,50 @@ def mean_acceptance_length(drafts: int, accepted: int) -> float:
     return 1.0 + accepted / drafts if drafts else 0.0
 
 
-def run_vllm(python: Path, request: dict, *, timeout_s: float = 1800) -> dict:
-    """Run `runner.py` on `request` in a child process (its own venv); the parsed result."""
+def run_vllm(python: Path, request: dict, *, timeout_s: float = 1800, log: Path | None = None) -> dict:
+    """Run `runner.py` on `request` in a child process (its own venv and process group); the parsed
+    result. The child's output goes to `log` (default: discarded after a failure's last line is shown).
+    Past `timeout_s` the whole group (vLLM's engine core and workers too) is killed and whatever
+    batch sizes had finished come back, with "timed_out": True; no result at all is an error."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     with tempfile.TemporaryDirectory(prefix="drelay-vllm-") as tmp:
         req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        log = Path(log) if log else Path(tmp) / "runner.log"
         req.write_text(json.dumps(request))
-        proc = subprocess.run([str(python), str(RUNNER), str(req), str(res)], env=env, cwd=tmp,
-                              capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
-        if proc.returncode != 0 or not res.is_file():
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            raise DRelayError(f"vLLM runner failed (exit {proc.returncode}): {tail[0][:300]}")
-        return json.loads(res.read_text())
+        with log.open("a") as out:
+            proc = subprocess.Popen([str(python), str(RUNNER), str(req), str(res)], env=env, cwd=tmp,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            timed_out = _wait_or_kill_group(proc, timeout_s)
+        if not res.is_file() or (proc.returncode != 0 and not timed_out):
+            tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+            why = f"no result within {timeout_s:.0f} s" if timed_out else f"exit {proc.returncode}"
+            raise DRelayError(f"vLLM runner failed ({why}): {tail[0][:300]}")
+        return {**json.loads(res.read_text()), "timed_out": timed_out}
+
+
+def _wait_or_kill_group(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait for `proc`; past `timeout_s` (or on Ctrl-C) kill its process group. True if it timed out."""
+    try:
+        proc.wait(timeout=timeout_s)
+        return False
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        return True
+    except BaseException:
+        _kill_group(proc)
+        raise
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=20)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def our_engine(target, method: str, checkpoint: str | None):

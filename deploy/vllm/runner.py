@@ -7,7 +7,7 @@ different transformers); `deploy/vllm/peer.py` starts it from our venv.
 Request: {"model": HF dir, "draft": exported DFlash dir | null, "num_speculative_tokens": 15,
           "prompts": [[token ids], …], "max_new_tokens": N, "batch_sizes": [1, 8, 16],
           "eager": bool (skip torch.compile: faster start, slower decode), "max_model_len": 2048}
-Result: {"load_s": …, "runs": [{"batch_size": b, "tokens": [[ids], …], "seconds": wall of all
+Result (rewritten after every batch size): {"load_s": …, "runs": [{"batch_size": b, "tokens": [[ids], …], "seconds": wall of all
           chunks, "generated": n, "drafts": […], "accepted": […]} …]}
 where prompts are decoded greedily in consecutive chunks of b (static batches, as our engine's
 batched generate), and drafts/accepted are vLLM's spec-decode counters per chunk (per request at
@@ -72,12 +72,25 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     llm = build_llm(req)
     result = {"load_s": time.perf_counter() - t0, "runs": []}
+    _progress(f"loaded in {result['load_s']:.0f} s")
     decode(llm, req["prompts"][:1], 4, 1)  # warm-up: first-call allocations and compilation
+    _progress(f"warm-up done at {time.perf_counter() - t0:.0f} s")
     for b in req["batch_sizes"]:
-        result["runs"].append(decode(llm, req["prompts"], req["max_new_tokens"], b))
-    with open(argv[1], "w") as f:
-        json.dump(result, f)
+        run = decode(llm, req["prompts"], req["max_new_tokens"], b)
+        result["runs"].append(run)
+        _write_atomic(argv[1], result)  # after every batch size: a run killed for time keeps what finished
+        _progress(f"batch {b}: {run['generated']} tokens in {run['seconds']:.1f} s")
     return 0
+
+
+def _progress(message: str) -> None:
+    print(f"vllm-runner: {message}", file=sys.stderr, flush=True)
+
+
+def _write_atomic(path: str, result: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

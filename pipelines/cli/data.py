@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from drelay_model.errors import DRelayError
 from pipelines.cli.options import check_limit, decode_config
@@ -32,7 +33,10 @@ def add_parser(sub) -> None:
     p.add_argument("--sources", default=",".join(DEFAULT_TRAIN_SOURCES), help="comma-separated corpus names")
     p.add_argument("--sharegpt", metavar="FILE", help="a ShareGPT-style JSON/JSONL file instead of the built-in corpus")
     p.add_argument("--out", help="output JSONL (default: data/regenerated/<target>.jsonl)")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--engine", choices=("ours", "vllm"), default="ours",
+                   help="vllm: vLLM through Ray Data LLM in the vLLM venv (make vllm-env), one job per batch")  # fmt: skip
+    p.add_argument("--batch-size", type=int, help="conversations per batch (default: 16; 512 with --engine vllm)")
+    p.add_argument("--vllm-log", help="with --engine vllm: append the Ray Data job's output here")
     p.add_argument("--max-new-tokens", type=int, help="per answer (default: 256, or data.max_seq_len − 1024 with --config)")
     p.add_argument("--limit", type=int, help="only the first N conversations (smoke runs)")
     p.add_argument(
@@ -75,11 +79,25 @@ def run_regenerate(args: argparse.Namespace) -> int:
         conversations = conversations[: args.limit]
     if shard is not None:
         conversations = conversations[shard[0] :: shard[1]]
+    if args.engine == "vllm":
+        from pipelines.data.regenerate_vllm import require_vllm_python
+
+        require_vllm_python()  # before loading anything
     out, done_elsewhere = output_plan(spec, out_file, shard)
     target = load_target_spec(spec, device=device, dtype=dtype)
-    print(f"regenerating with {spec} on {device} ({dtype}), ≤ {budget} new tokens per answer → {out}")
-    summary = regenerate(target, conversations, out, batch_size=args.batch_size, decode=decode, done_elsewhere=done_elsewhere,
-                         max_prompt_tokens=MAX_PROMPT_TOKENS)  # fmt: skip
+    generate, batch_size = None, args.batch_size or 16
+    if args.engine == "vllm":
+        from pipelines.data.regenerate_vllm import JOB_SIZE, RayDataVllmGenerator, vllm_settings
+
+        log = Path(args.vllm_log) if args.vllm_log else None
+        generate, batch_size = (
+            RayDataVllmGenerator(vllm_settings(target, spec, budget, dtype, device, log)),
+            args.batch_size or JOB_SIZE,
+        )
+    via = " through Ray Data LLM + vLLM" if args.engine == "vllm" else ""
+    print(f"regenerating with {spec} on {device} ({dtype}){via}, ≤ {budget} new tokens per answer → {out}")
+    summary = regenerate(target, conversations, out, batch_size=batch_size, decode=decode, done_elsewhere=done_elsewhere,
+                         max_prompt_tokens=MAX_PROMPT_TOKENS, generate=generate)  # fmt: skip
     print(
         f"regenerated {summary.generated} conversations ({summary.done_before} already done, "
         f"{summary.skipped_too_long} skipped as too long), {summary.tokens} tokens in {summary.seconds:.0f} s → {summary.path}"

@@ -19,6 +19,7 @@ A conversation whose prompt outgrows `max_prompt_tokens` is recorded as {"conv_i
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,8 +31,17 @@ from pipelines.common.chat import render_chat
 from pipelines.common.paths import REPO_ROOT
 from pipelines.data.corpora import Conversation
 from pipelines.data.stored_jsonl import (
-    COMPRESSED_SUFFIXES, DECOMPRESSION_ERRORS, compress_into_xz, matching_files, open_text, plain_path,
+    COMPRESSED_SUFFIXES,
+    DECOMPRESSION_ERRORS,
+    compress_into_xz,
+    matching_files,
+    open_text,
+    plain_path,
 )
+
+
+# prompts (token ids) → the target's greedy answers (token ids, EOS included when an answer ended)
+Generate = Callable[[list[list[int]]], list[list[int]]]
 
 
 @dataclass(frozen=True)
@@ -105,14 +115,14 @@ def output_plan(target_spec: str, out: str | None, shard: tuple[int, int] | None
     return path, done_elsewhere
 
 
-def _regenerate_batch(engine, tokenizer, convs: list[Conversation], config: GenerationConfig, max_prompt: int):
+def _regenerate_batch(generate: Generate, eos_ids, tokenizer, convs: list[Conversation], max_prompt: int):
     """Regenerate every assistant turn of a batch of conversations, turn index by turn index."""
     histories = [[m for m in c.messages if m["role"] == "system"] for c in convs]
     users = [[m["content"] for m in c.messages if m["role"] == "user"] for c in convs]
     turn_ids: list[list[list[int]]] = [[] for _ in convs]
     finished = [True] * len(convs)
     too_long: set[int] = set()
-    eos = set(engine.target.eos_token_ids)
+    eos = set(eos_ids)
     for t in range(max(len(u) for u in users)):
         rows = [i for i in range(len(convs)) if t < len(users[i]) and i not in too_long]
         prompts = []
@@ -126,8 +136,7 @@ def _regenerate_batch(engine, tokenizer, convs: list[Conversation], config: Gene
                 prompts.append(ids)
         if not rows:
             continue
-        result = engine.generate(prompts, config)
-        for i, toks in zip(rows, result.tokens):
+        for i, toks in zip(rows, generate(prompts)):
             ended = bool(toks) and toks[-1] in eos
             finished[i] &= ended
             text = tokenizer.decode(toks[:-1] if ended else toks, skip_special_tokens=True)
@@ -136,7 +145,13 @@ def _regenerate_batch(engine, tokenizer, convs: list[Conversation], config: Gene
     records = [
         {"conv_id": c.conv_id, "source": c.source, "skipped": "prompt too long"}
         if i in too_long
-        else {"conv_id": c.conv_id, "source": c.source, "messages": histories[i], "turn_token_ids": turn_ids[i], "finished": finished[i]}
+        else {
+            "conv_id": c.conv_id,
+            "source": c.source,
+            "messages": histories[i],
+            "turn_token_ids": turn_ids[i],
+            "finished": finished[i],
+        }
         for i, c in enumerate(convs)
     ]
     return records, len(too_long), sum(len(t) for ids in turn_ids for t in ids)
@@ -165,12 +180,15 @@ def regenerate(
     progress: bool = True,
     done_elsewhere: set[str] = frozenset(),
     compress: bool = True,
+    generate: Generate | None = None,
 ) -> RegenerationSummary:
     """Greedy-regenerate the assistant turns of `conversations` into the data file `out_path`
     (resumable; a compressed name means its plain file).
 
     `done_elsewhere`: conversation ids already regenerated in sibling files (parallel shards).
-    `compress`: once every conversation is done, move the records into `<out_path>.xz`."""
+    `compress`: once every conversation is done, move the records into `<out_path>.xz`.
+    `generate`: another engine's greedy decoding under `decode`'s budget (regenerate_vllm.py: vLLM
+    through Ray Data LLM), one call per turn index of a batch; default our engine, AR."""
     import time
 
     if target.tokenizer is None:
@@ -188,13 +206,16 @@ def regenerate(
         raise DRelayError(f"cannot write regenerated data to '{out_path}': {exc.strerror}") from exc
     finished = done | done_elsewhere
     todo = _schedule([c for c in conversations if f"{c.source}/{c.conv_id}" not in finished], window=16 * batch_size)
-    engine = SpeculativeEngine(target)
+    if generate is None:
+        engine = SpeculativeEngine(target)
+        generate = lambda prompts: engine.generate(prompts, decode).tokens  # noqa: E731
     skipped = tokens = 0
     start = time.perf_counter()
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not progress)
     with out_path.open("a", encoding="utf-8") as out:
         for i in range(0, len(todo), batch_size):
-            records, n_long, n_tok = _regenerate_batch(engine, target.tokenizer, todo[i : i + batch_size], decode, max_prompt_tokens)
+            batch = todo[i : i + batch_size]
+            records, n_long, n_tok = _regenerate_batch(generate, target.eos_token_ids, target.tokenizer, batch, max_prompt_tokens)
             out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
             out.flush()
             skipped, tokens = skipped + n_long, tokens + n_tok
