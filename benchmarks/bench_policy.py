@@ -93,7 +93,7 @@ def simulate(seqs, costs: VerifyCosts, rule: str | tuple[float, ...], *, one_pol
     """S over the recorded rounds of `rule`: "always" (draft and verify every round), "oracle" (draft
     exactly the rounds that hit) or a policy setting (κ, κ_b, min_gain, z), fresh for each prompt
     unless `one_policy`."""
-    t_ar, t_draft, t_wide = costs.verify_ms[0], costs.draft_ms(1, 0), costs.verify_ms[1]
+    t_ar, t_draft, t_wide = costs.verify(1), costs.draft_ms(1, 0), costs.verify(2)  # one row (b = 1)
     tokens = ms = 0.0
     policy = None
     for seq in seqs:
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     else:
         seqs, corpus, bench = recorded
     print(
-        f"costs: verify(1) {costs.verify_ms[0]:.1f} ms, verify(2) {costs.verify_ms[1]:.1f} ms, draft(1) + extension {costs.draft_ms(1, 0):.1f} ms"
+        f"costs: verify(1) {costs.verify(1):.1f} ms, verify(2) {costs.verify(2):.1f} ms, draft(1) + extension {costs.draft_ms(1, 0):.1f} ms"
     )
     rules = ["always", "oracle", *SETTINGS]
     header = ["always draft", "oracle"] + [f"κ {k:g}, κ_b {b:g}, margin {m:g}, z {z:g}" for k, b, m, z in SETTINGS]
