@@ -51,17 +51,13 @@ class RayDataVllmGenerator:
 
     def __init__(self, settings: VllmJobSettings) -> None:
         self.settings = settings
-        self.seconds = 0.0  # wall time of the jobs so far (start-up included)
 
     def __call__(self, prompts: list[list[int]]) -> list[list[int]]:
-        import time
-
         s = self.settings
         request = {"model": s.model, "rows": [{"key": str(i), "prompt_token_ids": p} for i, p in enumerate(prompts)],
                    "max_new_tokens": s.max_new_tokens, "stop_token_ids": list(s.stop_token_ids), "dtype": s.dtype,
                    "accelerator": s.accelerator, "batch_size": s.engine_batch_size, "concurrency": s.concurrency,
                    "ray_address": s.ray_address, "kv_cache_gib": s.kv_cache_gib}  # fmt: skip
-        t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="drelay-raydata-") as tmp:
             req, res = Path(tmp) / "request.json", Path(tmp) / "results.jsonl"
             req.write_text(json.dumps(request))
@@ -72,7 +68,6 @@ class RayDataVllmGenerator:
                 tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.is_file() else []
                 why = "timed out" if rc is None else f"exit {rc}"
                 raise DRelayError(f"Ray Data vLLM job failed ({why}): {(tail or ['no output'])[0][:300]}")
-        self.seconds += time.perf_counter() - t0
         return answers
 
 
