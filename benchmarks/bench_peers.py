@@ -85,9 +85,12 @@ def run_ours(target, checkpoint: str, prompts, max_new: int, batches: list[int],
     config = GenerationConfig(max_new_tokens=max_new)
     out: dict = {}
     for method in METHODS:
+        out[method] = {}
+        if clock.left() <= 0:
+            clock.say(f"ours {method}: time limit reached, not started")
+            continue
         engine = our_engine(target, method, None if method == "ar" else checkpoint)
         engine.generate(prompts[:1], GenerationConfig(max_new_tokens=4))  # warm-up
-        out[method] = {}
         for b in batches:
             if clock.left() <= 0:
                 clock.say(f"ours {method}: time limit reached before batch {b}")

@@ -42,40 +42,46 @@ def run_vllm(python: Path, request: dict, *, timeout_s: float = 1800, log: Path 
         req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
         log = Path(log) if log else Path(tmp) / "runner.log"
         req.write_text(json.dumps(request))
-        with log.open("a") as out:
-            proc = subprocess.Popen([str(python), str(RUNNER), str(req), str(res)], env=env, cwd=tmp,
-                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-            timed_out = _wait_or_kill_group(proc, timeout_s)
-        if not res.is_file() or (proc.returncode != 0 and not timed_out):
+        rc = run_in_group([str(python), str(RUNNER), str(req), str(res)], log, timeout_s, cwd=tmp, env=env)
+        if not res.is_file() or rc not in (0, None):
             tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-            why = f"no result within {timeout_s:.0f} s" if timed_out else f"exit {proc.returncode}"
+            why = f"no result within {timeout_s:.0f} s" if rc is None else f"exit {rc}"
             raise DRelayError(f"vLLM runner failed ({why}): {tail[0][:300]}")
-        return {**json.loads(res.read_text()), "timed_out": timed_out}
+        return {**json.loads(res.read_text()), "timed_out": rc is None}
 
 
-def _wait_or_kill_group(proc: subprocess.Popen, timeout_s: float) -> bool:
-    """Wait for `proc`; past `timeout_s` (or on Ctrl-C) kill its process group. True if it timed out."""
-    try:
-        proc.wait(timeout=timeout_s)
-        return False
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        return True
-    except BaseException:
-        _kill_group(proc)
-        raise
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+def run_in_group(cmd: list[str], log: Path, timeout_s: float, *, cwd: str, env: dict) -> int | None:
+    """Run `cmd` in a process group of its own, its output appended to `log`; past `timeout_s` or on
+    an interrupt kill the whole group (vLLM starts an engine core and workers, Ray its daemons).
+    The exit code; None when it timed out."""
+    with Path(log).open("a") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True)
         try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=20)
-            return
-        except ProcessLookupError:
-            return
+            return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            continue
+            kill_group(proc)
+            return None
+        except BaseException:
+            kill_group(proc)
+            raise
+
+
+def kill_group(proc: subprocess.Popen, grace_s: float = 20) -> None:
+    """SIGTERM to `proc`'s process group, up to `grace_s` for `proc` to exit, then SIGKILL to whatever
+    is left of the group."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def our_engine(target, method: str, checkpoint: str | None):

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from deploy.vllm.peer import run_in_group
 from drelay_model.errors import DRelayError
 
 JOB = Path(__file__).resolve().parents[2] / "deploy" / "vllm" / "ray_data_job.py"
@@ -62,41 +61,14 @@ class RayDataVllmGenerator:
             req, res = Path(tmp) / "request.json", Path(tmp) / "results.jsonl"
             req.write_text(json.dumps(request))
             log = s.log or Path(tmp) / "job.log"
-            rc = _run_group([str(s.python), str(JOB), str(req), str(res)], log, s.timeout_s, cwd=tmp)
+            env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # the request names the Ray instance
+            rc = run_in_group([str(s.python), str(JOB), str(req), str(res)], log, s.timeout_s, cwd=tmp, env=env)
             answers = _read_answers(res, len(prompts))
             if rc != 0 or answers is None:
                 tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.is_file() else []
                 why = "timed out" if rc is None else f"exit {rc}"
                 raise DRelayError(f"Ray Data vLLM job failed ({why}): {(tail or ['no output'])[0][:300]}")
         return answers
-
-
-def _run_group(cmd: list[str], log: Path, timeout_s: float, *, cwd: str) -> int | None:
-    """Run `cmd` in its own process group with output to `log`; kill the group past `timeout_s` or on
-    an interrupt (vLLM and Ray start children). The exit code, None when it timed out."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # the request names the Ray instance
-    with log.open("a") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True)
-        try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            return None
-        except BaseException:
-            _kill_group(proc)
-            raise
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=30)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _read_answers(path: Path, n: int) -> list[list[int]] | None:

@@ -50,3 +50,21 @@ def test_bench_peers_table_keeps_what_both_engines_finished():
     table = compare(ours, peer, [1, 8])
     assert list(table["ar"]) == [1] and table["ar"][1]["ratio"] == 2.0 and table["ar"][1]["same_outputs"] == 1
     assert table["native"] == {}
+
+
+def test_a_child_past_its_time_is_killed_with_its_whole_process_group(tmp_path):
+    """What bench_peers and the Ray Data job rely on: vLLM's engine core and workers (here: a shell's
+    background child) die with the process that started them when it runs out of time."""
+    import os
+    import time
+
+    from deploy.vllm.peer import run_in_group
+
+    log = tmp_path / "child.log"
+    t0 = time.monotonic()
+    rc = run_in_group(["sh", "-c", "sleep 120 & echo $!; wait"], log, 2, cwd=str(tmp_path), env=dict(os.environ))
+    grandchild = int(log.read_text().split()[0])
+    assert rc is None and time.monotonic() - t0 < 30
+    time.sleep(0.5)
+    assert not Path(f"/proc/{grandchild}").exists() or "Z" in Path(f"/proc/{grandchild}/stat").read_text().split()[2]
+    assert run_in_group(["sh", "-c", "exit 3"], log, 10, cwd=str(tmp_path), env=dict(os.environ)) == 3
