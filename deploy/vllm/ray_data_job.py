@@ -2,7 +2,7 @@
 `build_processor`) with vLLM, run with the vLLM venv's Python (`make vllm-env`); one JSON request in,
 one JSONL of results out, appended row by row as Ray Data streams them (so a killed job keeps what it
 finished). It imports only Ray, vLLM (inside Ray Data's engine actor) and the standard library, never
-drelay; `pipelines/data/regenerate_vllm.py` starts it from our venv.
+drelay; `deploy/vllm/regenerate.py` starts it from our venv.
 
     .venv-vllm/bin/python deploy/vllm/ray_data_job.py REQUEST.json RESULTS.jsonl
 

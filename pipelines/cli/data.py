@@ -80,14 +80,14 @@ def run_regenerate(args: argparse.Namespace) -> int:
     if shard is not None:
         conversations = conversations[shard[0] :: shard[1]]
     if args.engine == "vllm":
-        from pipelines.data.regenerate_vllm import require_vllm_python
+        from deploy.vllm.regenerate import require_vllm_python
 
         require_vllm_python()  # before loading anything
     out, done_elsewhere = output_plan(spec, out_file, shard)
     target = load_target_spec(spec, device=device, dtype=dtype)
     generate, batch_size = None, args.batch_size or 16
     if args.engine == "vllm":
-        from pipelines.data.regenerate_vllm import JOB_SIZE, RayDataVllmGenerator, vllm_settings
+        from deploy.vllm.regenerate import JOB_SIZE, RayDataVllmGenerator, vllm_settings
 
         log = Path(args.vllm_log) if args.vllm_log else None
         generate, batch_size = (

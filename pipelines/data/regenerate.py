@@ -187,7 +187,7 @@ def regenerate(
 
     `done_elsewhere`: conversation ids already regenerated in sibling files (parallel shards).
     `compress`: once every conversation is done, move the records into `<out_path>.xz`.
-    `generate`: another engine's greedy decoding under `decode`'s budget (regenerate_vllm.py: vLLM
+    `generate`: another engine's greedy decoding under `decode`'s budget (deploy/vllm/regenerate.py: vLLM
     through Ray Data LLM), one call per turn index of a batch; default our engine, AR."""
     import time
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from pipelines.cli.main import main as drelay
-from pipelines.data.regenerate_vllm import _read_answers
+from deploy.vllm.regenerate import _read_answers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_peers import compare  # noqa: E402

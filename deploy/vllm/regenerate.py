@@ -11,7 +11,7 @@ conversations) and a resumed run restarts the job that was cut.
 On a GPU cluster the same job runs with `accelerator="gpu"` and a Ray address (`ray_address`): Ray Data
 schedules one engine per GPU (`concurrency`). There the target decodes in bf16, and batched bf16 kernels
 differ in rounding from our engine's, so greedy answers can fork from ours after a near-tie; in float32
-on CPU they are equal token for token (tests/pipelines/test_regenerate_vllm.py).
+on CPU they are equal token for token (tests/deploy/test_vllm_peer.py).
 """
 
 from __future__ import annotations
