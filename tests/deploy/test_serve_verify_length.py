@@ -1,4 +1,5 @@
-"""The engine backend verifies at the cost-aware length by default, and each finished request's spec
+"""The engine backend verifies at the selector's whole path by default and at the cost-aware length on
+request; then each finished request's spec
 statistics say how many of its rounds drafted and how many drafts they verified (sglext's
 `spec_drafted_ct`, `spec_verify_length`)."""
 
@@ -12,11 +13,11 @@ from deploy.serve.config import EngineSection, parse_config
 from drelay_model.decoding import GenerationConfig
 
 
-def test_cost_aware_length_is_the_default_and_its_rounds_are_reported():
-    assert EngineSection().verify_length == "cost"
+def test_cost_aware_length_reports_its_rounds():
+    assert EngineSection().verify_length == "fixed"
     cfg = parse_config(
         {"model_id": "t", "engine": {"target": "tiny-llama", "tokenizer": "smollm2-135m", "method": "native",
-                                     "random_drafter": True, "max_batch": 2}}
+                                     "random_drafter": True, "max_batch": 2, "verify_length": "cost"}}
     )  # fmt: skip
     backend = EngineBackend(cfg.engine, cfg.limits)
     try:
