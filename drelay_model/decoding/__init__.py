@@ -8,6 +8,7 @@ from drelay_model.decoding.engine import GenerationResult, SpeculativeEngine
 from drelay_model.decoding.generation import DEFAULT_MAX_NEW_TOKENS, GenerationConfig, SettingsError
 from drelay_model.decoding.stats import DecodeStats
 from drelay_model.decoding.replay import oracle_path, replay
+from drelay_model.decoding.draws import RowDraws
 from drelay_model.decoding.verify import accept, pick_tokens
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "DecodeStats",
     "GenerationConfig",
     "GenerationResult",
+    "RowDraws",
     "SettingsError",
     "SpeculativeEngine",
     "accept",

@@ -6,7 +6,7 @@
     history    the last N verified target features per row, for selectors that read them (or None)
     anchor     [R] int64: each row's last verified token, not yet in `cache`
     pending    verified target features not yet in `ctx` nor `history` (see `defer`)
-    generators one sampling generator per row (T > 0), or None
+    draws      each row's sampling numbers (`draws.RowDraws`, T > 0), or None
 
 Rows leave with `keep`; the continuous batcher joins new rows with `merge` and resizes the caches
 with `set_capacity`.
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from drelay_model.decoding.draws import RowDraws
 from drelay_model.decoding.history import VerifiedHistory
 from drelay_model.drafter.model import BlockDrafter
 from drelay_model.kv_cache import KVCache
@@ -30,7 +31,7 @@ class BatchState:
 
     rows: list[int]
     cache: KVCache
-    generators: list[torch.Generator] | None = None  # one per live row (sampling only)
+    draws: list[RowDraws] | None = None  # one per live row (sampling only)
     ctx: KVCache | None = None  # drafter context keys/values
     history: VerifiedHistory | None = None
     anchor: torch.Tensor | None = None  # [R] int64
@@ -84,8 +85,8 @@ class BatchState:
         positions = [self.rows.index(b) for b in rows]
         index = torch.tensor(positions, dtype=torch.long, device=self.anchor.device)
         self.cache.select_rows(index)
-        if self.generators is not None:
-            self.generators = [self.generators[i] for i in positions]
+        if self.draws is not None:
+            self.draws = [self.draws[i] for i in positions]
         for part in (self.ctx, self.history):
             if part is not None:
                 part.select_rows(index)
@@ -95,7 +96,7 @@ class BatchState:
 
     def merge(self, other: "BatchState") -> "BatchState":
         """This state's rows, then `other`'s, in one state whose caches hold the larger capacity of
-        the two. Both must have no pending features (`sync_context` first); generators are the
+        the two. Both must have no pending features (`sync_context` first); sampling numbers are the
         caller's (the continuous batcher keeps one per request)."""
         assert not self.pending and not other.pending, "sync_context() before merging states"
         out = BatchState(rows=self.rows + other.rows, cache=_concat_caches(self.cache, other.cache))

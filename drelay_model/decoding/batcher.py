@@ -30,6 +30,7 @@ from drelay_model.decoding.batch_state import BatchState
 from drelay_model.decoding.engine import SpeculativeEngine
 from drelay_model.decoding.generation import GenerationConfig
 from drelay_model.decoding.logprobs import TokenLogprob, first_token_logprobs
+from drelay_model.decoding.draws import RowDraws, commit_rows
 from drelay_model.decoding.sampling import accept_rows, pick_row
 from drelay_model.decoding.stats import DecodeStats, tau_of
 from drelay_model.errors import DRelayError
@@ -113,7 +114,7 @@ class _Request:
     on_update: UpdateCallback | None
     stats: RequestStats
     need: int  # KV positions this request may use: prompt + budget + one block + 2
-    generator: torch.Generator | None = None
+    draws: RowDraws | None = None  # sampling numbers (T > 0)
     logprobs: int | None = None  # alternatives per token when the request asked for log-probabilities
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -153,11 +154,11 @@ class ContinuousBatcher:
             raise DRelayError(f"logprobs must be an integer ≥ 0 or None, got {logprobs!r}")
         need = self.engine.check_prompt(prompt, settings)
         stats = RequestStats(num_slots=self.engine.num_slots, prompt_tokens=len(prompt))
-        gen = None if settings.greedy else torch.Generator(device=self.engine.device).manual_seed(settings.seed)
+        draws = None if settings.greedy else RowDraws(settings.seed, self.engine.device)
         with self._lock:
             rid = self._next_id
             self._next_id += 1
-            self._pending.append(_Request(rid, list(prompt), settings, on_update, stats, need, gen, logprobs))
+            self._pending.append(_Request(rid, list(prompt), settings, on_update, stats, need, draws, logprobs))
         return rid
 
     def cancel(self, request_id: int) -> None:
@@ -211,7 +212,8 @@ class ContinuousBatcher:
         t0 = time.perf_counter()
         capacity = max(r.need for r in requests)
         state, last_logits = self.engine.prefill([r.prompt for r in requests], [r.id for r in requests], capacity)
-        first = [pick_row(last_logits[i : i + 1], r.settings, r.generator) for i, r in enumerate(requests)]
+        first = [pick_row(last_logits[i : i + 1], r.settings, r.draws) for i, r in enumerate(requests)]
+        commit_rows([r.draws for r in requests], [1] * len(requests))
         state.anchor = torch.cat(first)  # [B]
         lps = first_token_logprobs(last_logits, state.anchor, [r.logprobs for r in requests])
         self.stats.time_prefill += time.perf_counter() - t0
@@ -230,7 +232,7 @@ class ContinuousBatcher:
     def _round(self) -> list[RequestUpdate]:
         state = self._state
         reqs = [self._running[i] for i in state.rows]
-        accept_rule = partial(accept_rows, settings=[r.settings for r in reqs], generators=[r.generator for r in reqs])
+        accept_rule = partial(accept_rows, settings=[r.settings for r in reqs], draws=[r.draws for r in reqs])
         t0 = time.perf_counter()
         result = self.engine.round(state, accept_rule, self.stats, self.policy, logprobs=[r.logprobs for r in reqs])
         n_list, x_list, p_list = result.accepted.tolist(), result.next_token.tolist(), result.path.tolist()  # one host copy

@@ -30,6 +30,7 @@ from drelay_model.decoding.length_bandit import CostAwareLength
 from drelay_model.decoding.logprobs import round_logprobs
 from drelay_model.decoding.rounds import PathChoice, RoundPlan, RoundResult, RoundTimer, Verified
 from drelay_model.decoding.stats import DecodeStats
+from drelay_model.decoding.draws import RowDraws, commit_rows
 from drelay_model.decoding.verify import accept, accept_sampled, pick_tokens
 from drelay_model.decoding.verify_costs import VerifyCosts
 from drelay_model.drafter.model import BlockDrafter
@@ -103,25 +104,26 @@ class SpeculativeEngine:
     ) -> GenerationResult:
         """Generate for a batch of tokenized prompts (lengths may differ).
 
-        Sampling (T > 0) draws request b's tokens from its own generator, seeded with seeds[b]
-        (default config.seed + b), on the target's device: a request's output depends on its prompt
-        and seed, never on the other requests of the batch.
+        Sampling (T > 0) draws request b's tokens from its own numbers, seeded with seeds[b]
+        (default config.seed + b; `draws.py`): a request's output depends on its prompt and seed
+        only — not on the other requests of the batch, the drafts or the verification lengths.
         """
         self._check_prompts(prompts, config)
         if seeds is not None and len(seeds) != len(prompts):
             raise DRelayError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
         stats = DecodeStats(num_slots=self.num_slots, requests=len(prompts))
-        gen = None
+        draws = None
         if config.temperature > 0:
             seeds = seeds if seeds is not None else [config.seed + b for b in range(len(prompts))]
-            gen = [torch.Generator(device=self.device).manual_seed(int(s)) for s in seeds]
+            draws = [RowDraws(int(s), self.device) for s in seeds]
         eos = set(self.target.eos_token_ids) if config.stop_on_eos else set()
         t_start = time.perf_counter()
 
         capacity = config.kv_positions(max(len(p) for p in prompts), self.num_slots)
         state, last_logits = self.prefill(prompts, list(range(len(prompts))), capacity)
-        state.anchor = pick_tokens(last_logits, config.temperature, gen)  # [B]
-        state.generators = gen
+        state.anchor = pick_tokens(last_logits, config.temperature, draws)  # [B]
+        commit_rows(draws, [1] * len(prompts))
+        state.draws = draws
         stats.time_prefill = time.perf_counter() - t_start
         out: list[list[int]] = [[t] for t in state.anchor.tolist()]
         state.keep([b for b in state.rows if not self._finished(out[b], config, eos)])
@@ -142,18 +144,20 @@ class SpeculativeEngine:
     @staticmethod
     def _rules(config: GenerationConfig, state: BatchState) -> tuple[AcceptRule, Sampler | None]:
         """The acceptance rule at the call's temperature, and at T > 0 the sampler of a selector that
-        samples its path (capabilities; `config.draft_sampling`). Per-row generators are read at call
+        samples its path (capabilities; `config.draft_sampling`). Per-row draws are read at call
         time: rows leave the batch."""
         T = config.temperature
 
         def accept_rule(path, logits, length, proposal=None):
             if proposal is None:
-                return accept(path, logits, length, temperature=T, generator=state.generators)
-            return accept_sampled(path, logits, length, *proposal, temperature=T, generator=state.generators)
+                return accept(path, logits, length, temperature=T, draws=state.draws)
+            return accept_sampled(path, logits, length, *proposal, temperature=T, draws=state.draws)
 
         sampler = None
         if T > 0 and config.draft_sampling:
-            sampler = lambda sel, block, ctx: sel.sample(block, ctx, temperature=T, generators=state.generators)  # noqa: E731
+            sampler = lambda sel, block, ctx: sel.sample(  # noqa: E731
+                block, ctx, temperature=T, generators=[d.proposals for d in state.draws]
+            )
         return accept_rule, sampler
 
     # ---- the phases ----------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 A request samples from the target's *filtered* conditional
     p̃(v) ∝ softmax(logits / T)(v) · [v in top-k] · [v in the smallest top-p nucleus]
 (T = 0: argmax). Verification stays lossless with respect to p̃ by the argument of `verify.accept`:
-the target's token x_j at every verified position is one draw from p̃ given the true prefix, and a
-draft is accepted only while it equals x_j; draws past the first mismatch are discarded.
+the target's token x_j at every verified position is the draw from p̃ at that output position's
+uniform (`draws.py`), and a draft is accepted only while it equals x_j; the numbers of positions
+past the first mismatch are not consumed, so a seeded request commits what it would alone, undrafted.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from drelay_model.decoding.draws import RowDraws, commit_rows, inverse_cdf
 from drelay_model.decoding.generation import GenerationConfig
 
 
@@ -34,12 +36,13 @@ def filtered_logits(logits: torch.Tensor, settings: GenerationConfig) -> torch.T
     return x
 
 
-def pick_row(logits: torch.Tensor, settings: GenerationConfig, generator: torch.Generator | None) -> torch.Tensor:
-    """The target's token at each of T positions of one row: logits [T, V] → [T] int64."""
+def pick_row(logits: torch.Tensor, settings: GenerationConfig, draws: RowDraws | None) -> torch.Tensor:
+    """The target's token at each of T positions of one row: logits [T, V] → [T] int64 (T > 0: the
+    inverse-CDF draw at each position's uniform, peeked from `draws`, not consumed)."""
     if settings.greedy:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(filtered_logits(logits, settings), dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    probs = torch.softmax(filtered_logits(logits.float(), settings), dim=-1)
+    return inverse_cdf(probs, draws.token_uniforms(logits.shape[0]))
 
 
 def accept_rows(
@@ -47,12 +50,14 @@ def accept_rows(
     target_logits: torch.Tensor,
     length: torch.Tensor,
     settings: Sequence[GenerationConfig],
-    generators: Sequence[torch.Generator | None],
+    draws: Sequence[RowDraws | None],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`verify.accept` with each row's own settings.
+    """`verify.accept` with each row's own settings; sampled rows consume the numbers of the tokens
+    they commit.
 
     Args:
-        path [R, G] int64, target_logits [R, G+1, V] float32, length [R] int64; settings/generators: one per row.
+        path [R, G] int64, target_logits [R, G+1, V] float32, length [R] int64; settings/draws: one
+        per row (draws None for greedy rows).
     Returns:
         accepted [R] int64 in [0, length], next_token [R] int64.
     """
@@ -60,8 +65,10 @@ def accept_rows(
     x = target_logits.argmax(dim=-1)  # [R, G+1] greedy rows need nothing more
     for i, p in enumerate(settings):
         if not p.greedy:
-            x[i] = pick_row(target_logits[i], p, generators[i])
+            x[i] = pick_row(target_logits[i], p, draws[i])
     match = path == x[:, :G]  # [R, G]
     match &= torch.arange(G, device=path.device)[None, :] < length[:, None]
     accepted = match.long().cumprod(dim=1).sum(dim=1)  # [R] leading run of matches
+    if any(d is not None for d in draws):
+        commit_rows(draws, (accepted + 1).tolist())
     return accepted, x.gather(1, accepted[:, None])[:, 0]

@@ -8,28 +8,35 @@ Shapes: B rows, G = drafted path length (≤ H; 0 for autoregressive decoding), 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from drelay_model.decoding.draws import RowDraws, commit_rows, inverse_cdf
 
-Generators = torch.Generator | list[torch.Generator] | None
+Draws = Sequence[RowDraws] | None  # one per row at T > 0 (None: fresh unseeded numbers for this call)
 
 
-def pick_tokens(logits: torch.Tensor, temperature: float, generator: Generators) -> torch.Tensor:
-    """The target's token at every position: argmax (T = 0) or a sample from softmax(logits / T).
+def _row_draws(draws: Draws, B: int, device: torch.device) -> Sequence[RowDraws]:
+    if draws is None:
+        return [RowDraws(int(torch.randint(0, 2**62, ())), device) for _ in range(B)]
+    assert len(draws) == B, "one RowDraws per batch row"
+    return draws
 
-    logits [B, ...,  V] float32 → [B, ...] int64. `generator` is one generator for the whole batch,
-    or one per row (row b samples only from generator[b], so its draws do not depend on the other
-    rows of the batch).
+
+def pick_tokens(logits: torch.Tensor, temperature: float, draws: Draws) -> torch.Tensor:
+    """The target's token at every position: argmax (T = 0) or the inverse-CDF draw of
+    softmax(logits / T) at each position's uniform (`draws.py`; peeked, not consumed).
+
+    logits [B, V] or [B, T, V] float32 → [B] or [B, T] int64; row b reads only draws[b].
     """
     if temperature <= 0:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if isinstance(generator, list):
-        assert len(generator) == probs.shape[0], "one generator per batch row"
-        rows = [torch.multinomial(p.reshape(-1, p.shape[-1]), 1, generator=g) for p, g in zip(probs, generator)]
-        return torch.stack(rows).view(probs.shape[:-1])
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    rows = _row_draws(draws, logits.shape[0], logits.device)
+    flat = logits.reshape(logits.shape[0], -1, logits.shape[-1])  # [B, T, V]
+    probs = torch.softmax(flat.float() / temperature, dim=-1)
+    picked = [inverse_cdf(p, d.token_uniforms(p.shape[0])) for p, d in zip(probs, rows)]
+    return torch.stack(picked).view(logits.shape[:-1])
 
 
 def accepted_prefix(match: torch.Tensor) -> torch.Tensor:
@@ -44,15 +51,16 @@ def accept(
     length: torch.Tensor,
     *,
     temperature: float = 0.0,
-    generator: Generators = None,
+    draws: Draws = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept the longest drafted prefix that matches the target, then take the target's token.
 
     Position j of the verify forward sees the anchor and path[:j]; its target token x_j is the
-    greedy argmax (T = 0) or a fresh sample (T > 0). Draft j is accepted while path[j] == x_j for all
-    earlier j: the accepted drafts are then exactly the target's own tokens, and x_n (n = accepted
-    count) is the bonus/replacement token. Samples at positions past the first mismatch are
-    discarded, so each committed token is one draw from the target's conditional on the true prefix.
+    greedy argmax (T = 0) or the draw at that output position's uniform (T > 0, `draws.py`). Draft j
+    is accepted while path[j] == x_j for all earlier j: the accepted drafts are then exactly the
+    target's own tokens, and x_n (n = accepted count) is the bonus/replacement token. Draws past the
+    first mismatch are not consumed, so each committed token is the draw autoregressive sampling
+    makes at its position with the same seed.
 
     Args:
         path           [B, G] int64 drafted tokens.
@@ -62,16 +70,15 @@ def accept(
         accepted [B] int64 in [0, length], next_token [B] int64.
     """
     B, G = path.shape
-    x = pick_tokens(target_logits, temperature, generator)  # [B, G+1]
+    rows = None if temperature <= 0 else _row_draws(draws, B, path.device)
+    x = pick_tokens(target_logits, temperature, rows)  # [B, G+1]
     match = path == x[:, :G]  # [B, G]
     match &= torch.arange(G, device=path.device)[None, :] < length[:, None]
     accepted = accepted_prefix(match)  # [B] leading run of matches
     next_token = x.gather(1, accepted[:, None])[:, 0]
+    if rows is not None:
+        commit_rows(rows, (accepted + 1).tolist())
     return accepted, next_token
-
-
-def _row_draws(generator: Generators, B: int) -> list[torch.Generator | None]:
-    return generator if isinstance(generator, list) else [generator] * B
 
 
 def accept_sampled(
@@ -82,7 +89,7 @@ def accept_sampled(
     proposal_q: torch.Tensor,
     *,
     temperature: float,
-    generator: Generators = None,
+    draws: Draws = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling (Leviathan et al., 2023; Chen et al., 2023) for a path whose token j
     was drawn from a proposal q_j over the pool; p_j = softmax(logits_j / T) is the target's.
@@ -101,8 +108,8 @@ def accept_sampled(
         length         [B] int64 path tokens each row submitted (≤ G).
         proposal_ids   [B, G, K] int64 the pool; proposal_q [B, G, K] its probabilities (rows sum
                        to 1; zero off the pool).
-        generator      one generator, or one per row (row b draws only from generator[b]: first G
-                       uniforms, then one token).
+        draws          one RowDraws per row: the test at position j reads its test uniform, the
+                       committed token its token uniform (independent of the test that stopped).
     Returns:
         accepted [B] int64 in [0, length], next_token [B] int64.
     """
@@ -112,8 +119,8 @@ def accept_sampled(
     q = torch.zeros(B, G, V, dtype=p.dtype, device=p.device).scatter_add_(2, proposal_ids[:, :G], proposal_q[:, :G].to(p.dtype))
     p_d = p[:, :G].gather(2, path[:, :, None])[:, :, 0]  # [B, G]
     q_d = q.gather(2, path[:, :, None])[:, :, 0].clamp(min=torch.finfo(p.dtype).tiny)
-    gens = _row_draws(generator, B)
-    u = torch.stack([torch.rand(G, generator=g, device=p.device) for g in gens]) if G else p_d.new_zeros(B, 0)
+    rows_draws = _row_draws(draws, B, path.device)
+    u = torch.stack([d.test_uniforms(G) for d in rows_draws]).to(p.dtype) if G else p_d.new_zeros(B, 0)
     ok = (u < p_d / q_d) & (torch.arange(G, device=path.device)[None, :] < length[:, None])
     accepted = accepted_prefix(ok)  # [B]
     rows = torch.arange(B, device=path.device)
@@ -122,5 +129,9 @@ def accept_sampled(
     rejected = (accepted < length)[:, None]
     residual = torch.where(rejected, (at - q_at).clamp(min=0.0), at)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, at)  # p = q exactly: never rejected
-    next_token = torch.stack([torch.multinomial(r, 1, generator=g)[0] for r, g in zip(residual, gens)])
+    stop = accepted.tolist()
+    next_token = torch.stack(
+        [inverse_cdf(r[None], d.token_uniforms(n + 1)[n:])[0] for r, d, n in zip(residual, rows_draws, stop)]
+    )
+    commit_rows(rows_draws, [n + 1 for n in stop])
     return accepted, next_token

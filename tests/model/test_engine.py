@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from drelay_model.decoding import GenerationConfig, SpeculativeEngine
+from drelay_model.decoding import GenerationConfig, RowDraws, SpeculativeEngine
 from drelay_model.errors import DRelayError
 from drelay_model.selectors import default_registry
 from drelay_model.target import tiny_target
@@ -131,8 +131,9 @@ def test_sampled_rule_accepts_with_the_overlap_of_p_and_q():
     ids = torch.tensor([4, 0, 2]).expand(n, 1, K).contiguous()
     q_pool = torch.tensor([0.6, 0.3, 0.1])
     path = ids[:, 0].gather(1, torch.multinomial(q_pool, n, replacement=True, generator=g)[:, None])  # [n, 1] drawn from q
+    draws = [RowDraws(seed) for seed in range(n)]
     acc, nxt = accept_sampled(
-        path, logits, torch.ones(n, dtype=torch.long), ids, q_pool.expand(n, 1, K), temperature=1.0, generator=g
+        path, logits, torch.ones(n, dtype=torch.long), ids, q_pool.expand(n, 1, K), temperature=1.0, draws=draws
     )
     q = torch.zeros(V).index_add_(0, ids[0, 0], q_pool)
     overlap = torch.minimum(p, q).sum()
