@@ -35,13 +35,12 @@ class EngineSection(StrictConfig):
     # configs: one thread); `num_cpus` stays Ray's scheduling reservation. When several replicas share a
     # node, give each its share (cores ÷ replicas).
     threads: int | None = Field(None, ge=1, le=1024)
-    # cost: each round verifies as many drafts as pay off on this machine at the batch's current size
-    # (0: an AR round for the whole batch; the cost surface over batch sizes 1 … max_batch is measured
-    # once per machine and cached, `drelay costs`); fixed (default): the selector's whole path (the
-    # paper's setting). Not `cost` by default: measuring the surface up to max_batch = 16 takes minutes
-    # on 2 CPU cores at a replica's first start, and at T > 0 a seeded request's sample depends on the
-    # verified lengths, which the policy learns from earlier traffic (docs/verification-length.md).
-    verify_length: Literal["fixed", "cost"] = "fixed"
+    # cost (default): each round verifies as many drafts as pay off on this machine at the batch's
+    # current size (0: an AR round for the whole batch; the cost surface over batch sizes 1 … max_batch
+    # is measured once per machine at the first start and cached, `drelay costs`); fixed: the
+    # selector's whole path (the paper's setting). Greedy output and seeded samples are the same
+    # either way (docs/verification-length.md).
+    verify_length: Literal["fixed", "cost"] = "cost"
 
 
 class SGLangSection(StrictConfig):

@@ -14,7 +14,10 @@ drafter over b blocks of the anchor and h masked positions, with an LM head on e
 Every term is measured at a grid of batch sizes b_1 = 1 < b_2 < … (`surface_batches`: powers of two
 up to the batcher's max_batch) and is linear in b between grid points (beyond the last one, the last
 segment's slope continues). b = 1 is one point of the surface: a single-row engine reads the same
-tables at b = 1.
+tables at b = 1. Along the width, verify(b, t) is timed at t ∈ {1, 2, 3, 5, 9, 17, …, H + 1} and
+draft(b, h) at h ∈ {1, 2, 4, 8, …, H} (`verify_widths`, `draft_widths`: dense where a round's
+choices crowd, then doubling) and is linear in between: both are sums of per-token matmuls plus a fixed overhead, so the
+line between two timed widths is what a timing in between would give, at a third of the calls.
 
 `measure_costs` times every term once per machine, target and drafter (cached as JSON by
 `pipelines.common.costs`). On a shared machine single timings swing by ±30%, so each repetition
@@ -60,6 +63,23 @@ def surface_batches(max_batch: int) -> tuple[int, ...]:
         raise DRelayError(f"max_batch must be ≥ 1, got {max_batch}")
     sizes = [1 << k for k in range(max_batch.bit_length()) if 1 << k < max_batch]
     return (*sizes, max_batch)
+
+
+def verify_widths(H: int) -> tuple[int, ...]:
+    """The verify widths timed for H slots: t = 1, 2, 3, then 2^k + 1 (the anchor and 2^k drafts),
+    and H + 1."""
+    doubling = {(1 << k) + 1 for k in range(2, 8) if (1 << k) + 1 <= H}
+    return tuple(sorted({t for t in (1, 2, 3) if t <= H + 1} | doubling | {H + 1}))
+
+
+def draft_widths(H: int) -> tuple[int, ...]:
+    """The drafted slot counts timed for H slots: h = 1, 2, 4, 8, … < H, and H (none when H = 0)."""
+    return tuple(sorted({1 << k for k in range(8) if 1 << k < H} | ({H} if H else set())))
+
+
+def fill_linear(points: tuple[int, ...], values: list[float], n: int) -> list[float]:
+    """values timed at `points` (ascending, from 1 to n) → a value at every width 1 … n, linear between."""
+    return [_interp(points, tuple(values), w) for w in range(1, n + 1)]
 
 
 def check_batch_sizes(sizes: tuple[int, ...]) -> tuple[int, ...]:
@@ -256,8 +276,8 @@ def _batch_calls(target, drafter, selector, b: int, *, context_len: int, extend_
         drafter.extend_context(new_feats, ctx)
         ctx.crop(ctx_base)
 
-    calls = {("verify", b, t): (lambda t=t: verify(t)) for t in range(1, H + 2)}
-    calls |= {("draft", b, h): (lambda h=h: drafter.draft(anchor, ctx, slots=h)) for h in range(1, H + 1)}
+    calls = {("verify", b, t): (lambda t=t: verify(t)) for t in verify_widths(H)}
+    calls |= {("draft", b, h): (lambda h=h: drafter.draft(anchor, ctx, slots=h)) for h in draft_widths(H)}
     calls |= {("select_one", b): lambda: selector.select(one_block, one_slot), ("select_all", b): lambda: selector.select(block, sctx),
               ("extend", b): extend}  # fmt: skip
     return calls
@@ -275,8 +295,9 @@ def measure_costs(
     budget_s: float = 60.0,
     extend_tokens: int = 4,
 ) -> VerifyCosts:
-    """Time verify(b, 1 .. H + 1), drafting of 1 .. H slots, selection and context extension (by
-    `extend_tokens` positions, a typical drafted round) at every batch size b, in ms: the median of
+    """Time verify(b, t) and drafting of h slots at the widths `verify_widths` / `draft_widths` pick (linear in
+    between), selection and context extension (by `extend_tokens` positions, a typical drafted
+    round) at every batch size b, in ms: the median of
     up to `reps` interleaved repetitions after one warm-up, stopping after the first repetition that
     ends more than `budget_s` seconds after the warm-up began (at least min(3, reps) repetitions)."""
     if reps < 1 or context_len < 2 or budget_s <= 0:
@@ -300,9 +321,10 @@ def measure_costs(
             break
     ms = {key: statistics.median(v) for key, v in times.items()}
     per_slot = max(H - 1, 1)
+    widths, slots = verify_widths(H), draft_widths(H)
     return VerifyCosts(
-        verify_ms=isotonic_2d([[ms[("verify", b, t)] for t in range(1, H + 2)] for b in batch_sizes]),
-        draft_slots_ms=isotonic_2d([[ms[("draft", b, h)] for h in range(1, H + 1)] for b in batch_sizes])
+        verify_ms=isotonic_2d([fill_linear(widths, [ms[("verify", b, t)] for t in widths], H + 1) for b in batch_sizes]),
+        draft_slots_ms=isotonic_2d([fill_linear(slots, [ms[("draft", b, h)] for h in slots], H) for b in batch_sizes])
         if H
         else ((),) * len(batch_sizes),
         select_ms=tuple(ms[("select_one", b)] for b in batch_sizes),

@@ -48,7 +48,7 @@ def costs_path(target_spec: str, spec: MethodSpec, device: str = "cpu", *, packe
     return cache_root() / "costs" / name.replace("/", "_")
 
 
-MEASURE_BUDGET_S = 60.0  # measuring stops after the first repetition that ends this long after the warm-up began
+MEASURE_BUDGET_S = 20.0  # measuring stops after the first repetition that ends this long after the warm-up began
 DEFAULT_MAX_BATCH = 16  # the batch sizes measured when the caller names none (the serve default)
 
 

@@ -1,5 +1,5 @@
-"""The engine backend verifies at the selector's whole path by default and at the cost-aware length on
-request; then each finished request's spec
+"""The engine backend verifies at the cost-aware length by default (the selector's whole path on
+request); each finished request's spec
 statistics say how many of its rounds drafted and how many drafts they verified (sglext's
 `spec_drafted_ct`, `spec_verify_length`)."""
 
@@ -14,7 +14,7 @@ from drelay_model.decoding import GenerationConfig
 
 
 def test_cost_aware_length_reports_its_rounds():
-    assert EngineSection().verify_length == "fixed"
+    assert EngineSection().verify_length == "cost"
     cfg = parse_config(
         {"model_id": "t", "engine": {"target": "tiny-llama", "tokenizer": "smollm2-135m", "method": "native",
                                      "random_drafter": True, "max_batch": 2, "verify_length": "cost"}}

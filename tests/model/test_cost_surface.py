@@ -99,6 +99,18 @@ def test_surfaces_save_load_and_stale_or_bad_files_are_one_line_errors(tmp_path)
         VerifyCosts(verify_ms=((10.0,), (11.0,)), draft_slots_ms=((), ()), select_ms=0.0, batch_sizes=(2, 4))
 
 
+def test_timed_widths_and_the_line_between_them():
+    from drelay_model.decoding.verify_costs import draft_widths, fill_linear, verify_widths
+
+    assert verify_widths(15) == (1, 2, 3, 5, 9, 16) and draft_widths(15) == (1, 2, 4, 8, 15)
+    assert verify_widths(0) == (1,) and draft_widths(0) == () and draft_widths(1) == (1,)
+    for H in range(1, 40):
+        for points, n in ((verify_widths(H), H + 1), (draft_widths(H), H)):
+            assert points[0] == 1 and points[-1] == n and list(points) == sorted(set(points))
+            line = [3.0 + 0.5 * w for w in range(1, n + 1)]  # a cost linear in the width is recovered exactly
+            assert fill_linear(points, [line[w - 1] for w in points], n) == pytest.approx(line)
+
+
 def test_measure_costs_times_every_batch_size_within_its_budget(target, make_drafter):
     drafter = make_drafter(target)
     selector = default_registry().create("native", drafter=drafter)

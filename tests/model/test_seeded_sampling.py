@@ -85,7 +85,8 @@ def test_seeded_rows_commit_ar_samples_under_drafts_plans_and_arrivals(target, m
         batcher.step()
         step += 1
     assert [streamed[i] for i in range(n)] == reference
-    assert sum(batcher.stats.accept_hist[1:]) > 0 and batcher.stats.drafted_rounds < batcher.stats.rounds  # drafts landed; AR rounds too
+    stats = batcher.stats
+    assert sum(stats.accept_hist[1:]) > 0 and stats.drafted_rounds < stats.rounds  # drafts landed; AR rounds too
 
 
 @pytest.mark.parametrize("method", ["native", "drelay"])
