@@ -8,6 +8,11 @@ metrics port, next to Ray Serve's own `ray_serve_*` series). Every series is tag
     drelay_tau                     histogram   tokens committed per verification round, per request
     drelay_requests                counter     finished requests, tagged also by `status` (HTTP code)
     drelay_completion_tokens       counter     generated tokens
+    drelay_spec_rounds             counter     verification rounds (target forwards after the prefill)
+    drelay_spec_drafted_rounds     counter     rounds that verified drafts (the rest: AR rounds chosen
+                                               by the cost-aware length; engine backend only)
+    drelay_spec_verified_drafts    counter     drafts verified by those rounds: the mean verification
+                                               length is rate(verified_drafts) / rate(drafted_rounds)
 """
 
 from __future__ import annotations
@@ -39,9 +44,23 @@ class ServeMetrics:
             "drelay_requests", description="finished requests by HTTP status", tag_keys=(*_TAGS, "status")
         )
         self.tokens = metrics.Counter("drelay_completion_tokens", description="generated tokens", tag_keys=_TAGS)
+        self.rounds = metrics.Counter("drelay_spec_rounds", description="verification rounds", tag_keys=_TAGS)
+        self.drafted = metrics.Counter("drelay_spec_drafted_rounds", description="rounds that verified drafts", tag_keys=_TAGS)
+        self.verified = metrics.Counter(
+            "drelay_spec_verified_drafts", description="drafts verified by drafted rounds", tag_keys=_TAGS
+        )
 
-    def finished(self, route: str, *, latency: float, ttft: float, tokens: int, tau: float | None) -> None:
+    def finished(
+        self, route: str, *, latency: float, ttft: float, tokens: int, tau: float | None,
+        rounds: int = 0, drafted_rounds: int | None = None, verified_drafts: int = 0,
+    ) -> None:  # fmt: skip
         tags = {"method": self.method, "route": route}
+        if rounds:
+            self.rounds.inc(rounds, tags=tags)
+        if drafted_rounds:  # None: the backend does not say (SGLang); 0: every round was AR
+            self.drafted.inc(drafted_rounds, tags=tags)
+        if verified_drafts:
+            self.verified.inc(verified_drafts, tags=tags)
         self.latency.observe(latency, tags=tags)
         self.ttft.observe(ttft, tags=tags)
         if tokens > 1 and latency > ttft:

@@ -179,6 +179,9 @@ class _Call:
                 ttft=(self.t_first or self.t0) - self.t0,
                 tokens=completion,
                 tau=tau,
+                rounds=spec.verify_ct if spec else 0,
+                drafted_rounds=spec.drafted_ct if spec else None,
+                verified_drafts=spec.verified_drafts if spec else 0,
             )
         sglext = None
         if self.body.return_spec_tokens_details and spec is not None:

@@ -258,7 +258,8 @@ def test_prometheus_metrics_are_exported(server, client):
     """The per-request series reach the node's Prometheus endpoint, tagged by method and route."""
     client.completions.create(model=MODEL, prompt="metrics", max_tokens=5, temperature=0)
     port = ray.nodes()[0]["MetricsExportPort"]
-    wanted = ("drelay_request_latency_s", "drelay_time_to_first_token_s", "drelay_tokens_per_s", "drelay_tau", "drelay_requests")
+    wanted = ("drelay_request_latency_s", "drelay_time_to_first_token_s", "drelay_tokens_per_s", "drelay_tau", "drelay_requests",
+              "drelay_spec_rounds")  # fmt: skip
     tags = ('method="native"', 'route="completions"')
     deadline, text = time.time() + 60, ""
     while time.time() < deadline:  # wait for this request's tagged series, not only for the names
