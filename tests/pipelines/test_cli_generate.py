@@ -114,31 +114,37 @@ def test_console_script_never_prints_a_traceback(tmp_path):
     )
 
 
+TINY = ["--target", "tiny-llama"]
+
+
 def test_costs_command_measures_caches_and_shows(capsys, tmp_path, monkeypatch):
+    """The command's measuring, caching and showing, on the tiny target: timing only, so the model's size
+    does not matter, and its rounds take milliseconds where SmolLM2's take tens (a drafter's block is
+    16 positions on either)."""
     monkeypatch.setattr("pipelines.common.costs.cache_root", lambda: tmp_path)
     small = ["--max-batch", "2", "--reps", "1"]  # the surface at b = 1, 2: seconds
-    assert main(["costs", "--random-drafter", "--show"]) == 2 and "run without --show" in capsys.readouterr().err
-    assert main(["costs", "--random-drafter", "--json", *small]) == 0
+    assert main(["costs", *TINY, "--random-drafter", "--show"]) == 2 and "run without --show" in capsys.readouterr().err
+    assert main(["costs", *TINY, "--random-drafter", "--json", *small]) == 0
     measured = json.loads(capsys.readouterr().out)
     assert measured["batch_sizes"] == [1, 2] and [len(r) for r in measured["verify_ms"]] == [16, 16]
     assert all(t > 0 for r in measured["verify_ms"] for t in r) and [len(r) for r in measured["draft_slots_ms"]] == [15, 15]
-    assert main(["costs", "--random-drafter", "--show", "--json"]) == 0
+    assert main(["costs", *TINY, "--random-drafter", "--show", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == measured
-    assert main(["costs", "--random-drafter", "--show", "--batch", "1", "2", "3"]) == 0
+    assert main(["costs", *TINY, "--random-drafter", "--show", "--batch", "1", "2", "3"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].startswith("batch sizes measured: 1, 2") and [line.split()[0] for line in table[3:]] == ["1", "2", "3"]
     (cached,) = tmp_path.glob("costs/*.json")  # a file of an older measurement is measured again
     cached.write_text(json.dumps({**measured, "version": 3}))
-    assert main(["costs", "--random-drafter", "--show", "--json", *small]) == 0
+    assert main(["costs", *TINY, "--random-drafter", "--show", "--json", *small]) == 0
     out, err = capsys.readouterr()
     assert "predate" in err and json.loads(out)["batch_sizes"] == [1]  # --show asks for no batch size beyond 1
-    assert main(["costs", "--method", "ar"]) == 2 and "no drafting costs" in capsys.readouterr().err
-    assert main(["costs", "--random-drafter", "--reps", "0"]) == 2 and "--reps" in capsys.readouterr().err
-    assert main(["costs", "--random-drafter", "--max-batch", "0"]) == 2 and "--max-batch" in capsys.readouterr().err
+    assert main(["costs", *TINY, "--method", "ar"]) == 2 and "no drafting costs" in capsys.readouterr().err
+    assert main(["costs", *TINY, "--random-drafter", "--reps", "0"]) == 2 and "--reps" in capsys.readouterr().err
+    assert main(["costs", *TINY, "--random-drafter", "--max-batch", "0"]) == 2 and "--max-batch" in capsys.readouterr().err
     # another CPU model (a home directory shared by cluster nodes) gets its own surface
     monkeypatch.setattr("pipelines.common.costs.processor_model", lambda device: "Another CPU")
-    assert main(["costs", "--random-drafter", "--show"]) == 2 and "run without --show" in capsys.readouterr().err
-    assert main(["costs", "--random-drafter", "--json", "--max-batch", "1", "--reps", "1"]) == 0
+    assert main(["costs", *TINY, "--random-drafter", "--show"]) == 2 and "run without --show" in capsys.readouterr().err
+    assert main(["costs", *TINY, "--random-drafter", "--json", "--max-batch", "1", "--reps", "1"]) == 0
     assert len(list(tmp_path.glob("costs/*.json"))) == 2
     capsys.readouterr()
 
