@@ -3,7 +3,8 @@
 Replays greedy decoding with native (DFlash) selection over the target's own continuations, keeps the
 rounds whose first error is covered by the pool and whose next `--span` drafts are all correct, and
 for each pool candidate at the error lets the frozen target score the drafted suffix
-(`drelay_model.diagnostics.continuation_scores`). Accuracy = how often the best-scoring candidate is
+(`drelay_model.diagnostics.continuation_scores_per_suffix`: the real and the control suffix share one
+prefill of the prefix). Accuracy = how often the best-scoring candidate is
 the target's token; the control is "a suffix from another prompt": the next qualifying round, in
 order, drawn from a different prompt (`other_prompt_controls`). The paper reports 46/86 (DFlash)
 real-suffix accuracy, +53.5 points over the control, on Qwen3-4B.
@@ -35,7 +36,7 @@ from drelay_model.decoding import GenerationConfig, SpeculativeEngine, replay  #
 from drelay_model.diagnostics import (  # noqa: E402
     ContinuationEvidence,
     continuation_samples,
-    continuation_scores,
+    continuation_scores_per_suffix,
     other_prompt_controls,
     pad_rounds,
     supported_is_correct,
@@ -124,8 +125,8 @@ def score(target, samples) -> ContinuationEvidence:
     for (_, prefix, cands, y, suffix), c in zip(tqdm(samples), controls):
         if c is None:
             continue
-        real = supported_is_correct(continuation_scores(target, prefix, cands, suffix), cands, y)
-        ctrl = supported_is_correct(continuation_scores(target, prefix, cands, samples[c][4]), cands, y)
+        real_scores, control_scores = continuation_scores_per_suffix(target, prefix, cands, [suffix, samples[c][4]])
+        real, ctrl = supported_is_correct(real_scores, cands, y), supported_is_correct(control_scores, cands, y)
         ev = ev + ContinuationEvidence(samples=1, real_correct=int(real), control_correct=int(ctrl))
     return ev
 

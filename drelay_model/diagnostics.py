@@ -215,23 +215,38 @@ def other_prompt_controls(prompt_ids: Sequence[int]) -> list[int | None]:
 
 @torch.no_grad()
 def continuation_scores(target, prefix: Sequence[int], candidates: torch.Tensor, suffix: Sequence[int]) -> torch.Tensor:
-    """Target log-probability of `suffix` after prefix + each candidate.
+    """Target log-probability of `suffix` after prefix + each candidate: [K] float32 (one suffix of
+    `continuation_scores_per_suffix`)."""
+    return continuation_scores_per_suffix(target, prefix, candidates, [suffix])[0]
 
-    The prefix is prefilled once and its cache copied to K rows; then one forward over
-    [candidate, suffix] per row. prefix: P ≥ 1 verified tokens; candidates [K] int64; suffix: S
-    tokens. → [K] float32.
+
+@torch.no_grad()
+def continuation_scores_per_suffix(
+    target, prefix: Sequence[int], candidates: torch.Tensor, suffixes: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """Target log-probability of each suffix after prefix + each candidate (the real suffix and its
+    control share one prefix, so it is prefilled once).
+
+    The prefix is prefilled once (logits at its last position only: the scores need none of them) and
+    its cache copied to M·K rows; then one forward over [candidate, suffix] per row. prefix: P ≥ 1
+    verified tokens; candidates [K] int64; suffixes: M suffixes of S tokens each. → [M, K] float32.
     """
-    K, P, S = len(candidates), len(prefix), len(suffix)
+    K, P, M = len(candidates), len(prefix), len(suffixes)
+    S = len(suffixes[0])
+    if any(len(s) != S for s in suffixes):
+        raise ValueError(f"suffixes must have one length, got {[len(s) for s in suffixes]}")
     device = target.embed_weight.device
     cache = target.new_cache(1, P + 1 + S)
-    target(torch.as_tensor([list(prefix)], device=device), cache)
-    cache.select_rows(torch.zeros(K, dtype=torch.long, device=device))  # K copies of the prefix
-    ids = torch.empty(K, 1 + S, dtype=torch.long, device=device)
-    ids[:, 0] = candidates.to(device)
-    ids[:, 1:] = torch.as_tensor(list(suffix), device=device)
-    at = torch.arange(S, device=device).expand(K, S)  # new positions 0..S−1 predict the suffix tokens
-    logp = torch.log_softmax(target(ids, cache, logits_at=at).logits.float(), dim=-1)  # [K, S, V]
-    return logp.gather(-1, ids[:, 1:, None])[..., 0].sum(dim=1)  # [K]
+    last = torch.full((1, 1), P - 1, dtype=torch.long, device=device)
+    target(torch.as_tensor([list(prefix)], device=device), cache, logits_at=last)
+    cache.select_rows(torch.zeros(M * K, dtype=torch.long, device=device))  # M·K copies of the prefix
+    ids = torch.empty(M, K, 1 + S, dtype=torch.long, device=device)
+    ids[:, :, 0] = candidates.to(device)  # row m·K + k: candidate k, then suffix m
+    ids[:, :, 1:] = torch.as_tensor([list(s) for s in suffixes], device=device)[:, None, :]
+    ids = ids.reshape(M * K, 1 + S)
+    at = torch.arange(S, device=device).expand(M * K, S)  # new positions 0..S−1 predict the suffix tokens
+    logp = torch.log_softmax(target(ids, cache, logits_at=at).logits.float(), dim=-1)  # [M·K, S, V]
+    return logp.gather(-1, ids[:, 1:, None])[..., 0].sum(dim=1).reshape(M, K)
 
 
 def supported_is_correct(scores: torch.Tensor, candidates: torch.Tensor, correct: int) -> bool:

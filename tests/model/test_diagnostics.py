@@ -177,6 +177,29 @@ def test_continuation_scores_equal_one_forward_per_candidate(target):
     assert supported_is_correct(got, cands, int(cands[best])) and not supported_is_correct(got, cands, -1)
 
 
+def test_real_and_control_suffixes_share_one_prefill(target):
+    """§3.2 scores a sample's real suffix and its control from one prefill of the prefix: each row of
+    the joint call equals one full forward per (suffix, candidate), and its single-suffix call."""
+    from drelay_model.diagnostics import continuation_scores, continuation_scores_per_suffix
+
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(0, target.vocab_size, (9,), generator=g).tolist()
+    cands = torch.randint(0, target.vocab_size, (4,), generator=g)
+    suffixes = [torch.randint(0, target.vocab_size, (4,), generator=g).tolist() for _ in range(2)]
+    got = continuation_scores_per_suffix(target, prefix, cands, suffixes)
+    assert got.shape == (2, 4)
+    for m, suffix in enumerate(suffixes):
+        alone = continuation_scores(target, prefix, cands, suffix)
+        assert torch.allclose(got[m], alone, atol=1e-4) and int(got[m].argmax()) == int(alone.argmax())
+        for k, c in enumerate(cands.tolist()):
+            ids = torch.tensor([prefix + [c] + suffix])
+            logp = torch.log_softmax(target(ids, target.new_cache(1, ids.shape[1])).logits.float(), -1)[0]
+            expect = sum(float(logp[len(prefix) + t, suffix[t]]) for t in range(4))
+            assert float(got[m, k]) == pytest.approx(expect, abs=1e-4)
+    with pytest.raises(ValueError, match="one length"):
+        continuation_scores_per_suffix(target, prefix, cands, [suffixes[0], suffixes[1][:3]])
+
+
 def test_the_control_suffix_comes_from_another_prompt():
     """§3.2: "we replace the four subsequent tokens with a suffix from another prompt". Samples from
     prompts [7, 7, 3, 7, 5]: sample 0 skips sample 1 (prompt 7) and takes 2; 1 → 2; 2 → 3; 3 → 4;
