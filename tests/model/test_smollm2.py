@@ -17,7 +17,10 @@ MESSAGES = [
     "Give three tips for staying healthy.",
     "What is the capital of France?",
 ]
-MAX_NEW = 48
+# An untrained drafter's paths are rejected (τ ≈ 1): each new token costs one round (draft, verify the
+# whole block on the target, commit the target's own token), and the rounds of a row differ only in
+# their position, so the time grows with the tokens while the code paths do not.
+MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
