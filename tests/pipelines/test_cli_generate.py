@@ -8,10 +8,30 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from drelay_model.drafter import BlockDrafter, DrafterConfig, save_drafter
 from drelay_model.target import tiny_target
 from pipelines.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _smollm2_loaded_once(request, monkeypatch):
+    """`drelay generate` loads its target on every call, seconds for SmolLM2; here a call for SmolLM2 on
+    the CPU in float32 gets the session's `smol` (the same `load_target` call's result), which the
+    command only reads. Other targets, devices, dtypes and bad specs go through the real loader. The
+    fixture is fetched on the first such call, so these tests keep the one intra-op thread they had."""
+    import pipelines.cli.generate as generate
+
+    real = generate.load_target_spec
+
+    def load(spec: str, *, device: str = "cpu", dtype: str = "float32"):
+        on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+        if spec == "smollm2-135m" and dtype == "float32" and on_cpu:
+            return request.getfixturevalue("smol")
+        return real(spec, device=device, dtype=dtype)
+
+    monkeypatch.setattr(generate, "load_target_spec", load)
 
 
 def _run(capsys, *argv):
