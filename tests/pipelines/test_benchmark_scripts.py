@@ -1,5 +1,6 @@
 """The scripts in benchmarks/ (performance) and analysis/ answer bad input like `drelay` does: one line on stderr, exit 2."""
 
+import json
 import os
 import subprocess
 import sys
@@ -9,32 +10,63 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# Runs each script as __main__ (runpy) in one child interpreter, so torch and the project are imported
+# once for all of them; prints one JSON list of {code, stderr}: the exit code, or "traceback" when the
+# script raised anything but SystemExit.
+_DRIVER = r"""
+import contextlib, io, json, os, runpy, sys, traceback
+results, path = [], list(sys.path)
+for script, args in json.loads(sys.argv[1]):
+    err, code = io.StringIO(), 0
+    sys.argv, sys.path = [script, *args], [os.path.dirname(script), *path]  # as `python script.py` sets them
+    with contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exc:
+            code = exc.code
+        except BaseException:
+            traceback.print_exc()
+            code = "traceback"
+    results.append({"code": code, "stderr": err.getvalue()})
+print(json.dumps(results))
+"""
 
-@pytest.mark.parametrize(
-    "script, args, message",
-    [
-        ("benchmarks/bench_selector.py", ["--checkpoint", "/nonexistent"], "checkpoint '/nonexistent' not found"),
-        ("analysis/selector_decisions.py", ["--checkpoint", "/nonexistent"], "checkpoint '/nonexistent' not found"),
-        (
-            "analysis/trace_repairs.py",
-            ["--checkpoint", "/nonexistent", "--cells", "/nonexistent"],
-            "checkpoint '/nonexistent' not found",
-        ),
-        (
-            "analysis/trace_repairs.py",
-            ["--checkpoint", str(ROOT / "checkpoints/smollm2-135m"), "--cells", "/nonexistent"],
-            "--cells: no '/nonexistent/gsm8k__ar.json'",
-        ),
-        ("benchmarks/bench_selectors.py", ["--trained", "dcoco"], "--trained dcoco: expected NAME=DIR"),
-        ("benchmarks/bench_packed.py", ["--target", "nope"], "unknown target 'nope'"),
-    ],
-)
-def test_bad_input_is_one_line_and_exit_2(script, args, message):
-    proc = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 2
-    last = proc.stderr.strip().splitlines()[-1]
+BAD_INPUTS = [
+    ("benchmarks/bench_selector.py", ["--checkpoint", "/nonexistent"], "checkpoint '/nonexistent' not found"),
+    ("analysis/selector_decisions.py", ["--checkpoint", "/nonexistent"], "checkpoint '/nonexistent' not found"),
+    (
+        "analysis/trace_repairs.py",
+        ["--checkpoint", "/nonexistent", "--cells", "/nonexistent"],
+        "checkpoint '/nonexistent' not found",
+    ),
+    (
+        "analysis/trace_repairs.py",
+        ["--checkpoint", str(ROOT / "checkpoints/smollm2-135m"), "--cells", "/nonexistent"],
+        "--cells: no '/nonexistent/gsm8k__ar.json'",
+    ),
+    ("benchmarks/bench_selectors.py", ["--trained", "dcoco"], "--trained dcoco: expected NAME=DIR"),
+    ("benchmarks/bench_packed.py", ["--target", "nope"], "unknown target 'nope'"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs() -> list[dict]:
+    calls = [(str(ROOT / script), args) for script, args, _ in BAD_INPUTS]
+    proc = subprocess.run(
+        [sys.executable, "-c", _DRIVER, json.dumps(calls)], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUTS)), ids=[f"{s}-{a[-1]}" for s, a, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_and_exit_2(bad_input_runs, case):
+    script, _, message = BAD_INPUTS[case]
+    run = bad_input_runs[case]
+    assert run["code"] == 2, run["stderr"][-2000:]
+    last = run["stderr"].strip().splitlines()[-1]
     assert last.startswith(f"{Path(script).name}: error: ") and message in last
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in run["stderr"]
 
 
 def test_training_budget_names_a_missing_run_or_experiment(tmp_path):
