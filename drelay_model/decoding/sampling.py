@@ -14,8 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
-from drelay_model.decoding.draws import RowDraws, commit_rows, inverse_cdf
+from drelay_model.decoding.draws import RowDraws, inverse_cdf
 from drelay_model.decoding.generation import GenerationConfig
+from drelay_model.decoding.verify import accept_target_tokens
 
 
 def filtered_logits(logits: torch.Tensor, settings: GenerationConfig) -> torch.Tensor:
@@ -52,8 +53,8 @@ def accept_rows(
     settings: Sequence[GenerationConfig],
     draws: Sequence[RowDraws | None],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`verify.accept` with each row's own settings; sampled rows consume the numbers of the tokens
-    they commit.
+    """`verify.accept` with each row's own settings (`verify.accept_target_tokens` on the tokens
+    each row picks).
 
     Args:
         path [R, G] int64, target_logits [R, G+1, V] float32, length [R] int64; settings/draws: one
@@ -61,14 +62,8 @@ def accept_rows(
     Returns:
         accepted [R] int64 in [0, length], next_token [R] int64.
     """
-    R, G = path.shape
     x = target_logits.argmax(dim=-1)  # [R, G+1] greedy rows need nothing more
     for i, p in enumerate(settings):
         if not p.greedy:
             x[i] = pick_row(target_logits[i], p, draws[i])
-    match = path == x[:, :G]  # [R, G]
-    match &= torch.arange(G, device=path.device)[None, :] < length[:, None]
-    accepted = match.long().cumprod(dim=1).sum(dim=1)  # [R] leading run of matches
-    if any(d is not None for d in draws):
-        commit_rows(draws, (accepted + 1).tolist())
-    return accepted, x.gather(1, accepted[:, None])[:, 0]
+    return accept_target_tokens(path, x, length, draws)

@@ -69,15 +69,23 @@ def accept(
     Returns:
         accepted [B] int64 in [0, length], next_token [B] int64.
     """
-    B, G = path.shape
-    rows = None if temperature <= 0 else _row_draws(draws, B, path.device)
-    x = pick_tokens(target_logits, temperature, rows)  # [B, G+1]
+    rows = None if temperature <= 0 else _row_draws(draws, path.shape[0], path.device)
+    return accept_target_tokens(path, pick_tokens(target_logits, temperature, rows), length, rows)
+
+
+def accept_target_tokens(
+    path: torch.Tensor, x: torch.Tensor, length: torch.Tensor, draws: Sequence[RowDraws | None] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The match rule of `accept` on the target's tokens x [B, G+1] (however each row picked them):
+    accepted [B] = the leading run of path == x within each row's length, next_token [B] = x at it;
+    sampled rows (draws[b] not None) consume the numbers of the accepted + 1 tokens they commit."""
+    G = path.shape[1]
     match = path == x[:, :G]  # [B, G]
     match &= torch.arange(G, device=path.device)[None, :] < length[:, None]
     accepted = accepted_prefix(match)  # [B] leading run of matches
     next_token = x.gather(1, accepted[:, None])[:, 0]
-    if rows is not None:
-        commit_rows(rows, (accepted + 1).tolist())
+    if draws is not None and any(d is not None for d in draws):
+        commit_rows(draws, (accepted + 1).tolist())
     return accepted, next_token
 
 
