@@ -195,14 +195,14 @@ def test_the_batcher_drives_the_engine_through_its_public_phases():
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_arrivals_under_the_batch_aware_plan_decode_as_ar_alone(hf_greedy, target, make_drafter, scripted_selector, seed):
+def test_random_arrivals_under_the_batch_aware_plan_decode_as_ar_alone(
+    hf_greedy, target, make_drafter, scripted_selector, steep_batch_surface, run_arrivals, seed
+):
     """Requests of random prompt lengths and budgets arrive at random steps and leave when done; the
     cost surface makes drafting pay for one row and not for four, so the batch-aware plan switches
     between drafted and AR rounds as the batch changes. Every request's output is the target's own
     greedy continuation of its prompt alone."""
     import random
-
-    from drelay_model.decoding.verify_costs import VerifyCosts, surface_batches
 
     rng = random.Random(seed)
     n = 7
@@ -214,11 +214,7 @@ def test_random_arrivals_under_the_batch_aware_plan_decode_as_ar_alone(hf_greedy
     selector = scripted_selector([p + r for p, r in zip(prompts, reference)], error_rate=0.3, vocab=target.vocab_size)
     engine = _engine(target, make_drafter, "native", selector)
     H = engine.num_slots
-    slope = {1: 0.1, 2: 8.0, 4: 60.0}  # ms per verified draft per round: cheap alone, dear at four rows
-    engine.costs = VerifyCosts(
-        verify_ms=[[10.0 * b + slope[b] * (t - 1) for t in range(1, H + 2)] for b in surface_batches(4)],
-        draft_slots_ms=[[0.5 * b] * H for b in surface_batches(4)], select_ms=0.1, batch_sizes=surface_batches(4),
-    )  # fmt: skip
+    engine.costs = steep_batch_surface(H)
     batcher = ContinuousBatcher(engine, max_batch=4)
     streamed: dict[int, list[int]] = {}
     finals = {}
@@ -228,13 +224,7 @@ def test_random_arrivals_under_the_batch_aware_plan_decode_as_ar_alone(hf_greedy
         if u.finished:
             finals[u.request_id] = u
 
-    step, submitted = 0, 0
-    while submitted < n or not batcher.idle:
-        while submitted < n and arrivals[submitted] <= step:
-            assert batcher.submit(prompts[submitted], GenerationConfig(max_new_tokens=budgets[submitted]), on_update) == submitted
-            submitted += 1
-        batcher.step()
-        step += 1
+    run_arrivals(batcher, prompts, [GenerationConfig(max_new_tokens=b) for b in budgets], arrivals, on_update)
     for i in range(n):
         assert streamed[i] == reference[i], i
         s = finals[i].stats

@@ -12,7 +12,6 @@ import torch
 from drelay_model.decoding import GenerationConfig, RowDraws, SpeculativeEngine
 from drelay_model.decoding.batcher import ContinuousBatcher
 from drelay_model.decoding.draws import inverse_cdf
-from drelay_model.decoding.verify_costs import VerifyCosts, surface_batches
 from drelay_model.selectors import default_registry
 
 SETTINGS = (
@@ -54,7 +53,9 @@ def test_draws_are_peeked_until_committed():
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_seeded_rows_commit_ar_samples_under_drafts_plans_and_arrivals(target, make_drafter, scripted_selector, seed):
+def test_seeded_rows_commit_ar_samples_under_drafts_plans_and_arrivals(
+    target, make_drafter, scripted_selector, steep_batch_surface, run_arrivals, seed
+):
     """Requests with different sampling settings arrive at random steps; drafts are mostly the AR
     sample (so many are accepted), the batch-aware plan switches between drafted and AR rounds as the
     batch changes. Every request's output is its AR sample with the same seed, alone."""
@@ -68,22 +69,11 @@ def test_seeded_rows_commit_ar_samples_under_drafts_plans_and_arrivals(target, m
     drafter = make_drafter(target)
     selector = scripted_selector([p + r for p, r in zip(prompts, reference)], error_rate=0.25, vocab=target.vocab_size)
     engine = SpeculativeEngine(target, drafter, selector)
-    H = engine.num_slots
-    slope = {1: 0.1, 2: 8.0, 4: 60.0}  # ms per verified draft: drafting pays alone, not at four rows
-    engine.costs = VerifyCosts(
-        verify_ms=[[10.0 * b + slope[b] * (t - 1) for t in range(1, H + 2)] for b in surface_batches(4)],
-        draft_slots_ms=[[0.5 * b] * H for b in surface_batches(4)], select_ms=0.1, batch_sizes=surface_batches(4),
-    )  # fmt: skip
+    engine.costs = steep_batch_surface(engine.num_slots)
     batcher = ContinuousBatcher(engine, max_batch=4)
     streamed: dict[int, list[int]] = {}
-    step, submitted = 0, 0
-    while submitted < n or not batcher.idle:
-        while submitted < n and arrivals[submitted] <= step:
-            batcher.submit(prompts[submitted], _settings(submitted, budgets[submitted]),
-                           lambda u: streamed.setdefault(u.request_id, []).extend(u.new_tokens))  # fmt: skip
-            submitted += 1
-        batcher.step()
-        step += 1
+    settings = [_settings(i, budgets[i]) for i in range(n)]
+    run_arrivals(batcher, prompts, settings, arrivals, lambda u: streamed.setdefault(u.request_id, []).extend(u.new_tokens))
     assert [streamed[i] for i in range(n)] == reference
     stats = batcher.stats
     assert sum(stats.accept_hist[1:]) > 0 and stats.drafted_rounds < stats.rounds  # drafts landed; AR rounds too
