@@ -3,6 +3,8 @@ one loaded SmolLM2 target for the whole test session."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -33,6 +35,10 @@ def ray_session():
     the environment.
     """
     ray = pytest.importorskip("ray")
+    # Ray Train's controller polls its worker group every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by
+    # default) and so sees a finished run up to seconds late; the suite's runs last seconds, so they
+    # are polled at 0.25 s. Set before `ray.init`: the controller inherits the instance's environment.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
     ray.init(num_cpus=4, include_dashboard=True, configure_logging=False, log_to_driver=False)
     yield ray
     ray.shutdown()

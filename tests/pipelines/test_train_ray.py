@@ -132,7 +132,9 @@ def test_study_trains_stages_compares_and_ships(tmp_path, tiny_data, ray_session
         "name": "tiny-study",
         "stages": [
             {"config": str(base), "runs": {"base": []}},
-            {"config": str(base), "overrides": ["drafter.init_checkpoint={base}", "train.max_steps=2", "train.checkpoint_every=2"],
+            # The base run trains DDP on 2 workers; the runs started from it need no second worker.
+            {"config": str(base), "overrides": ["drafter.init_checkpoint={base}", "train.max_steps=2", "train.checkpoint_every=2",
+                                                "ray.num_workers=1"],
              "runs": {"native": [], "drelay": ["selector.name=drelay", "selector.config={d_sel: 32, read_dim: 32, history_len: 8}"]}},
         ],
         "compare": {"baseline": "native", "variants": {"pick": "drelay:native"}, "benchmarks": "gsm8k", "limit": 1,
