@@ -36,22 +36,36 @@ COMMANDS = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or only COMMAND's: a command's module imports what its run needs (torch,
+    transformers, Ray), so `drelay jobs`, `drelay submit` and `drelay plan` start in a fraction of a second."""
     parser = argparse.ArgumentParser(prog="drelay", description="DRelay speculative decoding platform")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMANDS:
+    for name in COMMANDS if command is None else (command,):
         importlib.import_module(f"pipelines.cli.{name}").add_parser(sub)
     return parser
 
 
-def _quiet_libraries() -> None:
-    """Keep library chatter (weight-loading bars, advisory warnings) off the user's terminal."""
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from transformers.utils import logging as hf_logging
+def requested_command(argv: list[str]) -> str | None:
+    """The command module ARGV names (its first word; `serve-bench` → serve_bench), or None for
+    `drelay`, `drelay --help` and unknown words, which get the whole parser and its list of commands."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    name = word.replace("-", "_") if word else None
+    return name if name in COMMANDS else None
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+
+def _quiet_libraries() -> None:
+    """Keep library chatter (weight-loading bars, advisory warnings) off the user's terminal. Through
+    the environment where transformers is not imported yet (it reads both variables at import), so a
+    command that never loads a model does not pay for importing it."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
 
 
 def guarded(run: Callable[[], int | None], prog: str) -> int:
@@ -69,8 +83,8 @@ def guarded(run: Callable[[], int | None], prog: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(requested_command(argv)).parse_args(argv)
     return guarded(lambda: args.run(args), "drelay")
 
 

@@ -141,6 +141,28 @@ def test_console_script_never_prints_a_traceback(tmp_path):
     )
 
 
+def test_a_command_builds_only_its_own_parser(capsys):
+    """`drelay jobs …` imports the jobs command and nothing that loads models: neither torch nor
+    transformers is imported, and its help still comes from the jobs module. `drelay --help` lists every
+    command; a word that is no command gets argparse's own error with the list."""
+    from pipelines.cli.main import COMMANDS, requested_command
+
+    assert requested_command(["serve-bench", "--config", "x"]) == "serve_bench" and requested_command(["--help"]) is None
+    assert requested_command(["nope"]) is None and requested_command([]) is None
+    probe = ("import sys; from pipelines.cli.main import main\n"
+             "try:\n    main(['jobs', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+             "print(sorted({'torch', 'transformers'} & set(sys.modules)))")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("[]"), proc.stdout + proc.stderr
+    assert "usage: drelay jobs" in proc.stdout
+    for argv, code in ((["--help"], 0), (["nope"], 2)):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        out = capsys.readouterr()
+        assert exit_.value.code == code and all(name.replace("_", "-") in out.out + out.err for name in COMMANDS)
+    assert "invalid choice: 'nope'" in out.err
+
+
 TINY = ["--target", "tiny-llama"]
 
 
