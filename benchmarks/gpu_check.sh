@@ -29,10 +29,9 @@ declare -A LIMIT=([env]=30 [tests]=120 [lossless]=60 [kernels]=75 [graphs]=75 [j
 
 if (( DRY )); then
   echo "gpu_check.sh --dry-run: what a run would do here (nothing is run)"
-  if ! "$PY" -c "import torch" 2>/dev/null; then
+  if ! cuda=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null); then
     echo "every step would fail: $PY cannot import torch (set PYTHON)"; exit 0
   fi
-  cuda=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))")
   echo "env         would run (${LIMIT[env]} s) — versions, device, drelay_model imports without ray/mlflow/pydantic"
   if [[ "$cuda" == 1 ]]; then
     echo "tests       would run (${LIMIT[tests]} s) — pytest tests/gpu/test_cuda.py tests/model/test_kernels.py on CUDA"

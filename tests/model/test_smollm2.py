@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine, replay
-from drelay_model.drafter import BlockDrafter, DrafterConfig
+from drelay_model.drafter import BlockDrafter, DrafterConfig, load_drafter
 from drelay_model.selectors import default_registry
 
 pytestmark = pytest.mark.slow
+
+BUNDLED = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m"
 
 MESSAGES = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?",
@@ -17,9 +21,8 @@ MESSAGES = [
     "Give three tips for staying healthy.",
     "What is the capital of France?",
 ]
-# An untrained drafter's paths are rejected (τ ≈ 1): each new token costs one round (draft, verify the
-# whole block on the target, commit the target's own token), and the rounds of a row differ only in
-# their position, so the time grows with the tokens while the code paths do not.
+# The bundled drafter's drafts are accepted here (τ ≈ 1.2–1.4 over these first 24 tokens), so each
+# method's selection decides what a round commits, and rows in one batch commit different counts.
 MAX_NEW = 24
 
 
@@ -47,19 +50,29 @@ def hf_reference(smol, prompts):
     return out
 
 
+def trained_method(smol, method: str):
+    """The bundled drafter with `method`'s selector: DRelay's trained one from the checkpoint, the others
+    built fresh on it (seeded)."""
+    torch.manual_seed(0)
+    drafter, extra, meta = load_drafter(BUNDLED, smol)
+    registry = default_registry()
+    if method == "drelay":
+        return drafter, registry.from_checkpoint(method, drafter=drafter, tensors=extra, meta=meta)
+    return drafter, registry.create(method, drafter=drafter)
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("method", ["ar", *default_registry().names()])
 def test_greedy_equals_huggingface_generate(smol, prompts, hf_reference, method, batch):
-    drafter = selector = None
-    if method != "ar":
-        torch.manual_seed(0)
-        drafter = BlockDrafter(DrafterConfig.for_target(smol), smol)
-        selector = default_registry().create(method, drafter=drafter)
+    drafter, selector = trained_method(smol, method) if method != "ar" else (None, None)
     engine = SpeculativeEngine(smol, drafter, selector)
-    tokens = []
+    tokens, accepted = [], []
     for i in range(0, len(prompts), batch):
-        tokens += engine.generate(prompts[i : i + batch], GenerationConfig(max_new_tokens=MAX_NEW)).tokens
+        result = engine.generate(prompts[i : i + batch], GenerationConfig(max_new_tokens=MAX_NEW))
+        tokens += result.tokens
+        accepted.append(result.stats.tau)
     assert tokens == hf_reference
+    assert method == "ar" or min(accepted) > 1.0, accepted  # drafts were accepted, not only the target's own token
 
 
 def test_mostly_right_paths_stay_lossless_and_replay_matches(smol, prompts, hf_reference, scripted_selector):
