@@ -39,7 +39,11 @@ def ray_session():
     # default) and so sees a finished run up to seconds late; the suite's runs last seconds, so they
     # are polled at 0.25 s. Set before `ray.init`: the controller inherits the instance's environment.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
-    ray.init(num_cpus=4, include_dashboard=True, configure_logging=False, log_to_driver=False)
+    # Each Train run also starts a preemption watcher (one more actor process, importing Ray) that polls
+    # the node's drain state: a single local test node is never drained. No dashboard either: no test
+    # reads it (Ray Jobs are tested against their own head), and its processes cost seconds to start.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 
