@@ -17,13 +17,12 @@ CONFIG = Path(__file__).resolve().parents[2] / "platform" / "serve" / "smollm2-1
 
 
 @pytest.mark.slow
-def test_cpu_default_endpoint_matches_offline_engine(ray_session):
+def test_cpu_default_endpoint_matches_offline_engine(ray_session, smol):
     from ray import serve
 
     from deploy.serve.commands import start
     from deploy.serve.config import load_serve_config
     from drelay_model.decoding import GenerationConfig, SpeculativeEngine
-    from drelay_model.target import load_target
     from pipelines.common.methods import load_method, resolve_method
 
     with socket.socket() as s:
@@ -49,7 +48,8 @@ def test_cpu_default_endpoint_matches_offline_engine(ray_session):
             temperature=0,
             extra_body={"return_spec_tokens_details": True},
         )
-        target = load_target(cfg.engine.target)
+        assert cfg.engine.target == "smollm2-135m"
+        target = smol  # the suite's one loaded SmolLM2 (tests/conftest.py), the replica's target
         drafter, selector = load_method(
             resolve_method(cfg.engine.method, target_spec=cfg.engine.target, checkpoint=cfg.engine.checkpoint), target
         )

@@ -1,7 +1,7 @@
 """The scripts in benchmarks/ (performance) and analysis/ answer bad input like `drelay` does: one line on stderr, exit 2."""
 
 import json
-import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -69,18 +69,29 @@ def test_bad_input_is_one_line_and_exit_2(bad_input_runs, case):
     assert "Traceback" not in run["stderr"]
 
 
-def test_training_budget_names_a_missing_run_or_experiment(tmp_path):
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+def _run_as_main(script: Path, args: list[str], monkeypatch, capsys) -> tuple[object, str]:
+    """`python SCRIPT ARGS` in this process (runpy, as the driver above does): its exit code and stderr.
+    Anything but SystemExit propagates and fails the test, as a traceback would."""
+    monkeypatch.setattr(sys, "argv", [str(script), *args])
+    monkeypatch.syspath_prepend(str(script.parent))
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(script), run_name="__main__")
+    return exit_.value.code, capsys.readouterr().err
+
+
+def test_training_budget_names_a_missing_run_or_experiment(tmp_path, monkeypatch, capsys):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     script = ROOT / "analysis" / "plot_training_budget.py"
-    run = [sys.executable, str(script), "--runs", "nope", "--out", str(tmp_path / "x.png")]
-    proc = subprocess.run(run, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert proc.returncode == 2 and "--experiment: no MLflow experiment 'drelay-train'" in proc.stderr
+    args = ["--runs", "nope", "--out", str(tmp_path / "x.png")]
+    code, err = _run_as_main(script, args, monkeypatch, capsys)
+    assert code == 2 and "--experiment: no MLflow experiment 'drelay-train'" in err, err
     from pipelines.common.tracking import ensure_experiment, get_client
 
-    ensure_experiment(get_client(env["MLFLOW_TRACKING_URI"]), "drelay-train")
-    proc = subprocess.run(run, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert proc.returncode == 2 and "--runs: no finished MLflow run named 'nope'" in proc.stderr
-    assert "Traceback" not in proc.stderr and not (tmp_path / "x.png").exists()
+    ensure_experiment(get_client(uri), "drelay-train")
+    code, err = _run_as_main(script, args, monkeypatch, capsys)
+    assert code == 2 and "--runs: no finished MLflow run named 'nope'" in err, err
+    assert not (tmp_path / "x.png").exists()
 
 
 def test_training_budget_points_chain_wall_time():
