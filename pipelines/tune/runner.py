@@ -138,29 +138,55 @@ def check_cluster_fits(sweep: SweepConfig, base) -> None:
         )
 
 
+def _actor_placement_groups(job_id: str | None = None):
+    """(placement group id, creator dead) of each live, non-detached placement group an actor made (an
+    actor of job `job_id`, hex, when given). Placement groups made by a driver (Tune's, per trial) never
+    appear: a driver's creator id is ActorID::NilFromJob, whose 12 unique bytes are 0xff."""
+    from ray._private.state import state
+    from ray.core.generated.gcs_pb2 import PlacementGroupTableData
+
+    job = bytes.fromhex(job_id) if job_id else None
+    for raw in state._connect_and_get_accessor().get_placement_group_table():  # Ray-internal: the raw GCS rows
+        pg = PlacementGroupTableData.FromString(raw)
+        made_by_actor = pg.creator_actor_id[:12] != b"\xff" * 12
+        if pg.state != PlacementGroupTableData.REMOVED and made_by_actor and not pg.is_detached:
+            if job is None or pg.creator_actor_id[12:] == job:  # an ActorID ends with its job's id
+                yield pg.placement_group_id, pg.creator_actor_dead
+
+
 def release_orphaned_placement_groups() -> int:
     """Remove placement groups whose creating actor is dead; returns how many.
 
     A trial that ASHA stops ends its process, and with it the Ray Train controller that it created;
     the controller's worker-group placement group (its workers' CPUs) lives on with the job. Ray
-    Train's own PlacementGroupCleaner frees it through the state API, which fails on a host running
-    more than one Ray instance ("Found multiple active Ray instances"), leaving later trials waiting
-    for CPUs that never come back. Placement groups made by the driver (Tune's, per trial) and
-    detached ones are never touched."""
+    Train's own PlacementGroupCleaner frees it through the state API, which needs the dashboard and
+    fails on a host running more than one Ray instance ("Found multiple active Ray instances"), leaving
+    later trials waiting for CPUs that never come back. Placement groups made by the driver (Tune's, per
+    trial) and detached ones are never touched."""
     import ray
-    from ray._private.state import state
-    from ray.core.generated.gcs_pb2 import PlacementGroupTableData
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
     released = 0
-    for raw in state._connect_and_get_accessor().get_placement_group_table():  # Ray-internal: the raw GCS rows
-        pg = PlacementGroupTableData.FromString(raw)
-        # A driver's creator id is ActorID::NilFromJob: the 12 unique bytes are 0xff, then the job id.
-        made_by_actor = pg.creator_actor_id[:12] != b"\xff" * 12
-        if pg.state != PlacementGroupTableData.REMOVED and made_by_actor and pg.creator_actor_dead and not pg.is_detached:
-            remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
+    for pg_id, creator_dead in list(_actor_placement_groups()):
+        if creator_dead:
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg_id)))
             released += 1
     return released
+
+
+def release_after_the_last_trial(timeout_s: float = 30.0) -> int:
+    """After `Tuner.fit` every trial has ended, so each placement group an actor of this job still holds
+    belongs to a stopped trial's controller, which Ray may still be tearing down: release each one once
+    its creator is dead, waiting at most `timeout_s`. Returns how many were released."""
+    import ray
+
+    job_id = ray.get_runtime_context().get_job_id()
+    deadline, released = time.monotonic() + timeout_s, 0
+    while True:
+        released += release_orphaned_placement_groups()
+        if not any(True for _ in _actor_placement_groups(job_id)) or time.monotonic() >= deadline:
+            return released
+        time.sleep(0.5)
 
 
 class ReleaseOrphanedPlacementGroups(Callback):
@@ -210,7 +236,7 @@ def run_sweep(sweep: SweepConfig, base_doc: dict, *, resume: bool = False) -> Sw
                                           failure_config=tune.FailureConfig(max_failures=base.ray.max_failures)),
             )  # fmt: skip
         grid = tuner.fit()
-        release_orphaned_placement_groups()  # of trials stopped after the callback's last pass
+        release_after_the_last_trial()  # of trials stopped after the callback's last pass
         return summarize(sweep, ctx, grid, parent, client, folder, start=start_reference(base, folder))
 
 
