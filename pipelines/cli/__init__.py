@@ -1,7 +1,8 @@
 """The `drelay` command line: the user's entry point, on top of every other package.
 
     main.py      the entry point (`drelay = pipelines.cli:main`): builds the parser of the command
-                 asked for (all of COMMANDS for `drelay --help`), turns bad input (`DRelayError`) into one line on stderr and exit status 2
+                 asked for (all of COMMANDS for `drelay --help`), turns bad input (`DRelayError`)
+                 into one line on stderr and exit status 2
     options.py   flags and flag parsing shared by several commands (not a command)
     <command>.py one thin module per command: `add_parser(subparsers)` registers it and sets
                  `run(args) -> int`; the work happens in the packages below

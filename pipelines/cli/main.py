@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import os
 import sys
 from collections.abc import Callable
@@ -47,10 +46,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def requested_command(argv: list[str]) -> str | None:
-    """The command module ARGV names (its first word; `serve-bench` → serve_bench), or None for
-    `drelay`, `drelay --help` and unknown words, which get the whole parser and its list of commands."""
-    word = next((a for a in argv if not a.startswith("-")), None)
-    name = word.replace("-", "_") if word else None
+    """The command module ARGV names (its first argument: `drelay` itself takes no options but --help;
+    `serve-bench` → serve_bench), or None for `drelay`, `drelay --help …` and unknown words, which get
+    the whole parser and its list of commands."""
+    name = argv[0].replace("-", "_") if argv else None
     return name if name in COMMANDS else None
 
 
@@ -60,7 +59,6 @@ def _quiet_libraries() -> None:
     command that never loads a model does not pay for importing it."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    logging.getLogger("transformers").setLevel(logging.ERROR)
     if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 

@@ -138,20 +138,29 @@ def check_cluster_fits(sweep: SweepConfig, base) -> None:
         )
 
 
-def _actor_placement_groups(job_id: str | None = None):
-    """(placement group id, creator dead) of each live, non-detached placement group an actor made (an
-    actor of job `job_id`, hex, when given). Placement groups made by a driver (Tune's, per trial) never
-    appear: a driver's creator id is ActorID::NilFromJob, whose 12 unique bytes are 0xff."""
+def _release_dead_creators(job_id: str | None = None) -> tuple[int, int]:
+    """One pass over the live, non-detached placement groups that actors made: remove each whose creator
+    is dead; returns (how many were removed, how many of job `job_id`'s (hex) are still held). Placement
+    groups made by a driver (Tune's, per trial) never count: a driver's creator id is
+    ActorID::NilFromJob, whose 12 unique bytes are 0xff (an ActorID then ends with its job's id)."""
+    import ray
     from ray._private.state import state
     from ray.core.generated.gcs_pb2 import PlacementGroupTableData
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
 
     job = bytes.fromhex(job_id) if job_id else None
+    released = held = 0
     for raw in state._connect_and_get_accessor().get_placement_group_table():  # Ray-internal: the raw GCS rows
         pg = PlacementGroupTableData.FromString(raw)
         made_by_actor = pg.creator_actor_id[:12] != b"\xff" * 12
-        if pg.state != PlacementGroupTableData.REMOVED and made_by_actor and not pg.is_detached:
-            if job is None or pg.creator_actor_id[12:] == job:  # an ActorID ends with its job's id
-                yield pg.placement_group_id, pg.creator_actor_dead
+        if pg.state == PlacementGroupTableData.REMOVED or not made_by_actor or pg.is_detached:
+            continue
+        if pg.creator_actor_dead:
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
+            released += 1
+        elif pg.creator_actor_id[12:] == job:
+            held += 1
+    return released, held
 
 
 def release_orphaned_placement_groups() -> int:
@@ -163,15 +172,7 @@ def release_orphaned_placement_groups() -> int:
     fails on a host running more than one Ray instance ("Found multiple active Ray instances"), leaving
     later trials waiting for CPUs that never come back. Placement groups made by the driver (Tune's, per
     trial) and detached ones are never touched."""
-    import ray
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
-
-    released = 0
-    for pg_id, creator_dead in list(_actor_placement_groups()):
-        if creator_dead:
-            remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg_id)))
-            released += 1
-    return released
+    return _release_dead_creators()[0]
 
 
 def release_after_the_last_trial(timeout_s: float = 30.0) -> int:
@@ -183,8 +184,9 @@ def release_after_the_last_trial(timeout_s: float = 30.0) -> int:
     job_id = ray.get_runtime_context().get_job_id()
     deadline, released = time.monotonic() + timeout_s, 0
     while True:
-        released += release_orphaned_placement_groups()
-        if not any(True for _ in _actor_placement_groups(job_id)) or time.monotonic() >= deadline:
+        removed, held = _release_dead_creators(job_id)
+        released += removed
+        if not held or time.monotonic() >= deadline:
             return released
         time.sleep(0.5)
 

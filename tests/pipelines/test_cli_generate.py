@@ -149,6 +149,7 @@ def test_a_command_builds_only_its_own_parser(capsys):
 
     assert requested_command(["serve-bench", "--config", "x"]) == "serve_bench" and requested_command(["--help"]) is None
     assert requested_command(["nope"]) is None and requested_command([]) is None
+    assert requested_command(["--help", "jobs"]) is None  # `drelay --help` lists every command
     probe = ("import sys; from pipelines.cli.main import main\n"
              "try:\n    main(['jobs', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
              "print(sorted({'torch', 'transformers'} & set(sys.modules)))")  # fmt: skip
