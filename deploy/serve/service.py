@@ -5,6 +5,7 @@ ask `logprobs` get each token's log-probability (`deploy/serve/logprobs.py`), in
 
 from __future__ import annotations
 
+import hmac
 import json
 import time
 import uuid
@@ -58,6 +59,14 @@ def _stop_predicate(tokenizer, stops: list[str]):
     return stop
 
 
+def bearer_matches(authorization: str | None, api_key: str) -> bool:
+    """Whether an `Authorization` header carries `api_key` as a Bearer credential. The scheme is
+    case-insensitive and may be followed by several spaces (RFC 7235 §2.1); the key is compared in
+    constant time."""
+    scheme, _, credential = (authorization or "").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(credential.strip().encode(), api_key.encode())
+
+
 class Service:
     def __init__(self, cfg: ServeConfig, backend: Backend, api_key: str | None = None, metrics=None) -> None:
         self.cfg, self.backend, self.api_key, self.metrics = cfg, backend, api_key, metrics
@@ -65,7 +74,7 @@ class Service:
 
     # ---- small routes --------------------------------------------------------------------------
     def check_auth(self, authorization: str | None) -> None:
-        if self.api_key and authorization != f"Bearer {self.api_key}":
+        if self.api_key and not bearer_matches(authorization, self.api_key):
             raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
 
     def models(self) -> dict:

@@ -225,6 +225,12 @@ def test_bad_input_is_a_4xx_with_an_openai_error_then_a_good_request_works(serve
         json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
     )
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    # The scheme is case-insensitive (RFC 7235 §2.1): a lower-case `bearer` is the same credential.
+    r = requests.get(f"{server}/v1/models", headers={"Authorization": f"bearer  {KEY}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    for wrong in (f"Basic {KEY}", f"Bearer {KEY}x", "Bearer", KEY):
+        r = requests.get(f"{server}/v1/models", headers={"Authorization": wrong}, timeout=60)
+        assert r.status_code == 401, wrong
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
     ok = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)
