@@ -19,6 +19,7 @@ from pipelines.cli.main import main as drelay
 from tests.deploy.test_vllm_export import TINY, _check_agree, _random_checkpoint
 
 TINY_OTHER = "tiny-qwen3:vocab=320,seed=1"  # the same widths, another vocabulary
+TINY_DEEP = "tiny-qwen3:vocab=384,seed=1,layers=4"
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +110,26 @@ def _edit(src: Path, dst: Path, *, config=None, tensors=None) -> Path:
         tensors(w)
         save_file(w, str(dst / "model.safetensors"))
     return dst
+
+
+def _trained_norms(w: dict) -> None:
+    """DFlash's norms as trained (our export's are ones): hidden_norm and each input_layernorm differ."""
+    w.update(
+        {k: 1 + 0.3 * torch.randn_like(v) for k, v in w.items() if k.endswith(("input_layernorm.weight", "hidden_norm.weight"))}
+    )
+
+
+def test_dflash_context_layout_is_vllms_order(tiny, tmp_path):
+    """A DFlash directory whose hidden_norm and input_layernorms differ, imported: our drafter (in
+    DFlash's layout) computes what vLLM's order of operations computes on that very directory."""
+    src = _edit(_dflash_dir(tiny, tmp_path), tmp_path / "dflash", tensors=_trained_norms)
+    assert _import(src, tmp_path / "back", "--top-k", "4") == 0
+    drafter, _, _ = load_drafter(tmp_path / "back", tiny)
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, tiny.vocab_size, (n,)) for n in (4, 15)]
+    _check_agree(tiny, drafter, src, prompts, atol=1e-4)
+    _export(tmp_path / "back", tmp_path / "again")  # and exported again, by name: the same directory
+    _check_agree(tiny, drafter, tmp_path / "again", prompts, atol=1e-4)
 
 
 def _set(path: str, value):
@@ -207,3 +228,29 @@ def test_mask_row_value_scale_and_shared_embedding(tiny, tmp_path):
     assert torch.equal(ours["mask_embedding"], tiny.embed_weight[mask_id].to(ours["mask_embedding"].dtype))
     assert torch.equal(ours["layers.1.v_proj.weight"], theirs["layers.1.self_attn.v_proj.weight"] * 0.5)
     assert torch.equal(ours["layers.1.k_proj.weight"], theirs["layers.1.self_attn.k_proj.weight"])
+
+
+def test_imported_drafter_exported_for_sglang_keeps_dflash_context_layout(tiny, tmp_path):
+    """The SGLang runner of an imported drafter writes the context K/V our drafter computes (no
+    per-layer input norm on the context)."""
+    from safetensors.torch import load_file
+
+    from deploy.sglang.export import export_sglang
+    from tests.deploy.test_sglang_runner import runner_from
+
+    deep = load_target(TINY_DEEP)  # SGLang cannot read the last layer's features: more layers
+    _random_checkpoint(deep, tmp_path / "ckpt", None)
+    assert drelay(["export", "--format", "vllm", "--target", TINY_DEEP, str(tmp_path / "ckpt"), str(tmp_path / "vllm")]) == 0
+    src = _edit(tmp_path / "vllm", tmp_path / "dflash", tensors=_trained_norms)
+    args = ["import", "--format", "dflash", "--target", TINY_DEEP, "--top-k", "4", str(src), str(tmp_path / "back")]
+    assert drelay(args) == 0
+    drafter, _, _ = load_drafter(tmp_path / "back", deep)
+    out = export_sglang(tmp_path / "back", tmp_path / "sglang", dtype="float32")
+    model = runner_from(out, load_file(str(out / "model.safetensors")))
+    feats = torch.randn(1, 7, model.fc.in_features)
+    with torch.no_grad():
+        ref = drafter.context_kv(feats, torch.arange(7)[None])
+        got = model.context_kv(feats[0], torch.arange(7))
+    for (rk, rv), (k, v) in zip(ref, got):
+        torch.testing.assert_close(k, rk[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(v, rv[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
