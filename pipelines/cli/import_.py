@@ -16,6 +16,8 @@ def add_parser(sub) -> None:
     p.add_argument("--format", required=True, choices=FORMATS, help="input format")
     p.add_argument("--target", default=DEFAULT_TARGET,
                    help=f"the target the drafter runs on: its width, vocabulary, layers and head are checked (default: {DEFAULT_TARGET})")  # fmt: skip
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the target's weights as loaded for the check (bfloat16 halves a large target's memory; default float32)")  # fmt: skip
     p.add_argument("--top-k", type=int, default=16, help="pool size K of the imported drafter (default: 16)")
     p.add_argument("src", help="DFlash draft-model directory (config.json, *.safetensors)")
     p.add_argument("out", help="new (or empty) checkpoint directory")
@@ -26,7 +28,9 @@ def run(args: argparse.Namespace) -> int:
     from deploy.dflash_import import import_dflash
     from drelay_model.target import load_target
 
-    path, config = import_dflash(args.src, args.out, target=load_target(args.target, pack=False), top_k=args.top_k)
+    path, config = import_dflash(
+        args.src, args.out, target=load_target(args.target, dtype=args.dtype, pack=False), top_k=args.top_k
+    )
     vocab = f"draft vocabulary {config.draft_vocab_size}" if config.draft_vocab_size else "the target's vocabulary"
     print(f"imported {args.src} → {path} ({config.num_layers} layers, block {config.block_size}, "
           f"features from layers {list(config.target_layer_ids)}, {vocab})")  # fmt: skip
