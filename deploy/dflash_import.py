@@ -131,6 +131,8 @@ def drafter_config(doc: dict, target, src, *, top_k: int) -> tuple[DrafterConfig
         raise DRelayError(
             f"'{src}': dflash_config.target_layer_ids {ids!r} must be layer ids of target '{target.name}' (0..{target.num_layers - 1})"
         )
+    if ids != sorted(set(ids)):  # the engines concatenate the captured layers in layer order
+        raise DRelayError(f"'{src}': dflash_config.target_layer_ids {ids} must be strictly ascending")
     mask_id = dflash.get("mask_token_id")
     if isinstance(mask_id, bool) or not isinstance(mask_id, int) or not 0 <= mask_id < target.vocab_size:
         raise DRelayError(f"'{src}': dflash_config.mask_token_id {mask_id!r} is not a token id of target '{target.name}'")

@@ -146,6 +146,7 @@ BAD_CONFIGS = [  # (config edit, words the one line must hold)
     (_set("hidden_size", 96), "hidden_size 96 does not match"),
     (_set("vocab_size", 512), "vocab_size 512 does not match"),
     (_set("dflash_config.target_layer_ids", [1, 99]), "target_layer_ids"),
+    (_set("dflash_config.target_layer_ids", [1, 0]), "strictly ascending"),
     (_set("num_target_layers", 40), "num_target_layers 40"),
     (_set("num_speculative_tokens", 7), "block_size disagrees"),
     (_set("block_size", 99), "block_size"),
