@@ -60,9 +60,10 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-# The tests marked `vllm` (our venv drives vLLM in the other one): export, AR = DFlash, τ against ours.
+# The tests marked `vllm` (our venv drives vLLM in the other one): export, AR = DFlash, τ against ours,
+# an imported DFlash drafter against vLLM's own DFlash model.
 test-vllm: $(STAMP) $(VLLM_STAMP)
-	DRELAY_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m vllm tests/deploy/test_vllm_peer.py tests/deploy/test_vllm_serve.py
+	DRELAY_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m vllm tests/
 
 # SGLang 0.5.23 in its own venv (it pins torch 2.14.1 and transformers 5.19, which our venv cannot
 # share): SGLang's own torch + torchvision pins (CUDA builds of ~5.5 GB that run on the CPU; a CPU torch

@@ -6,7 +6,8 @@ An export (export.py) is an HF-style directory: `config.json` with `architecture
 ["DRelayDraftModel"]` and `model.safetensors` under the names below. Our drafter differs from
 SGLang's DFlash draft model in three ways, all handled here rather than folded into weights:
   - the context K/V apply each layer's input norm to the projected features
-    (k_p = W_k RMSNorm_in(RMSNorm_ctx(W_fc f_p))); DFlash feeds RMSNorm_ctx(W_fc f_p) directly;
+    (k_p = W_k RMSNorm_in(RMSNorm_ctx(W_fc f_p))); DFlash feeds RMSNorm_ctx(W_fc f_p) directly (as
+    does a drafter imported from DFlash, `context_layer_norm: false`);
   - the masked slots start from a learned vector `mask_embedding` [D], not the embedding row of a
     mask token;
   - the pool goes through a frozen LM head that may be a frequency-ranked subset of the target's

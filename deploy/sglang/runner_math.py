@@ -184,8 +184,9 @@ class DraftRunner(nn.Module):
         return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
 
     def prepare_context_hidden_for_kv(self, layer: DraftLayer, c: torch.Tensor) -> torch.Tensor:
-        """Difference (a): the layer's input RMSNorm on the projected features. [T, D] → [T, D]."""
-        return layer.input_layernorm(c)
+        """Difference (a): the layer's input RMSNorm on the projected features (none for a drafter in
+        DFlash's layout, `context_layer_norm: false`). [T, D] → [T, D]."""
+        return layer.input_layernorm(c) if self.drafter_config.context_layer_norm else c
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """What the worker writes into each layer's draft KV for features [T, L·D] at positions

@@ -12,7 +12,8 @@ n(y) = y / rms(y) (the unweighted RMSNorm, scale-invariant: n(a·y) = n(y) for a
 
 (up to epsilon), so the export folds the norm weights into the linears: `fc` = diag(w_ctx) · F
 (rows scaled), `q/k/v_proj` = W · diag(w_in,l) (columns scaled), and `hidden_norm` and every
-`input_layernorm` become ones. Everything else maps one to one.
+`input_layernorm` become ones. Everything else maps one to one. A drafter already in DFlash's
+layout (`context_layer_norm: false`, what `drelay import` writes) maps by name only.
 
 Draft vocabulary: vLLM's head is `lm_head` [V_draft, D] with `d2t` [V_draft] such that target id =
 draft id + d2t[draft id]; we export lm_head = the target's LM-head rows `draft_to_target` and
@@ -69,10 +70,11 @@ def vllm_tensors(
         name → float tensor (and `d2t` int64), contiguous, in the checkpoint's dtype.
     """
     D = config.hidden_size
+    fold = config.context_layer_norm  # False: already DFlash's layout (an import), names only
     w_ctx = tensors["ctx_norm.weight"]  # [D]
     out = {
-        "fc.weight": tensors["fc.weight"] * w_ctx[:, None],  # rows: diag(w_ctx) · F
-        "hidden_norm.weight": torch.ones_like(w_ctx),
+        "fc.weight": tensors["fc.weight"] * w_ctx[:, None] if fold else tensors["fc.weight"],  # rows: diag(w_ctx) · F
+        "hidden_norm.weight": torch.ones_like(w_ctx) if fold else w_ctx,
         "norm.weight": tensors["norm.weight"],
     }
     for n in range(config.num_layers):
@@ -80,10 +82,10 @@ def vllm_tensors(
         w_in = tensors[ours + "in_norm.weight"]  # [D]
         for name, mapped in _LAYER_NAMES.items():
             w = tensors[f"{ours}{name}.weight"]
-            if name in ("q_proj", "k_proj", "v_proj"):
+            if fold and name in ("q_proj", "k_proj", "v_proj"):
                 w = w * w_in[None, :]  # columns: W · diag(w_in)
             out[f"{theirs}{mapped}.weight"] = w
-        out[theirs + "input_layernorm.weight"] = torch.ones(D, dtype=w_in.dtype)
+        out[theirs + "input_layernorm.weight"] = torch.ones(D, dtype=w_in.dtype) if fold else w_in
     if config.draft_vocab_size is not None:
         d2t = tensors["draft_to_target"].long()  # [V_draft], sorted target ids
         out["lm_head.weight"] = head_weight[d2t].to(w_ctx.dtype)

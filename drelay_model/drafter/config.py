@@ -44,6 +44,10 @@ class DrafterConfig:
     # Size of the frequency-ranked draft vocabulary (a subset of the target's LM-head rows); None
     # means the full target vocabulary. The mapping itself is a buffer in the checkpoint.
     draft_vocab_size: int | None = None
+    # Where the projected context c = ctx_norm(W_fc f) meets each layer's input norm. True: every
+    # layer's K/V read in_norm_l(c), as the block's do (the layout trained here). False: every
+    # layer's K/V read c as it is (DFlash's layout: z-lab, SpecForge, vLLM, SGLang; `drelay import`).
+    context_layer_norm: bool = True
     target: TargetFingerprint | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -58,6 +62,7 @@ class DrafterConfig:
             "top_k": self.top_k >= 1,
             "target_layer_ids": len(self.target_layer_ids) >= 1 and min(self.target_layer_ids) >= 0,
             "draft_vocab_size": self.draft_vocab_size is None or self.draft_vocab_size >= self.top_k,
+            "context_layer_norm": isinstance(self.context_layer_norm, bool),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:

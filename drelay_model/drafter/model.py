@@ -148,10 +148,13 @@ class BlockDrafter(nn.Module):
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer context keys/values. features [B, C, L*D_target], positions [B, C] →
-        one (k, v) pair [B, n_kv, C, hd] per drafter layer."""
+        one (k, v) pair [B, n_kv, C, hd] per drafter layer:
+            c = ctx_norm(W_fc f)                                    [B, C, D]
+            layer l reads in_norm_l(c)  (config.context_layer_norm)  or c itself (DFlash's layout)."""
         c = self.ctx_norm(self.fc(features.to(self.fc.weight.dtype)))
         cos, sin = self._cos_sin(positions)
-        return [layer.kv(layer.in_norm(c), cos, sin) for layer in self.layers]
+        per_layer = self.config.context_layer_norm
+        return [layer.kv(layer.in_norm(c) if per_layer else c, cos, sin) for layer in self.layers]
 
     def new_context_cache(self, batch_size: int, capacity: int) -> KVCache:
         cfg = self.config
