@@ -16,7 +16,8 @@ def test_seam_fits_every_request_pool_slot_and_batch(dirs):
     eager or prefill batch, larger than any captured one) fit."""
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-    from deploy.sglang.plugin import feed_ring, install_selector_seam
+    from deploy.sglang.plugin import install_selector_seam
+    from deploy.sglang.ring_feed import feed_prefill, plan_prefill
     from deploy.sglang.runner import DRelayRunnerModel
     from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
 
@@ -35,7 +36,7 @@ def test_seam_fits_every_request_pool_slot_and_batch(dirs):
     assert model.candidate_selector is seam
     idx = torch.tensor(slots)
     F = seam.history.buf.shape[-1]
-    feed_ring(seam.history, idx, torch.randn(3 * size, F), extend_lens=torch.full((size,), 3))
+    feed_prefill(seam.history, idx, torch.randn(3 * size, F), plan_prefill([3] * size, [True] * size, size=seam.history.size))
     seam.stage_requests(idx)
     H, K, D = 15, seam.top_k, model.drafter_config.hidden_size
     cand = torch.randint(0, 256, (size, H, K))
