@@ -107,3 +107,19 @@ def test_venv_holds_sglangs_pinned_versions():
     )
     for name in ("torch", "transformers", "tokenizers", "openai", "sentencepiece", "apache-tvm-ffi", "compressed-tensors"):
         assert version(name).split("+")[0] == pins[name], name
+
+
+def test_our_endpoints_sglext_uses_sglangs_field_names():
+    """Every SGLang statistic our endpoint's `sglext` returns is named as in SGLang's OpenAI
+    protocol (`SpecTokensDetails`); `spec_drafted_ct` / `spec_verify_length` (engine backend) and
+    `method` are ours."""
+    from sglang.srt.entrypoints.openai.protocol import SpecTokensDetails
+
+    from deploy.serve.backends.base import SpecStats
+
+    ext = SpecStats(verify_ct=2, accept_histogram=[0, 1, 1], completion_tokens=5, drafted_ct=2, verified_drafts=6).sglext(
+        "drelay"
+    )
+    ours = {"spec_drafted_ct", "spec_verify_length", "method"}
+    assert set(ext) - ours <= set(SpecTokensDetails.model_fields), set(ext) - ours - set(SpecTokensDetails.model_fields)
+    assert ext["spec_correct_drafts_histogram"] == [0, 1, 1] and ext["spec_accept_length"] == 2.5
