@@ -55,6 +55,37 @@ def validate_server_args(server_args) -> None:
                 f"--speculative-draft-model-quantization {quant}: DRELAY drafts run unquantized (omit it or pass 'unquant')"
             )
         server_args.speculative_draft_model_quantization = None  # the target keeps --quantization
+    _check_draft_config(server_args)
+
+
+def _check_draft_config(server_args) -> None:
+    """A local draft directory must be a DRELAY export carrying the served context length (SGLang
+    would refuse it later, in the scheduler); logs what it found. Hub ids are left to SGLang."""
+    import json
+    import logging
+    from pathlib import Path
+
+    path = Path(server_args.speculative_draft_model_path)
+    try:
+        doc = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    if "DRelayDraftModel" not in (doc.get("architectures") or []):
+        raise ValueError(
+            f"--speculative-draft-model-path {path}: architectures {doc.get('architectures')} are not a DRELAY export "
+            "(make one with `drelay export --format sglang`)"
+        )
+    have, want = doc.get("max_position_embeddings"), getattr(server_args, "context_length", None)
+    if want and (not have or int(have) < int(want)):
+        raise ValueError(
+            f"--speculative-draft-model-path {path}: the export carries context length {have}, below --context-length "
+            f"{want}; re-export with `drelay export --format sglang --context-length {want}`"
+        )
+    dflash = doc.get("dflash_config") or {}
+    logging.getLogger(__name__).info(
+        "DRELAY draft %s: block %s, target layers %s, context length %s, selector %s",
+        path, dflash.get("block_size"), dflash.get("target_layer_ids"), have, (doc.get("drelay_selector") or {}).get("name"),
+    )  # fmt: skip
 
 
 # SpeculativeAlgorithm members that are not questions about the algorithm (class-level API) or
