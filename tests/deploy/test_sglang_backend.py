@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import os
 
 import pytest
 
@@ -57,7 +57,7 @@ def test_context_window_is_the_target_config_length(tmp_path):
 
 
 @pytest.mark.sglang
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs SGLang installed (docs/sglang.md) and a GPU")
+@pytest.mark.skipif(not os.environ.get("DRELAY_SGLANG_PYTHON"), reason="needs SGLang's interpreter (DRELAY_SGLANG_PYTHON) and a GPU")
 def test_live_sglang_server_returns_spec_stats():  # pragma: no cover - GPU hosts only
     import asyncio
 

@@ -145,3 +145,20 @@ def test_backend_starts_sglang_from_its_venv_and_stops_only_at_the_device(regist
     assert proc.poll() is not None
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)  # the server's process group (scheduler, detokenizer) is gone
+
+
+@pytest.mark.parametrize("size", ["4b", "8b"])
+def test_qwen3_train_configs_register_the_drafter_their_serve_configs_serve(size):
+    """`drelay train` with the Qwen3 config registers `drelay-qwen3-<size>` (alias champion); the
+    serve config of the same target serves exactly that reference through SGLang."""
+    from pathlib import Path
+
+    from deploy.serve.config import load_serve_config
+    from pipelines.train.config import load_config
+
+    root = Path(__file__).resolve().parents[2] / "platform"
+    train = load_config(root / "experiments" / f"qwen3-{size}" / "train.yaml")
+    serve = load_serve_config(root / "serve" / f"qwen3-{size}.yaml")
+    assert train.mlflow.registered_model == f"drelay-qwen3-{size}"
+    assert serve.backend == "sglang" and serve.sglang.draft_model_path == f"models:/{train.mlflow.registered_model}@champion"
+    assert serve.sglang.model_path == train.target.spec and serve.num_gpus >= 1
