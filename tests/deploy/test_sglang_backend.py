@@ -57,7 +57,9 @@ def test_context_window_is_the_target_config_length(tmp_path):
 
 
 @pytest.mark.sglang
-@pytest.mark.skipif(not os.environ.get("DRELAY_SGLANG_PYTHON"), reason="needs SGLang's interpreter (DRELAY_SGLANG_PYTHON) and a GPU")
+@pytest.mark.skipif(
+    not os.environ.get("DRELAY_SGLANG_PYTHON"), reason="needs SGLang's interpreter (DRELAY_SGLANG_PYTHON) and a GPU"
+)
 def test_live_sglang_server_returns_spec_stats():  # pragma: no cover - GPU hosts only
     import asyncio
 
