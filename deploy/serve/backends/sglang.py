@@ -37,10 +37,15 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 PYTHON_ENV = "DRELAY_SGLANG_PYTHON"
 
 
+def _repo_path(path: str) -> str:
+    """Config paths are relative to the repository root (replicas may run in another directory)."""
+    return path if path.startswith("models:/") or Path(path).is_absolute() or Path(path).exists() else str(REPO_ROOT / path)
+
+
 def sglang_python(cfg: SGLangSection) -> str:
     """SGLang's interpreter: `sglang.python`, else $DRELAY_SGLANG_PYTHON, else <repo>/.venv-sglang;
     it must hold sglang and the `drelay` plugin entry point (one line otherwise)."""
-    python = cfg.python or os.environ.get(PYTHON_ENV) or str(REPO_ROOT / ".venv-sglang" / "bin" / "python")
+    python = _repo_path(cfg.python or os.environ.get(PYTHON_ENV) or ".venv-sglang/bin/python")
     probe = (
         "import importlib.metadata as m; print(m.version('sglang')); "
         "print(any(e.name == 'drelay' for e in m.entry_points(group='sglang.srt.plugins')))"
@@ -194,7 +199,7 @@ class SGLangBackend(Backend):
         self._inflight = 0
         python = sglang_python(cfg)
         self.context_window = cfg.context_length or context_window(cfg.model_path)
-        self.draft = resolve_draft(cfg.draft_model_path, context_length=self.context_window, dtype=cfg.draft_dtype)
+        self.draft = resolve_draft(_repo_path(cfg.draft_model_path), context_length=self.context_window, dtype=cfg.draft_dtype)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model_path)
         cmd = launch_command(cfg, python=python, draft=str(self.draft), context_length=self.context_window)
         env = server_env(dict(os.environ), gpu_ids=_replica_gpu_ids())
