@@ -83,10 +83,12 @@ $(SGLANG_STAMP): deploy/sglang/requirements-cpu.txt
 	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $(SGLANG_STAMP)
 
-# The tests marked `sglang_cpu`: the plugin, argument handling, request pool and registry against
-# SGLang's real modules, on CPU.
-test-sglang: $(SGLANG_STAMP)
+# The tests marked `sglang_cpu`: the plugin, argument handling, draft model, worker and registry
+# against SGLang's real modules, on CPU; then, from our venv (the serve replica's), the sglang backend
+# starting the real SGLang server from SGLang's venv (it stops where SGLang needs a CUDA device).
+test-sglang: $(STAMP) $(SGLANG_STAMP)
 	$(SGLANG_VENV)/bin/python -m pytest -q -m sglang_cpu tests/sglang_cpu
+	DRELAY_SGLANG_PYTHON=$(SGLANG_VENV)/bin/python $(PY) -m pytest -q -m sglang_cpu tests/deploy/test_sglang_serve.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

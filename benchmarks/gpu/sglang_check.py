@@ -141,7 +141,7 @@ def _export_random_drafter(target, out: Path) -> None:
     extra = {f"selector.{k}": v for k, v in sel.state_dict().items()}
     ckpt = out.parent / "drafter_ckpt"
     save_drafter(drafter, ckpt, extra_tensors=extra, meta={"selector": {"name": "drelay", "config": sel.config.to_dict()}})
-    assert export_main(["--format", "sglang", str(ckpt), str(out)]) == 0
+    assert export_main(["--format", "sglang", "--context-length", str(target.max_positions), str(ckpt), str(out)]) == 0
 
 
 def _serve(args: list[str], port: int, log: Path) -> subprocess.Popen:

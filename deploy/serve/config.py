@@ -44,16 +44,27 @@ class EngineSection(StrictConfig):
 
 
 class SGLangSection(StrictConfig):
-    """An SGLang server subprocess with the DRelay algorithm (GPU hosts; the sglang extra)."""
+    """An SGLang server subprocess with the DRelay algorithm (GPU hosts), run by SGLang's own
+    interpreter: SGLang pins torch and transformers versions this project's environment cannot
+    share, so the replica (this environment) starts `<python> -m sglang.launch_server`."""
 
-    model_path: str
+    model_path: str  # the target: a HF directory or hub id
+    # models:/<name>@<alias> or models:/<name>/<version> (MLflow registry), a drafter checkpoint folder
+    # (both exported to SGLang's format on first use, cached per version), or an SGLang export.
     draft_model_path: str
+    # SGLang's interpreter (a venv or the container image's Python holding sglang and this project
+    # `--no-deps`); default $DRELAY_SGLANG_PYTHON, else <repo>/.venv-sglang/bin/python.
+    python: str | None = None
     algorithm: str = "DRELAY"
     num_draft_tokens: int = Field(16, ge=2, le=64)
+    context_length: int | None = Field(None, ge=1)  # default: the target config's max_position_embeddings
+    draft_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # of the export (the target's serving dtype)
+    tokenizer: str | None = None  # the replica's tokenizer: default the target's; else a HF directory or 'smollm2-135m'
     port: int = Field(30000, ge=1024, le=65535)
     mem_fraction_static: float = Field(0.8, gt=0.0, le=1.0)
     extra_args: tuple[str, ...] = ()
     startup_timeout_s: float = Field(900.0, gt=0)
+    log_file: str | None = None  # the server's stdout/stderr; default: the replica's (Ray's worker log)
 
 
 class LimitsSection(StrictConfig):

@@ -194,17 +194,7 @@ class _Call:
             )
         sglext = None
         if self.body.return_spec_tokens_details and spec is not None:
-            sglext = {
-                "spec_verify_ct": spec.verify_ct,
-                "spec_accept_length": spec.accept_length,
-                "spec_accept_histogram": spec.accept_histogram,
-                **(
-                    {}
-                    if spec.drafted_ct is None
-                    else {"spec_drafted_ct": spec.drafted_ct, "spec_verify_length": spec.verify_length}
-                ),
-                "method": self.service.cfg.method,
-            }
+            sglext = spec.sglext(self.service.cfg.method)
         return usage, sglext
 
     def _choice(self, text: str, finish: str | None, *, delta: bool, logprobs: dict | None = None) -> dict:

@@ -1,7 +1,8 @@
-"""`drelay export --format sglang <checkpoint> <out>`: a drafter checkpoint → an HF-style draft-model
+"""`drelay export --format sglang --context-length N <checkpoint> <out>`: a drafter checkpoint → an HF-style draft-model
 directory that SGLang loads through the plugin's `DRelayDraftModel` (model.py).
 
-Output: `config.json` (HF fields + `architectures = ["DRelayDraftModel"]`, our drafter config under
+Output: `config.json` (HF fields + `architectures = ["DRelayDraftModel"]`, `max_position_embeddings`
+= the target's context length, our drafter config under
 `drelay_drafter`, the trained selector's name/config under `drelay_selector`) and
 `model.safetensors` (the drafter's trainable weights, the draft-vocab map and the selector's weights,
 under model.py's exported names; never the target's frozen embedding or LM head). Written into a
@@ -27,15 +28,21 @@ from drelay_model.drafter import DrafterConfig, read_checkpoint
 from drelay_model.errors import DRelayError
 
 FORMATS = ("sglang",)
+CONTEXT_HELP = "the target's context length: its config's max_position_embeddings (40960 for Qwen3-4B and Qwen3-8B)"
 MASK_TOKEN = "<|drelay_mask|>"
 
 
-def hf_config(config: DrafterConfig, meta: dict, *, dtype: torch.dtype, has_selector: bool) -> dict:
+def hf_config(config: DrafterConfig, meta: dict, *, dtype: torch.dtype, has_selector: bool, context_length: int) -> dict:
     """config.json of the export: the usual HF fields (what SGLang's loader reads) plus ours."""
     doc = {
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
         **architecture_fields(config, dtype=dtype),
+        # SGLang's draft worker builds the draft's ModelConfig with the *target's* context length and
+        # refuses one above the draft config's own (`max_position_embeddings`; Qwen3Config's default
+        # is 32,768, Qwen3-4B/8B serve 40,960). The drafter's RoPE has no table, so the target's
+        # context length is the draft's.
+        "max_position_embeddings": context_length,
         "vocab_size": config.target.vocab_size if config.target is not None else None,
         # mask_token(_id): the DFLASH worker fills slots 1..H with this id before embedding them;
         # our model class overwrites those slots with `mask_embedding`, so any in-vocabulary id
@@ -58,13 +65,17 @@ def hf_config(config: DrafterConfig, meta: dict, *, dtype: torch.dtype, has_sele
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def export_sglang(checkpoint: str | Path, out: str | Path, *, dtype: str = "bfloat16") -> Path:
+def export_sglang(checkpoint: str | Path, out: str | Path, *, context_length: int, dtype: str = "bfloat16") -> Path:
     """Export `checkpoint` to the new directory `out` (must not exist or be empty), its floating
     weights cast to `dtype` (bfloat16 by default: the serving dtype of the Qwen3 targets; give the
     target's dtype otherwise). `torch_dtype` in config.json says the same, so SGLang's `--dtype auto`
-    loads the draft in it (a float32 draft config would become float16 beside a bf16 target)."""
+    loads the draft in it (a float32 draft config would become float16 beside a bf16 target).
+    `context_length` is the target's (its config's `max_position_embeddings`: 40,960 for
+    Qwen3-4B/8B); the export carries it so SGLang accepts the draft beside that target."""
     if dtype not in EXPORT_DTYPES:
         raise DRelayError(f"--dtype: unknown dtype '{dtype}' (choose from: {', '.join(EXPORT_DTYPES)})")
+    if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length < 1:
+        raise DRelayError(f"--context-length: expected the target's context length, a positive integer (got {context_length!r})")
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -91,7 +102,7 @@ def export_sglang(checkpoint: str | Path, out: str | Path, *, dtype: str = "bflo
         raise DRelayError(f"checkpoint '{checkpoint}': two tensors map to the same exported name")
     with atomic_directory(out) as tmp:
         save_file(renamed, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        doc = hf_config(config, meta, dtype=cast, has_selector=has_selector)
+        doc = hf_config(config, meta, dtype=cast, has_selector=has_selector, context_length=context_length)
         (tmp / CONFIG).write_text(json.dumps(doc, indent=2))
     return out
 
@@ -103,17 +114,18 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry: `drelay export --format sglang CHECKPOINT OUT`. Returns 0, or exits 2."""
+    """CLI entry: `drelay export --format sglang --context-length N CHECKPOINT OUT`. Returns 0, or exits 2."""
     parser = _Parser(prog="drelay export", description="Export a drafter checkpoint for a serving framework.")
     parser.add_argument("--format", required=True, help=f"output format ({', '.join(FORMATS)})")
     parser.add_argument("checkpoint", help="drafter checkpoint directory (drafter.safetensors + drafter_config.json)")
     parser.add_argument("out", help="new output directory")
     parser.add_argument("--dtype", default="bfloat16", help=f"weight dtype ({', '.join(EXPORT_DTYPES)}; default bfloat16)")
+    parser.add_argument("--context-length", type=int, required=True, help=CONTEXT_HELP)
     args = parser.parse_args(argv)
     if args.format not in FORMATS:
         parser.error(f"--format: unknown format '{args.format}' (choose from: {', '.join(FORMATS)})")
     try:
-        path = export_sglang(args.checkpoint, args.out, dtype=args.dtype)
+        path = export_sglang(args.checkpoint, args.out, dtype=args.dtype, context_length=args.context_length)
     except DRelayError as exc:
         parser.error(str(exc))
     print(f"exported {args.checkpoint} → {path} ({ARCHITECTURE})")

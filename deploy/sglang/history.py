@@ -56,6 +56,18 @@ class RequestFeatureRing:
         self.buf[rows, pos] = torch.where(keep, feats.to(self.buf.dtype), old)
         self.count[slots] += n_new
 
+    def append_packed(
+        self, slots: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, feats: torch.Tensor
+    ) -> None:
+        """Commit lens[b] entries to request slots[b] [B] from packed rows: feats [M, F] are the
+        entries that can still be read (at most the last N of each commit, ring_feed.py), row m
+        being entry offsets[m] (0-based within this commit) of batch row rows[m]. Writes M rows:
+        no [B, longest commit, F] tensor."""
+        slot = slots[rows]  # [M]
+        pos = (self.count[slot] + offsets) % self.size  # [M]; distinct per request (≤ N consecutive entries)
+        self.buf[slot, pos] = feats.to(self.buf.dtype)
+        self.count[slots] += lens
+
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The last N entries of requests `slots` [B] → (feats [B, N, F] right-aligned, oldest first,
         zeros where empty; mask [B, N] bool, True = a real entry)."""

@@ -21,7 +21,7 @@ a GPU to run): DFlashWorkerV2 calls
 `draft_model.compute_candidates(hidden [N, D])` and `draft_model.candidate_selector.build_lattice /
 sample_path` (`_selector_lattice`, `_SelectorDraftSampler`), and materialises target features
 through `_append_target_hidden_to_draft_kv_by_loc(target_hidden [T, L·D], …, commit_lens |
-extend_lens)`, which DRelayWorker extends to feed the ring; it also binds the exported selector
+extend_lens)`, which DRelayWorker extends to feed the ring (ring_feed.py); it also binds the exported selector
 to the target's input embedding (`bind_selector`) before installing the seam. The draft model's
 runner forward is runner.py's (RadixAttention over the paged draft KV); benchmarks/gpu/sglang_check.py
 runs the server on a GPU machine.
@@ -34,7 +34,13 @@ BLOCK_SIZE = 16  # H = 15 slots + the anchor (the paper's setting)
 
 
 def validate_server_args(server_args) -> None:
-    """DRELAY needs a draft model path and a block of at least 2 tokens; one-line errors."""
+    """DRELAY needs a draft model path and a block of at least 2 tokens; its draft runs
+    unquantized. One-line errors.
+
+    Quantization: SGLang gives the draft the target's `--quantization` unless
+    `--speculative-draft-model-quantization` says otherwise. A DRELAY export is plain bf16/fp16/fp32
+    weights, so a quantized target is served with an unquantized draft (the draft quantization is
+    cleared here, before any ModelConfig is built); asking for a quantized draft explicitly is refused."""
     if not getattr(server_args, "speculative_draft_model_path", None):
         raise ValueError(
             "--speculative-algorithm DRELAY needs --speculative-draft-model-path (a `drelay export --format sglang` directory)"
@@ -42,28 +48,44 @@ def validate_server_args(server_args) -> None:
     n = getattr(server_args, "speculative_num_draft_tokens", None)
     if n is not None and int(n) < 2:
         raise ValueError(f"--speculative-num-draft-tokens must be ≥ 2 for DRELAY (got {n})")
+    quant = getattr(server_args, "speculative_draft_model_quantization", None)
+    if quant not in (None, "unquant"):
+        if getattr(server_args, "_speculative_draft_quantization_explicitly_set", False):
+            raise ValueError(
+                f"--speculative-draft-model-quantization {quant}: DRELAY drafts run unquantized (omit it or pass 'unquant')"
+            )
+        server_args.speculative_draft_model_quantization = None  # the target keeps --quantization
+    _check_draft_config(server_args)
 
 
-def feed_ring(ring, slots, target_hidden, *, commit_lens=None, extend_lens=None) -> None:
-    """Append one forward's verified target features [T, L·D] to the rows' rings.
+def _check_draft_config(server_args) -> None:
+    """A local draft directory must be a DRELAY export carrying the served context length (SGLang
+    would refuse it later, in the scheduler); logs what it found. Hub ids are left to SGLang."""
+    import json
+    import logging
+    from pathlib import Path
 
-    Decode/verify (`commit_lens` [bs]): rows are dense, block_size per request, and the first
-    commit_lens[b] are verified. Prefill/extend (`extend_lens` [bs]): rows are packed; a new
-    request's ring is reset first. (Outside the draft graph: the unpacking may sync.)
-    """
-    import torch
-
-    bs = slots.shape[0]
-    if commit_lens is not None:
-        feats = target_hidden[: bs * (target_hidden.shape[0] // bs)].view(bs, -1, target_hidden.shape[-1])
-        ring.append(slots, feats, commit_lens.to(torch.long))
+    path = Path(server_args.speculative_draft_model_path)
+    try:
+        doc = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
         return
-    lens = extend_lens.to(torch.long)
-    width = int(lens.max())
-    start = torch.cumsum(lens, 0) - lens  # [bs]
-    idx = (start[:, None] + torch.arange(width, device=lens.device)).clamp(max=target_hidden.shape[0] - 1)
-    ring.reset(slots)
-    ring.append(slots, target_hidden[idx], lens)
+    if "DRelayDraftModel" not in (doc.get("architectures") or []):
+        raise ValueError(
+            f"--speculative-draft-model-path {path}: architectures {doc.get('architectures')} are not a DRELAY export "
+            "(make one with `drelay export --format sglang`)"
+        )
+    have, want = doc.get("max_position_embeddings"), getattr(server_args, "context_length", None)
+    if want and (not have or int(have) < int(want)):
+        raise ValueError(
+            f"--speculative-draft-model-path {path}: the export carries context length {have}, below --context-length "
+            f"{want}; re-export with `drelay export --format sglang --context-length {want}`"
+        )
+    dflash = doc.get("dflash_config") or {}
+    logging.getLogger(__name__).info(
+        "DRELAY draft %s: block %s, target layers %s, context length %s, selector %s",
+        path, dflash.get("block_size"), dflash.get("target_layer_ids"), have, (doc.get("drelay_selector") or {}).get("name"),
+    )  # fmt: skip
 
 
 # SpeculativeAlgorithm members that are not questions about the algorithm (class-level API) or
@@ -131,6 +153,8 @@ def _worker_class():
     import torch
     from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
+    from deploy.sglang.ring_feed import PrefillTracker, feed_prefill, feed_verify, plan_prefill
+
     class DRelayWorker(DFlashWorkerV2):
         """DFLASH drafting and verification with DRelay's selector on the pool, fed by a
         per-request ring of verified target features. SGLang builds the worker before the memory
@@ -141,6 +165,8 @@ def _worker_class():
             super().__init__(server_args, *args, **kwargs)
             # The selector shares the target's input embedding (as in training).
             self.draft_model.bind_selector(self._target_worker.model_runner.model.get_input_embeddings().weight)
+            self._drelay_tracker = PrefillTracker()
+            self._drelay_feed = None
 
         def alloc_memory_pool(self, memory_pool_config=None, req_to_token_pool=None, token_to_kv_pool_allocator=None):
             super().alloc_memory_pool(
@@ -152,19 +178,37 @@ def _worker_class():
             self.selector = install_selector_seam(self.draft_model, self.model_runner.req_to_token_pool, device=self.device)
 
         def forward_batch_generation(self, batch, *args, **kwargs):
-            # Stage the rows' request-pool slots before any draft graph replay reads the ring.
+            self.stage_batch(batch)
+            return super().forward_batch_generation(batch, *args, **kwargs)
+
+        def stage_batch(self, batch) -> None:
+            """Host side, before any draft graph replay reads the ring: the rows' request-pool
+            slots, and for a prefill the rows it commits (`ring_feed.plan_prefill`)."""
             self._drelay_slots = batch.req_pool_indices.to(torch.long)
             if self.selector is not None:
                 self.selector.stage_requests(self._drelay_slots)
-            return super().forward_batch_generation(batch, *args, **kwargs)
+            self._drelay_feed = None
+            if getattr(self.selector, "history", None) is None or batch.forward_mode.is_idle():
+                return
+            slots = [r.kv.req_pool_idx for r in batch.reqs]
+            if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+                rids = [r.rid for r in batch.reqs]
+                fresh = self._drelay_tracker.fresh_rows(slots, rids, batch.prefix_lens, batch.extend_lens)
+                self._drelay_feed = plan_prefill(batch.extend_lens, fresh, size=self.selector.history.size, device=self.device)
+            else:
+                self._drelay_tracker.decoded(slots)
 
         def _append_target_hidden_to_draft_kv_by_loc(self, *, target_hidden, commit_lens=None, extend_lens=None, **kwargs):
             super()._append_target_hidden_to_draft_kv_by_loc(
                 target_hidden=target_hidden, commit_lens=commit_lens, extend_lens=extend_lens, **kwargs
             )
             ring = getattr(self.selector, "history", None)
-            if ring is not None and target_hidden is not None and target_hidden.numel():
-                feed_ring(ring, self._drelay_slots, target_hidden, commit_lens=commit_lens, extend_lens=extend_lens)
+            if ring is None or target_hidden is None or not target_hidden.numel():
+                return
+            if commit_lens is not None:
+                feed_verify(ring, self._drelay_slots, target_hidden[: kwargs["cache_loc"].numel()], commit_lens)
+            elif self._drelay_feed is not None:
+                feed_prefill(ring, self._drelay_slots, target_hidden, self._drelay_feed)
 
     return DRelayWorker
 

@@ -233,9 +233,26 @@ class DraftRunner(nn.Module):
         values on every call."""
         if head.dtype != hidden.dtype:
             raise DRelayError(f"draft head dtype {head.dtype} differs from the hidden states' {hidden.dtype}")
-        logq = torch.log_softmax(F.linear(hidden, head).float(), dim=-1)  # [N, V_draft]
-        cand_logq, cand = logq.topk(self.drafter_config.top_k, dim=-1)
+        logits = F.linear(hidden, head)  # [N, V_draft] in the drafter's dtype
+        top, cand = logits.topk(self.drafter_config.top_k, dim=-1)  # log-softmax is monotone: the same pool
+        cand_logq = top.float() - chunked_logsumexp(logits)[:, None]  # [N, K] log q = z − log Σ exp z
         return (cand if self.d2t is None else self.d2t[cand]), cand_logq
+
+
+LSE_CHUNK = 16384  # vocabulary columns per float32 chunk: N × 16,384 × 4 B (48 MB at N = 768)
+
+
+def chunked_logsumexp(logits: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """log Σ_v exp z_v per row in float32, z [N, V] in any dtype → [N] float32, reading V in
+    fixed chunks: the float32 working set is N × chunk, never N × V (the draft step runs in a
+    captured graph every round; a full-vocabulary float32 log-softmax there costs 8·N·V bytes).
+    m = max_v z_v; lse = m + log Σ_chunks Σ_v exp(z_v − m). Static shapes, no host syncs."""
+    chunk = chunk or LSE_CHUNK
+    m = logits.amax(dim=-1).float()  # [N]
+    total = torch.zeros_like(m)
+    for start in range(0, logits.shape[-1], chunk):
+        total += (logits[:, start : start + chunk].float() - m[:, None]).exp().sum(dim=-1)
+    return m + total.log()
 
 
 def reference_block_attention(

@@ -62,7 +62,21 @@ def test_names_round_trip():
 @pytest.mark.parametrize("draft_vocab", [None, 200])
 def test_export_round_trip_is_lossless(target, tmp_path, draft_vocab):
     drafter, selector = trained_checkpoint(target, tmp_path / "ckpt", draft_vocab=draft_vocab)
-    assert main(["--format", "sglang", "--dtype", "float32", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    assert (
+        main(
+            [
+                "--format",
+                "sglang",
+                "--context-length",
+                "4096",
+                "--dtype",
+                "float32",
+                str(tmp_path / "ckpt"),
+                str(tmp_path / "out"),
+            ]
+        )
+        == 0
+    )
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["architectures"] == [ARCHITECTURE] and cfg["num_hidden_layers"] == 2
     from transformers import AutoConfig  # SGLang reads the draft config this way while parsing args
@@ -107,8 +121,16 @@ def _no_output(tmp_path, name="out"):
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(target, tmp_path, capsys):
     trained_checkpoint(target, tmp_path / "ckpt")
     cases = {
-        "missing": (["--format", "sglang", str(tmp_path / "nope"), str(tmp_path / "out")], "not found"),
-        "format": (["--format", "vllm", str(tmp_path / "ckpt"), str(tmp_path / "out")], "--format"),
+        "missing": (
+            ["--format", "sglang", "--context-length", "4096", str(tmp_path / "nope"), str(tmp_path / "out")],
+            "not found",
+        ),
+        "format": (["--format", "vllm", "--context-length", "4096", str(tmp_path / "ckpt"), str(tmp_path / "out")], "--format"),
+        "no context": (["--format", "sglang", str(tmp_path / "ckpt"), str(tmp_path / "out")], "--context-length"),
+        "bad context": (
+            ["--format", "sglang", "--context-length", "0", str(tmp_path / "ckpt"), str(tmp_path / "out")],
+            "--context-length",
+        ),
     }
     for args, needle in cases.values():
         with pytest.raises(SystemExit) as exc:
@@ -119,20 +141,20 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(target, tmp_path, capsy
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("x")
     with pytest.raises(SystemExit) as exc:
-        main(["--format", "sglang", str(tmp_path / "ckpt"), str(tmp_path / "full")])
+        main(["--format", "sglang", "--context-length", "4096", str(tmp_path / "ckpt"), str(tmp_path / "full")])
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and "already exists" in err and "\n" not in err
     assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
     (tmp_path / "ckpt" / "drafter.safetensors").write_bytes(b"garbage")
     with pytest.raises(SystemExit) as exc:
-        main(["--format", "sglang", str(tmp_path / "ckpt"), str(tmp_path / "out")])
+        main(["--format", "sglang", "--context-length", "4096", str(tmp_path / "ckpt"), str(tmp_path / "out")])
     assert exc.value.code == 2 and "corrupted" in capsys.readouterr().err and _no_output(tmp_path)
 
 
 def test_export_into_an_empty_directory_and_function_api(target, tmp_path):
     trained_checkpoint(target, tmp_path / "ckpt")
     (tmp_path / "empty").mkdir()
-    export_sglang(tmp_path / "ckpt", tmp_path / "empty", dtype="float32")
+    export_sglang(tmp_path / "ckpt", tmp_path / "empty", dtype="float32", context_length=4096)
     assert (tmp_path / "empty" / "model.safetensors").is_file()
 
 
@@ -144,11 +166,15 @@ def test_drelay_export_command_writes_the_same_directory(tmp_path, capsys):
 
     tiny = tiny_target("tiny-llama", layers=4)
     save_drafter(BlockDrafter(DrafterConfig.for_target(tiny, num_layers=1), tiny), tmp_path / "ckpt")
-    assert main(["export", "--format", "sglang", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    assert main(["export", "--format", "sglang", "--context-length", "4096", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "config.json").is_file()
-    assert main(["export", "--format", "sglang", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 2
+    assert main(["export", "--format", "sglang", "--context-length", "4096", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "already exists" in err and err.count("\n") == 1
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["max_position_embeddings"] == 4096
+    assert main(["export", "--format", "sglang", str(tmp_path / "ckpt"), str(tmp_path / "out2")]) == 2
+    err = capsys.readouterr().err
+    assert "--context-length" in err and err.count("\n") == 1 and not (tmp_path / "out2").exists()
 
 
 def test_export_is_bf16_by_default_with_a_matching_torch_dtype(target, tmp_path):
@@ -157,15 +183,15 @@ def test_export_is_bf16_by_default_with_a_matching_torch_dtype(target, tmp_path)
     from safetensors.torch import load_file
 
     trained_checkpoint(target, tmp_path / "ckpt")
-    assert main(["--format", "sglang", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    assert main(["--format", "sglang", "--context-length", "4096", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     weights = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert cfg["torch_dtype"] == "bfloat16"
     assert {t.dtype for t in weights.values() if t.is_floating_point()} == {torch.bfloat16}
-    export_sglang(tmp_path / "ckpt", tmp_path / "f16", dtype="float16")
+    export_sglang(tmp_path / "ckpt", tmp_path / "f16", dtype="float16", context_length=4096)
     assert json.loads((tmp_path / "f16" / "config.json").read_text())["torch_dtype"] == "float16"
     with pytest.raises(SystemExit) as exc:
-        main(["--format", "sglang", "--dtype", "int8", str(tmp_path / "ckpt"), str(tmp_path / "bad")])
+        main(["--format", "sglang", "--context-length", "4096", "--dtype", "int8", str(tmp_path / "ckpt"), str(tmp_path / "bad")])
     assert exc.value.code == 2 and not (tmp_path / "bad").exists()
 
 
@@ -175,7 +201,7 @@ def test_export_refuses_the_last_target_layer_as_a_feature_layer(tmp_path):
     drafter = BlockDrafter(DrafterConfig.for_target(t, num_layers=1, target_layer_ids=(0, 2)), t)
     save_drafter(drafter, tmp_path / "ckpt")
     with pytest.raises(DRelayError, match="last layer 2"):
-        export_sglang(tmp_path / "ckpt", tmp_path / "out")
+        export_sglang(tmp_path / "ckpt", tmp_path / "out", context_length=4096)
     assert not (tmp_path / "out").exists()
 
 

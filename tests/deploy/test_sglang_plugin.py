@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from deploy.sglang.history import RequestFeatureRing
-from deploy.sglang.plugin import ALGORITHM, feed_ring, validate_server_args
+from deploy.sglang.plugin import ALGORITHM, validate_server_args
+from deploy.sglang.ring_feed import PrefillTracker, feed_prefill, feed_verify, plan_prefill
 from drelay_model.decoding.history import VerifiedHistory
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,23 +52,40 @@ def test_server_args_are_checked_with_one_line_errors():
         assert "\n" not in str(exc.value)
 
 
-def test_feed_ring_matches_the_engine_history_for_prefill_then_verify():
+def test_ring_feed_matches_the_engine_history_for_prefill_then_verify():
     g = torch.Generator().manual_seed(0)
     N, Fd, S = 6, 3, 4
     ring, engine = RequestFeatureRing(5, N, Fd), VerifiedHistory(2, N, Fd)
     slots = torch.tensor([4, 1])
-    lens = torch.tensor([9, 2])  # packed prefill: 9 + 2 rows
-    packed = torch.randn(11, Fd, generator=g)
-    feed_ring(ring, slots, packed, extend_lens=lens)
+    packed = torch.randn(11 + 3, Fd, generator=g)  # packed prefill: 9 + 2 rows, then 3 padding rows
+    feed_prefill(ring, slots, packed, plan_prefill([9, 2], [True, True], size=N))
     padded = torch.zeros(2, 9, Fd)
-    padded[0], padded[1, :2] = packed[:9], packed[9:]
-    engine.push(padded, lens)
+    padded[0], padded[1, :2] = packed[:9], packed[9:11]
+    engine.push(padded, torch.tensor([9, 2]))
     for _ in range(3):  # verify rounds: dense [bs·S, F], commit_lens verified per row
         dense, commit = torch.randn(2 * S, Fd, generator=g), torch.randint(1, S + 1, (2,), generator=g)
-        feed_ring(ring, slots, dense, commit_lens=commit)
+        feed_verify(ring, slots, dense, commit.to(torch.int32))
         engine.push(dense.view(2, S, Fd), commit)
     feats, mask = ring.read(slots)
     assert torch.equal(feats, engine.feats) and torch.equal(mask, engine.mask())
+
+
+def test_prefill_plan_keeps_each_chunks_last_n_rows_only():
+    """The feed gathers at most N rows per request (never [bs, longest prompt, L·D])."""
+    plan = plan_prefill([100, 3, 7], [True, False, True], size=4)
+    assert plan.rows.tolist() == [0] * 4 + [1] * 3 + [2] * 4
+    assert plan.tokens.tolist() == [96, 97, 98, 99, 100, 101, 102, 106, 107, 108, 109]
+    assert plan.offsets.tolist() == [96, 97, 98, 99, 0, 1, 2, 3, 4, 5, 6]
+    assert plan.fresh.tolist() == [0, 2] and plan.lens.tolist() == [100, 3, 7]
+
+
+def test_tracker_tells_a_chunked_continuation_from_a_fresh_start():
+    t = PrefillTracker()
+    assert t.fresh_rows([3, 5], ["a", "b"], [0, 0], [8, 8]) == [True, True]
+    assert t.fresh_rows([3], ["a"], [8], [8]) == [False]  # the next chunk of request a
+    assert t.fresh_rows([5], ["c"], [8], [4]) == [True]  # a new request in b's slot, after a radix hit
+    t.decoded([3])
+    assert t.fresh_rows([3], ["a"], [16], [2]) == [True]  # retracted and prefilled again
 
 
 @pytest.mark.sglang
@@ -91,7 +109,7 @@ def test_exported_checkpoint_loads_through_sglang_model_registry(tmp_path):
     from drelay_model.target import tiny_target
 
     trained_checkpoint(tiny_target("tiny-qwen3", layers=4), tmp_path / "ckpt")
-    out = export_sglang(tmp_path / "ckpt", tmp_path / "out", dtype="float32")
+    out = export_sglang(tmp_path / "ckpt", tmp_path / "out", dtype="float32", context_length=4096)
     code = (
         "from sglang.srt.models.registry import ModelRegistry; "
         "cls, arch = ModelRegistry.resolve_model_cls(['DRelayDraftModel']); print(cls.__module__)"

@@ -48,7 +48,7 @@ def exported(target, tmp_path, draft_vocab=None):
     from safetensors.torch import load_file
 
     drafter, selector = trained_checkpoint(target, tmp_path / "ckpt", draft_vocab=draft_vocab)
-    out = export_sglang(tmp_path / "ckpt", tmp_path / "out", dtype="float32")
+    out = export_sglang(tmp_path / "ckpt", tmp_path / "out", dtype="float32", context_length=4096)
     return drafter, selector, out, load_file(str(out / "model.safetensors"))
 
 
@@ -250,7 +250,7 @@ def test_export_names_a_mask_token_id_for_the_worker(target, tmp_path):
     unsorted = DrafterConfig.for_target(target, num_layers=1, target_layer_ids=(1, 0))
     save_drafter(BlockDrafter(unsorted, target), tmp_path / "unsorted")
     with pytest.raises(DRelayError, match="ascending"):
-        export_sglang(tmp_path / "unsorted", tmp_path / "out2", dtype="float32")
+        export_sglang(tmp_path / "unsorted", tmp_path / "out2", dtype="float32", context_length=4096)
 
 
 @pytest.mark.sglang

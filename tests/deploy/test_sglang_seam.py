@@ -92,7 +92,9 @@ def test_exported_model_exposes_the_seam(tmp_path):
 
     target = tiny_target("tiny-qwen3", layers=4)
     drafter, selector = trained_checkpoint(target, tmp_path / "ckpt")
-    model = DRelayDraftModel.from_pretrained(export_sglang(tmp_path / "ckpt", tmp_path / "out", dtype="float32"), target)
+    model = DRelayDraftModel.from_pretrained(
+        export_sglang(tmp_path / "ckpt", tmp_path / "out", dtype="float32", context_length=4096), target
+    )
     seam = model.selector_seam(max_requests=4, max_bs=2)
     hidden = torch.randn(2 * drafter.config.num_slots, target.hidden_size)
     ids, logq = model.compute_candidates(hidden)

@@ -74,5 +74,42 @@ def dirs(tmp_path_factory):
     save_drafter(
         drafter, root / "ckpt", extra_tensors=extra, meta={"selector": {"name": "drelay", "config": sel.config.to_dict()}}
     )
-    export_sglang(root / "ckpt", root / "draft")
-    return {"target": root / "target", "draft": root / "draft", "embed": target.embed_weight}
+    export_sglang(root / "ckpt", root / "draft", context_length=1024)
+    return {"target": root / "target", "draft": root / "draft", "ckpt": root / "ckpt", "embed": target.embed_weight}
+
+
+def _server_args(dirs, algorithm: str = "DRELAY", **overrides):
+    """ServerArgs with the documented DRELAY flags (device `cuda`: DFLASH's handler refuses the CPU;
+    argument handling itself needs no GPU)."""
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(
+        **{
+            "model_path": str(dirs["target"]),
+            "speculative_algorithm": algorithm,
+            "device": "cuda",
+            "random_seed": 0,
+            "speculative_draft_model_path": str(dirs["draft"]),
+            "speculative_num_draft_tokens": 16,
+            "skip_tokenizer_init": True,
+            **overrides,
+        }
+    )
+
+
+@pytest.fixture()
+def server_args(dirs):
+    """server_args(algorithm="DRELAY", **overrides) → unresolved ServerArgs for the test export."""
+    return lambda algorithm="DRELAY", **overrides: _server_args(dirs, algorithm, **overrides)
+
+
+@pytest.fixture()
+def published(drelay_registered, dirs):
+    """SGLang's runtime context for a scheduler process of rank 0 with the DRELAY server args, as
+    the scheduler publishes it (scoped to the test: the process-wide context is left alone)."""
+    from sglang.srt.runtime_context import SpawnRanks, create_context, use_context
+
+    args = _server_args(dirs)
+    args.resolve_once()
+    with use_context(create_context(args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))):
+        yield args

@@ -16,7 +16,8 @@ def test_seam_fits_every_request_pool_slot_and_batch(dirs):
     eager or prefill batch, larger than any captured one) fit."""
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-    from deploy.sglang.plugin import feed_ring, install_selector_seam
+    from deploy.sglang.plugin import install_selector_seam
+    from deploy.sglang.ring_feed import feed_prefill, plan_prefill
     from deploy.sglang.runner import DRelayRunnerModel
     from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
 
@@ -35,7 +36,7 @@ def test_seam_fits_every_request_pool_slot_and_batch(dirs):
     assert model.candidate_selector is seam
     idx = torch.tensor(slots)
     F = seam.history.buf.shape[-1]
-    feed_ring(seam.history, idx, torch.randn(3 * size, F), extend_lens=torch.full((size,), 3))
+    feed_prefill(seam.history, idx, torch.randn(3 * size, F), plan_prefill([3] * size, [True] * size, size=seam.history.size))
     seam.stage_requests(idx)
     H, K, D = 15, seam.top_k, model.drafter_config.hidden_size
     cand = torch.randint(0, 256, (size, H, K))
@@ -106,3 +107,19 @@ def test_venv_holds_sglangs_pinned_versions():
     )
     for name in ("torch", "transformers", "tokenizers", "openai", "sentencepiece", "apache-tvm-ffi", "compressed-tensors"):
         assert version(name).split("+")[0] == pins[name], name
+
+
+def test_our_endpoints_sglext_uses_sglangs_field_names():
+    """Every SGLang statistic our endpoint's `sglext` returns is named as in SGLang's OpenAI
+    protocol (`SpecTokensDetails`); `spec_drafted_ct` / `spec_verify_length` (engine backend) and
+    `method` are ours."""
+    from sglang.srt.entrypoints.openai.protocol import SpecTokensDetails
+
+    from deploy.serve.backends.base import SpecStats
+
+    ext = SpecStats(verify_ct=2, accept_histogram=[0, 1, 1], completion_tokens=5, drafted_ct=2, verified_drafts=6).sglext(
+        "drelay"
+    )
+    ours = {"spec_drafted_ct", "spec_verify_length", "method"}
+    assert set(ext) - ours <= set(SpecTokensDetails.model_fields), set(ext) - ours - set(SpecTokensDetails.model_fields)
+    assert ext["spec_correct_drafts_histogram"] == [0, 1, 1] and ext["spec_accept_length"] == 2.5

@@ -54,6 +54,18 @@ class SpecStats:
     def accept_length(self) -> float:
         return self.completion_tokens / self.verify_ct if self.verify_ct else 0.0
 
+    def sglext(self, method: str) -> dict:
+        """The response's `sglext` object: SGLang's field names (its `SpecTokensDetails`), plus
+        `spec_drafted_ct` / `spec_verify_length` when the backend reports them and the method."""
+        ext = {
+            "spec_verify_ct": self.verify_ct,
+            "spec_accept_length": self.accept_length,
+            "spec_correct_drafts_histogram": self.accept_histogram,
+        }
+        if self.drafted_ct is not None:
+            ext |= {"spec_drafted_ct": self.drafted_ct, "spec_verify_length": self.verify_length}
+        return ext | {"method": method}
+
 
 @dataclass(frozen=True)
 class GenChunk:

@@ -1,24 +1,30 @@
-"""`sglang` backend: an SGLang server subprocess running the DRelay algorithm (GPU hosts, the sglang
-extra; the algorithm itself is registered by deploy/sglang's plugin).
+"""`sglang` backend: an SGLang server subprocess running the DRelay algorithm (GPU hosts; the
+algorithm itself is registered by deploy/sglang's plugin).
 
-The replica launches `python -m sglang.launch_server` on 127.0.0.1, waits for its /health, and
-forwards each request to SGLang's native `/generate` with token ids (the app renders prompts with the
-same tokenizer for both backends) and streaming on. SGLang's `meta_info` carries the speculative
-statistics (deploy/sglang/stats.py: `spec_verify_ct`, `spec_correct_drafts_histogram`, …, and
-`completion_tokens`); they are kept and returned as `sglext`, which Ray Serve's stock SGLang server
-drops. The server process gets the plugin's environment (`SGLANG_PLUGINS`,
-`SGLANG_EXTERNAL_MODEL_PACKAGE`) and the replica's GPUs; the context window is the target's
-`max_position_embeddings` from its config (SGLang's `/get_model_info` carries none).
+SGLang runs from its own environment (`sglang.python`: a venv, or the Python of the container image a
+KubeRay worker pod runs; it holds sglang and this project installed `--no-deps` for the plugin's entry
+point): its torch/transformers pins cannot share this project's environment, where the replica runs.
+At start the replica resolves the draft (`models:/name@alias` → exported to SGLang's format once per
+version, deploy/sglang/draft_source.py), takes the context length (config, else the target's
+`max_position_embeddings`; SGLang's `/get_model_info` carries none), and launches
+`<python> -m sglang.launch_server` on 127.0.0.1 with the plugin's environment (`SGLANG_PLUGINS`,
+`SGLANG_EXTERNAL_MODEL_PACKAGE`, this checkout on `PYTHONPATH`) and the replica's GPUs; it waits for
+/health, and forwards each request to SGLang's native `/generate` with token ids (the app renders
+prompts with the same tokenizer for both backends) and streaming on. SGLang's `meta_info` carries
+the speculative statistics (deploy/sglang/stats.py: `spec_verify_ct`, `spec_correct_drafts_histogram`,
+…, and `completion_tokens`); they are kept and returned as `sglext`, which Ray Serve's stock SGLang
+server drops.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from deploy.serve.backends.base import Backend, GenChunk, GenRequest, Overloaded, SpecStats
 from deploy.serve.config import LimitsSection, SGLangSection
@@ -27,18 +33,54 @@ from drelay_model.decoding.logprobs import TokenLogprob
 from drelay_model.errors import DRelayError
 
 
-def launch_command(cfg: SGLangSection) -> list[str]:
-    """The SGLang server command line for a config (also what docs/serving.md shows)."""
+REPO_ROOT = Path(__file__).resolve().parents[3]
+PYTHON_ENV = "DRELAY_SGLANG_PYTHON"
+
+
+def _repo_path(path: str) -> str:
+    """Config paths are relative to the repository root (replicas may run in another directory)."""
+    return path if path.startswith("models:/") or Path(path).is_absolute() or Path(path).exists() else str(REPO_ROOT / path)
+
+
+def sglang_python(cfg: SGLangSection) -> str:
+    """SGLang's interpreter: `sglang.python`, else $DRELAY_SGLANG_PYTHON, else <repo>/.venv-sglang;
+    it must hold sglang and the `drelay` plugin entry point (one line otherwise)."""
+    python = _repo_path(cfg.python or os.environ.get(PYTHON_ENV) or ".venv-sglang/bin/python")
+    probe = (
+        "import importlib.metadata as m; print(m.version('sglang')); "
+        "print(any(e.name == 'drelay' for e in m.entry_points(group='sglang.srt.plugins')))"
+    )
+    try:
+        out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise DRelayError(
+            f"sglang.python: cannot run '{python}' ({exc}); name SGLang's interpreter (or set {PYTHON_ENV})"
+        ) from None
+    lines = out.stdout.split()
+    if out.returncode != 0 or len(lines) != 2:
+        raise DRelayError(f"sglang.python: '{python}' has no sglang installed (pip install sglang there, docs/sglang.md)")
+    if lines[1] != "True":
+        raise DRelayError(f"sglang.python: '{python}' lacks the DRelay plugin: pip install --no-deps -e {REPO_ROOT} there")
+    return python
+
+
+def launch_command(cfg: SGLangSection, *, python: str, draft: str, context_length: int) -> list[str]:
+    """The SGLang server command line (token ids in, token ids out: no tokenizer in the server)."""
     return [
-        sys.executable,
+        python,
         "-m",
         "sglang.launch_server",
         "--model-path",
         cfg.model_path,
+        "--device",
+        "cuda",
+        "--context-length",
+        str(context_length),
+        "--skip-tokenizer-init",
         "--speculative-algorithm",
         cfg.algorithm,
         "--speculative-draft-model-path",
-        cfg.draft_model_path,
+        draft,
         "--speculative-num-draft-tokens",
         str(cfg.num_draft_tokens),
         "--host",
@@ -53,18 +95,21 @@ def launch_command(cfg: SGLangSection) -> list[str]:
 
 def server_env(base: dict[str, str], *, gpu_ids: list[str]) -> dict[str, str]:
     """The SGLang server's environment: the DRelay plugin whitelisted, our draft-model package
-    registered, and the replica's GPUs visible (Ray sets CUDA_VISIBLE_DEVICES for the actor; it is
-    passed on explicitly). No GPU is one line: the replica needs `num_gpus` ≥ 1."""
+    registered from this checkout (first on PYTHONPATH), and the replica's GPUs visible (Ray sets
+    CUDA_VISIBLE_DEVICES for the actor; it is passed on explicitly). No GPU is one line: the replica
+    needs `num_gpus` ≥ 1."""
     if not gpu_ids:
         raise DRelayError(
             "num_gpus: the sglang backend needs at least one GPU per replica (set num_gpus ≥ 1 in the serve config)"
         )
     plugins = [p for p in base.get("SGLANG_PLUGINS", "").split(",") if p.strip()]
+    paths = [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p]
     return {
         **base,
         "SGLANG_PLUGINS": ",".join(dict.fromkeys([*plugins, "drelay"])),
         "SGLANG_EXTERNAL_MODEL_PACKAGE": "deploy.sglang.models",
         "SGLANG_RETURN_ORIGINAL_LOGPROB": "1",  # logprobs of the raw distribution (as the engine backend)
+        "PYTHONPATH": os.pathsep.join(dict.fromkeys([str(REPO_ROOT), *paths])),
         "CUDA_VISIBLE_DEVICES": ",".join(gpu_ids),
     }
 
@@ -145,15 +190,24 @@ def chunk_from_event(event: dict, sent: int) -> tuple[GenChunk, int]:
 
 class SGLangBackend(Backend):
     def __init__(self, cfg: SGLangSection, limits: LimitsSection) -> None:
-        from transformers import AutoTokenizer
+        from deploy.serve.backends.engine import load_tokenizer
+        from deploy.sglang.draft_source import resolve_draft
 
         self.cfg, self.method = cfg, cfg.algorithm.lower()
         self.url = f"http://127.0.0.1:{cfg.port}"
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         self.max_waiting = limits.max_waiting
         self._inflight = 0
-        self.context_window = context_window(cfg.model_path)
-        self.proc = subprocess.Popen(launch_command(cfg), env=server_env(os.environ, gpu_ids=_replica_gpu_ids()))
+        python = sglang_python(cfg)
+        self.context_window = cfg.context_length or context_window(cfg.model_path)
+        self.draft = resolve_draft(_repo_path(cfg.draft_model_path), context_length=self.context_window, dtype=cfg.draft_dtype)
+        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model_path)
+        cmd = launch_command(cfg, python=python, draft=str(self.draft), context_length=self.context_window)
+        env = server_env(dict(os.environ), gpu_ids=_replica_gpu_ids())
+        self._log = open(cfg.log_file, "ab") if cfg.log_file else None  # noqa: SIM115 - closed in shutdown
+        # Its own process group: SGLang's scheduler and detokenizer processes end with it (shutdown).
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT if self._log else None, start_new_session=True
+        )
         self._wait_healthy()
 
     def _get(self, path: str) -> dict:
@@ -167,7 +221,10 @@ class SGLangBackend(Backend):
         deadline = time.time() + self.cfg.startup_timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise DRelayError(f"the SGLang server exited with status {self.proc.returncode} during startup")
+                self.shutdown()
+                raise DRelayError(
+                    f"the SGLang server exited with status {self.proc.returncode} during startup{self._last_error()}"
+                )
             try:
                 if requests.get(self.url + "/health", timeout=5).status_code == 200:
                     return
@@ -176,6 +233,14 @@ class SGLangBackend(Backend):
             time.sleep(2)
         self.shutdown()
         raise DRelayError(f"sglang.startup_timeout_s: the SGLang server was not healthy after {self.cfg.startup_timeout_s} s")
+
+    def _last_error(self) -> str:
+        """': <the log's last error line>' when the server writes to a log file."""
+        if not self.cfg.log_file:
+            return " (see the replica's log)"
+        lines = Path(self.cfg.log_file).read_text(errors="replace").splitlines()
+        errors = [line.strip() for line in lines if "Error" in line or "error:" in line]
+        return f": {errors[-1][:300]}" if errors else f" (see {self.cfg.log_file})"
 
     def load(self) -> dict[str, int]:
         return {"running": self._inflight, "waiting": 0}
@@ -232,9 +297,24 @@ class SGLangBackend(Backend):
             self._inflight -= 1
 
     def shutdown(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
+        """End the server's process group (the server, its scheduler and detokenizer), by its id:
+        SIGTERM, 30 s, then SIGKILL for anything left in the group; returns once the group is gone
+        (or after 10 s more)."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break  # nothing left in the group
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                pass
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)  # signal 0: does any process of the group remain?
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        if self._log is not None:
+            self._log.close()
