@@ -3,8 +3,9 @@
 Each node is a `ray start --block` process of its own, in its own session: own ports (every port Ray
 would otherwise take by default is a free one, so the node coexists with other Ray instances on the
 host), its own logical CPUs and a custom resource `drelay_node_<name>` that names it, so placement can
-be read back from Ray's node table. All nodes share one short temp dir per cluster (Ray's socket paths
-have a length limit; Ray numbers the sockets of a second raylet itself). Token auth is on with a token
+be read back from Ray's node table. Each node has a temp dir of its own, under one short folder per
+cluster (Ray's socket paths have a length limit): nodes that share one share its session folder, and
+one node's runtime-env agent then deletes the `working_dir` another node's job runs in. Token auth is on with a token
 of the cluster's own (`RAY_AUTH_MODE=token`, `RAY_AUTH_TOKEN`), passed to every process that talks to
 it, so nothing is read from or written to `~/.ray`. Nodes end by the pids they own: the `ray start`
 process, its process group and every descendant (raylet, agents, workers) — never `ray stop`, which
@@ -95,16 +96,17 @@ class LocalCluster:
     def __init__(self, logs: Path, *, cpus_per_node: int, env: dict[str, str] | None = None) -> None:
         self.logs, self.cpus = logs, cpus_per_node
         self.port, self.dashboard_port = free_port(), free_port()
-        self.temp = Path(f"/tmp/drelay-nodes-{os.getpid()}-{self.port}")
+        self.temp = Path(f"/tmp/drn-{os.getpid()}-{self.port}")
         self.token = secrets.token_hex(16)
         self.nodes: dict[str, Node] = {}
-        # The head's GCS declares a node dead after 3 failed 1-s health checks (15 s by default).
+        # The head's GCS declares a node dead after 3 failed 1-s health checks (15 s by default). RAY_ADDRESS
+        # names this cluster to processes that look for "the" local Ray instance (Train's placement-group
+        # cleaner does, and fails on a host running several). No drain wait on SIGTERM (Serve proxies only).
         self.env = {**os.environ, "PATH": f"{RAY.parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
-                    "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-                    "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
-                    **(env or {})}  # fmt: skip
-        for key in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH"):
-            self.env.pop(key, None)
+                    "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token, "RAY_ADDRESS": self.gcs_address,
+                    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "RAY_health_check_period_ms": "1000",
+                    "RAY_health_check_failure_threshold": "3", **(env or {})}  # fmt: skip
+        self.env.pop("RAY_AUTH_TOKEN_PATH", None)
 
     @property
     def gcs_address(self) -> str:
@@ -117,7 +119,7 @@ class LocalCluster:
     def _start(self, name: str, role: list[str]) -> Node:
         ports = [f"--{flag}={free_port()}" for flag in AGENT_PORT_FLAGS]
         cmd = [str(RAY), "start", "--block", *role, "--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus}",
-               f"--resources={json.dumps({resource_name(name): 1})}", f"--temp-dir={self.temp}",
+               f"--resources={json.dumps({resource_name(name): 1})}", f"--temp-dir={self.temp / name}",
                "--object-store-memory=100000000", "--min-worker-port=0", "--max-worker-port=0", "--disable-usage-stats",
                *ports]  # fmt: skip
         log = self.logs / f"ray-{name}.log"
