@@ -52,12 +52,16 @@ class Node:
     log: Path
 
     def pids(self) -> set[int]:
-        """The `ray start` process, every descendant, and whatever else runs in its process group."""
-        found = {self.proc.pid}
-        try:
-            found |= {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
-        except psutil.NoSuchProcess:
-            pass
+        """The `ray start` process, every descendant, and whatever else runs in its process group (the
+        group outlives `ray start`: its raylet and agents stay in it). A reaped `ray start`'s pid is never
+        used: it may belong to another process by now."""
+        found = set()
+        if self.proc.poll() is None:
+            found.add(self.proc.pid)
+            try:
+                found |= {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
+            except psutil.NoSuchProcess:
+                pass
         for p in psutil.process_iter():
             try:
                 if os.getpgid(p.pid) == self.proc.pid:
@@ -116,6 +120,20 @@ class LocalCluster:
     def dashboard(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
+    def _start_and_wait(self, name: str, role: list[str], timeout_s: float, tries: int = 2) -> None:
+        """Start node `name` and wait until it is ALIVE. On a loaded host `ray start` can give up (its
+        raylet must register within 30 s, a fixed limit of Ray's); then its processes are killed and it
+        is started once more."""
+        for attempt in range(tries):
+            self._start(name, role)
+            try:
+                self.wait_for_nodes(set(self.alive_names()) | {name}, timeout_s)
+                return
+            except RuntimeError:
+                self.nodes[name].kill()
+                if attempt == tries - 1:
+                    raise
+
     def _start(self, name: str, role: list[str]) -> Node:
         ports = [f"--{flag}={free_port()}" for flag in AGENT_PORT_FLAGS]
         cmd = [str(RAY), "start", "--block", *role, "--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus}",
@@ -129,13 +147,12 @@ class LocalCluster:
         return node
 
     def start_head(self, name: str = "head", timeout_s: float = 180.0) -> None:
-        self._start(name, ["--head", f"--port={self.port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
-                           "--include-dashboard=true", f"--ray-client-server-port={free_port()}"])  # fmt: skip
-        self.wait_for_nodes({name}, timeout_s)
+        role = ["--head", f"--port={self.port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
+                "--include-dashboard=true", f"--ray-client-server-port={free_port()}"]  # fmt: skip
+        self._start_and_wait(name, role, timeout_s)
 
     def add_node(self, name: str, timeout_s: float = 180.0) -> None:
-        self._start(name, [f"--address={self.gcs_address}"])
-        self.wait_for_nodes(set(self.alive_names()) | {name}, timeout_s)
+        self._start_and_wait(name, [f"--address={self.gcs_address}"], timeout_s)
 
     def get(self, path: str, timeout_s: float = 30.0):
         """GET a dashboard endpoint with the cluster's token; the parsed JSON."""

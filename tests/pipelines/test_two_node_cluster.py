@@ -74,15 +74,20 @@ def _start(cluster: LocalCluster, argv: list[str], log: Path, **env) -> subproce
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
 def _finish(proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    """Wait (bounded) for a `drelay` process; it must exit 0. Killed (its group) if it runs over."""
     try:
         rc = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         rc = None
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        _stop(proc)
     assert rc == 0, log.read_text()[-3000:]
 
 
@@ -131,14 +136,16 @@ def test_train_spans_both_nodes_and_survives_losing_one(cluster, data, tmp_path)
     proc = _start(cluster, ["train", "--config", str(tmp_path / "train.yaml")], log)
     try:
         seen, deadline = 0, time.monotonic() + 420
-        while seen <= CHECKPOINT_EVERY + 1 and proc.poll() is None and time.monotonic() < deadline:
+        while seen <= CHECKPOINT_EVERY and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.25)
             seen = _max_step(client, "two-node")
         assert CHECKPOINT_EVERY < seen < STEPS, f"the run was not caught between its first checkpoint and its end: {seen}"
         cluster.kill_node("b")  # mid-run, past the step-5 checkpoint
         cluster.add_node("c")  # the replacement
-    finally:
-        _finish(proc, log, timeout_s=600)
+    except BaseException:
+        _stop(proc)
+        raise
+    _finish(proc, log, timeout_s=600)
 
     # Ray Train's record: the first attempt had one worker on each node; it failed with the node; the
     # attempt that finished ran on the head and the replacement.
