@@ -106,10 +106,13 @@ class LocalCluster:
         # The head's GCS declares a node dead after 3 failed 1-s health checks (15 s by default). RAY_ADDRESS
         # names this cluster to processes that look for "the" local Ray instance (Train's placement-group
         # cleaner does, and fails on a host running several). No drain wait on SIGTERM (Serve proxies only).
+        # No memory monitor: it judges the host's memory, and on a shared host it kills this cluster's
+        # actors for memory other processes hold.
         self.env = {**os.environ, "PATH": f"{RAY.parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
                     "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token, "RAY_ADDRESS": self.gcs_address,
                     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "RAY_health_check_period_ms": "1000",
-                    "RAY_health_check_failure_threshold": "3", **(env or {})}  # fmt: skip
+                    "RAY_health_check_failure_threshold": "3", "RAY_memory_monitor_refresh_ms": "0",
+                    **(env or {})}  # fmt: skip
         self.env.pop("RAY_AUTH_TOKEN_PATH", None)
 
     @property
