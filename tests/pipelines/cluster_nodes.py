@@ -107,12 +107,13 @@ class LocalCluster:
         # names this cluster to processes that look for "the" local Ray instance (Train's placement-group
         # cleaner does, and fails on a host running several). No drain wait on SIGTERM (Serve proxies only).
         # No memory monitor: it judges the host's memory, and on a shared host it kills this cluster's
-        # actors for memory other processes hold.
+        # actors for memory other processes hold. A starting node waits up to 120 s (not 30) for its
+        # raylet to register with the GCS: on a loaded host it can take longer than 30.
         self.env = {**os.environ, "PATH": f"{RAY.parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
                     "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token, "RAY_ADDRESS": self.gcs_address,
                     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "RAY_health_check_period_ms": "1000",
                     "RAY_health_check_failure_threshold": "3", "RAY_memory_monitor_refresh_ms": "0",
-                    **(env or {})}  # fmt: skip
+                    "RAY_raylet_start_wait_time_s": "120", **(env or {})}  # fmt: skip
         self.env.pop("RAY_AUTH_TOKEN_PATH", None)
 
     @property
@@ -124,11 +125,10 @@ class LocalCluster:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
     def _start_and_wait(self, name: str, role: list[str], timeout_s: float, tries: int = 2) -> None:
-        """Start node `name` and wait until it is ALIVE. On a loaded host `ray start` can give up (its
-        raylet must register within 30 s, a fixed limit of Ray's); then its processes are killed and it
-        is started once more."""
+        """Start node `name` and wait until it is ALIVE; a `ray start` that gives up (on a loaded host)
+        has its processes killed and is started once more (its log: ray-NAME-2.log)."""
         for attempt in range(tries):
-            self._start(name, role)
+            self._start(name, role, log_name=f"ray-{name}.log" if attempt == 0 else f"ray-{name}-{attempt + 1}.log")
             try:
                 self.wait_for_nodes(set(self.alive_names()) | {name}, timeout_s)
                 return
@@ -137,13 +137,13 @@ class LocalCluster:
                 if attempt == tries - 1:
                     raise
 
-    def _start(self, name: str, role: list[str]) -> Node:
+    def _start(self, name: str, role: list[str], log_name: str) -> Node:
         ports = [f"--{flag}={free_port()}" for flag in AGENT_PORT_FLAGS]
         cmd = [str(RAY), "start", "--block", *role, "--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus}",
                f"--resources={json.dumps({resource_name(name): 1})}", f"--temp-dir={self.temp / name}",
                "--object-store-memory=100000000", "--min-worker-port=0", "--max-worker-port=0", "--disable-usage-stats",
                *ports]  # fmt: skip
-        log = self.logs / f"ray-{name}.log"
+        log = self.logs / log_name
         with log.open("w") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
         node = self.nodes[name] = Node(name, proc, log)
