@@ -50,6 +50,14 @@ class Node:
     name: str
     proc: subprocess.Popen
     log: Path
+    temp: Path
+
+    def failed(self) -> bool:
+        """`ray start` exited, or the raylet aborted (it waits a fixed 15 s for its dashboard agent, a
+        Python process, to report its ports: too short on a loaded host)."""
+        return self.proc.poll() is not None or any(
+            "Check failed" in f.read_text(errors="replace") for f in self.temp.glob("session_*/logs/raylet.out")
+        )
 
     def pids(self) -> set[int]:
         """The `ray start` process, every descendant, and whatever else runs in its process group (the
@@ -107,8 +115,8 @@ class LocalCluster:
         # names this cluster to processes that look for "the" local Ray instance (Train's placement-group
         # cleaner does, and fails on a host running several). No drain wait on SIGTERM (Serve proxies only).
         # No memory monitor: it judges the host's memory, and on a shared host it kills this cluster's
-        # actors for memory other processes hold. A starting node waits up to 120 s (not 30) for its
-        # raylet to register with the GCS: on a loaded host it can take longer than 30.
+        # actors for memory other processes hold. A starting raylet may take longer than `ray start`'s 30 s
+        # to register with the GCS on a loaded host: it waits up to 120 s.
         self.env = {**os.environ, "PATH": f"{RAY.parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
                     "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token, "RAY_ADDRESS": self.gcs_address,
                     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "RAY_health_check_period_ms": "1000",
@@ -124,11 +132,12 @@ class LocalCluster:
     def dashboard(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
-    def _start_and_wait(self, name: str, role: list[str], timeout_s: float, tries: int = 2) -> None:
-        """Start node `name` and wait until it is ALIVE; a `ray start` that gives up (on a loaded host)
-        has its processes killed and is started once more (its log: ray-NAME-2.log)."""
+    def _start_and_wait(self, name: str, role: list[str], timeout_s: float, tries: int = 4) -> None:
+        """Start node `name` and wait until it is ALIVE. A start that fails on a loaded host (see
+        `Node.failed`) has its processes killed and is tried again, with a fresh temp dir and log
+        (ray-NAME-2.log, …), up to `tries` times."""
         for attempt in range(tries):
-            self._start(name, role, log_name=f"ray-{name}.log" if attempt == 0 else f"ray-{name}-{attempt + 1}.log")
+            self._start(name, role, f"{name}-{attempt + 1}" if attempt else name)
             try:
                 self.wait_for_nodes(set(self.alive_names()) | {name}, timeout_s)
                 return
@@ -137,16 +146,16 @@ class LocalCluster:
                 if attempt == tries - 1:
                     raise
 
-    def _start(self, name: str, role: list[str], log_name: str) -> Node:
+    def _start(self, name: str, role: list[str], tag: str) -> Node:
         ports = [f"--{flag}={free_port()}" for flag in AGENT_PORT_FLAGS]
         cmd = [str(RAY), "start", "--block", *role, "--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus}",
-               f"--resources={json.dumps({resource_name(name): 1})}", f"--temp-dir={self.temp / name}",
+               f"--resources={json.dumps({resource_name(name): 1})}", f"--temp-dir={self.temp / tag}",
                "--object-store-memory=100000000", "--min-worker-port=0", "--max-worker-port=0", "--disable-usage-stats",
                *ports]  # fmt: skip
-        log = self.logs / log_name
+        log = self.logs / f"ray-{tag}.log"
         with log.open("w") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
-        node = self.nodes[name] = Node(name, proc, log)
+        node = self.nodes[name] = Node(name, proc, log, self.temp / tag)
         return node
 
     def start_head(self, name: str = "head", timeout_s: float = 180.0) -> None:
@@ -188,7 +197,7 @@ class LocalCluster:
         """Until exactly `names` are ALIVE in the node table (a killed node leaves it within seconds)."""
         deadline = time.monotonic() + timeout_s
         while set(self.alive_names()) != names:
-            dead = [n for n in names if n in self.nodes and self.nodes[n].proc.poll() is not None]
+            dead = [n for n in names if n in self.nodes and self.nodes[n].failed()]
             if dead or time.monotonic() > deadline:
                 tails = {n: self.nodes[n].log.read_text()[-1500:] for n in names if n in self.nodes}
                 raise RuntimeError(f"nodes {sorted(names)} not alive (have {self.alive_names()}): {tails}")
@@ -204,6 +213,11 @@ class LocalCluster:
         return self.get("/api/train/v2/runs/v1")["train_runs"]
 
     def close(self) -> None:
-        for name in sorted(self.nodes, key=lambda n: n in ("head",)):  # worker nodes first, the head last
+        """Stop every node (worker nodes first, the head last); keep the Ray logs that explain a failure
+        (each node's raylet and agents, the GCS) beside the `ray start` logs, then remove the temp dir."""
+        for name in sorted(self.nodes, key=lambda n: n in ("head",)):
             self.nodes[name].stop()
+        for log in self.temp.glob("*/session_*/logs/*"):
+            if log.name.startswith(("raylet.", "gcs_server.", "runtime_env_agent.", "dashboard_agent.")):
+                shutil.copy(log, self.logs / f"{log.parts[len(self.temp.parts)]}-{log.name}")
         shutil.rmtree(self.temp, ignore_errors=True)
