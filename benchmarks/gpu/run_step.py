@@ -28,7 +28,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().p
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-STEPS = ("lossless", "kernels", "graphs", "joint_step")
+STEPS = ("lossless", "accepted", "kernels", "graphs", "joint_step", "joint_step_8b")
 
 
 def skip_reason(needs: tuple[str, ...], device: str, scale: str = "full") -> str | None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ("lossless", "kernels", "graphs", "joint_step")
+STEPS = ("lossless", "accepted", "kernels", "graphs", "joint_step", "joint_step_8b")
 # What the GPU machine lacks (it has torch, triton, transformers + its dependencies, numpy,
 # safetensors, pytest): a script importing any of these would fail there.
 ABSENT_ON_GPU_MACHINE = ("ray", "mlflow", "pydantic", "pipelines", "deploy", "sglang", "vllm")
@@ -101,10 +101,10 @@ def test_the_report_names_failed_timed_out_and_skipped_steps(tmp_path):
     )
     assert proc.returncode == 1
     report = (out / "report.md").read_text()
-    assert report.startswith("# GPU check ") and report.splitlines()[0].endswith("FAILED: 2 passed, 3 failed, 2 skipped, 123 s")
+    assert report.startswith("# GPU check ") and report.splitlines()[0].endswith("FAILED: 2 passed, 5 failed, 2 skipped, 123 s")
     assert "| graphs | FAILED: timed out after 75 s |" in report and "| lossless | skipped: no CUDA device |" in report
     assert "| kernels | FAILED: no record (the step did not finish) |" in report and "- failed: t::x" in report
-    assert "(unexpected result: 'measured_peak_gib')" in report  # a partial result is shown raw, not a crash
+    assert "(unexpected result: 'measured_activations_gib')" in report  # a partial result is shown raw, not a crash
     assert set(json.loads((out / "results.json").read_text())) == {
         "env",
         "tests",
@@ -112,6 +112,8 @@ def test_the_report_names_failed_timed_out_and_skipped_steps(tmp_path):
         "kernels",
         "graphs",
         "joint_step",
+        "joint_step_8b",
+        "accepted",
         "timing",
     }
     assert sorted(p.name for p in out.iterdir()) == ["report.md", "results.json"]
@@ -135,7 +137,11 @@ def test_each_step_runs_at_test_size_on_cpu(step, tmp_path):
     result = record["result"]
     if step == "graphs":
         assert all(i["bitwise_equal"] for b in result["batches"].values() for i in b["inputs"])
-    if step == "joint_step":
-        assert abs(result["measured_over_plan"] - 1) <= 0.15 and result["plan_attention"] == "sdpa-gqa"
+    if step.startswith("joint_step"):
+        assert abs(result["activations_measured_over_plan"] - 1) <= result["shape"]["tolerance"]
+        assert result["plan_attention"] == "sdpa-gqa"
+    if step == "accepted":
+        fp32 = result["dtypes"]["float32"]
+        assert all(fp32["accept_hist"]) and fp32["tokens_equal_ar"] and fp32["lengths_after_every_round"]
     if step == "kernels":
         assert all(b["walk"]["same_picks"] and b["selector"]["same_paths"] for b in result["batches"].values())
