@@ -40,6 +40,12 @@ SHAPES = {
 }
 
 
+def ready() -> str | None:
+    """The paper-sized setting this step builds is readable here (pyyaml, the config)."""
+    paper_setting()
+    return None
+
+
 def build(s: dict, device: str):
     """(drafter, selector) in bf16 on `device`, random weights; the selector's residual heads are
     randomised so that it repairs (a fresh one keeps the native path)."""

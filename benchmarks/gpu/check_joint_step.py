@@ -43,6 +43,12 @@ TOLERANCE = {"full": 0.15, "tiny": 0.25}
 GiB = 2**30
 
 
+def ready(model: str = "qwen3-4b") -> str | None:
+    """The per-worker setting of platform/experiments/<model>/train.yaml is readable here."""
+    _setting("full", model)
+    return None
+
+
 def _setting(scale: str, model: str = "qwen3-4b") -> dict:
     return _shape(scale, model) | {"tolerance": TOLERANCE[scale]}
 

@@ -12,3 +12,7 @@ NEEDS = check_joint_step.NEEDS
 
 def run(device: str, scale: str) -> dict:
     return check_joint_step.run(device, scale, model="qwen3-8b")
+
+
+def ready() -> str | None:
+    return check_joint_step.ready("qwen3-8b")

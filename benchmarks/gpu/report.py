@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"# GPU check {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {verdict}, {args.seconds} s",
         "",
+        f"commit: {records['env'].get('result', {}).get('commit', 'unknown (no env record)')}",
+        "",
         "| step | status | seconds |",
         "|---|---|---|",
     ]
