@@ -166,3 +166,26 @@ def test_each_step_runs_at_test_size_on_cpu(step, tmp_path):
         assert all(fp32["accept_hist"]) and fp32["tokens_equal_ar"] and fp32["lengths_after_every_round"]
     if step == "kernels":
         assert all(b["walk"]["same_picks"] and b["selector"]["same_paths"] for b in result["batches"].values())
+
+
+@pytest.mark.slow
+def test_timing_runs_at_test_size_on_cpu(tmp_path):
+    """benchmarks/gpu_timing.py's code (Qwen3-4B-shaped layers on the GPU) at test size, with the GPU
+    machine's packages only."""
+    out = tmp_path / "timing.txt"
+    proc = _without_absent_packages(
+        RUN_SCRIPT,
+        str(ROOT / "benchmarks/gpu_timing.py"),
+        "--device",
+        "cpu",
+        "--scale",
+        "tiny",
+        "--layers",
+        "4",
+        "--out",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith("target: test-shaped layers") and any(x.startswith("verify batch 8: G=1") for x in lines)
+    assert any(x.startswith("speculative (native, untrained drafter):") for x in lines)
