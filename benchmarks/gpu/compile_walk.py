@@ -5,7 +5,7 @@ without a GPU and print its size: PTX lines, SASS instructions, registers, spill
 
 Triton ships ptxas and cuobjdump, so the kernel compiles on a CPU machine with the installed Triton:
 the compiled form each Triton makes of the same kernel can be compared before a GPU is lent (bf16
-inputs, K + 1 ≤ 32 candidates, H ≤ 16 slots). Compiling takes minutes on a busy CPU.
+inputs, K + 1 ≤ 32 candidates, H = 15 slots). Compiling takes minutes on a busy CPU.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ POINTERS = ("query", "pre", "rank0", "gate0", "ak", "av", "aq", "ck", "cv", "cq"
 
 def compile_walk(arch: int, heads: int, head_dim: int, width: int) -> dict:
     sig = {f"{n}_ptr": "*bf16" for n in POINTERS}
-    sig |= {"pick_ptr": "*i64", "gate_ptr": "*bf16", "rank_ptr": "*bf16", "H": "i32", "K": "i32", "C": "i32"}
+    sig |= {"pick_ptr": "*i64", "gate_ptr": "*bf16", "rank_ptr": "*bf16", "K": "i32", "C": "i32"}
     sig |= {"scale": "fp32", "tie_tol": "fp32"}
-    const = dict(NH=heads, DG=head_dim, K1P=32, HP=16, RP=_block(heads * head_dim), CP=_block(width), CONTRAST=True)
+    const = dict(H=15, NH=heads, DG=head_dim, K1P=32, HP=16, RP=_block(heads * head_dim), CP=_block(width), CONTRAST=True)
     sig |= {k: "constexpr" for k in const}
     kernel = triton.compile(ASTSource(fn=_walk_kernel, signature=sig, constexprs=const), target=GPUTarget("cuda", arch, 32))
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"

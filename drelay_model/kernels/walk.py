@@ -9,6 +9,11 @@ registers and runs the H decisions in order, exactly as `walk`:
     pick  = argmax_{k>0} S_ik if g_i + max_{k>0} S_ik − logsumexp_{k>0} S_ik > TIE_TOL else 0
 and writes the picked candidate's (k, v, q-term) into the memory. Float32 inside; scores are
 stored in the input dtype. No host syncs: the whole block is one launch.
+
+H is a compile-time constant: one compiled kernel per slot count (a block drafted with fewer slots
+compiles its own once; Triton caches it). A runtime H would be a loop bound the interpreter of Triton
+3.6 cannot read (TRITON_INTERPRET=1 raises there), and compiled for sm_90 the constant bound is as
+small as the runtime one or smaller (benchmarks/gpu/compile_walk.py; docs/devices.md).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ def _walk_kernel(
     pick_ptr,
     gate_ptr,
     rank_ptr,
-    H,
+    H: tl.constexpr,
     K,
     C,
     scale,
@@ -70,49 +75,45 @@ def _walk_kernel(
     k_new = tl.load(ak_ptr + b * R + offs_r, mask=rm, other=0.0).to(tl.float32)
     v_new = tl.load(av_ptr + b * R + offs_r, mask=rm, other=0.0).to(tl.float32)
     q_term = tl.load(aq_ptr + b * R + offs_r, mask=rm, other=0.0).to(tl.float32)
-    # HP (a power of two ≥ H) iterations, the last HP − H skipped: a loop bound known at compile time
-    # keeps one compiled kernel for every H ≤ HP and needs no Python int from a runtime argument (the
-    # interpreter of Triton 3.6 cannot turn one into a loop bound); the branch is uniform per program.
-    for i in range(HP):
-        if i < H:
-            keys = tl.where(offs_t[:, None] == i, k_new[None, :], keys)
-            vals = tl.where(offs_t[:, None] == i, v_new[None, :], vals)
-            # query[b, i, h, k, e] at ((b·H + i)·NH + h)·K1·DG + k·DG + e, column r = h·DG + e
-            q_ptrs = query_ptr + ((b * H + i) * NH + head_of_r[None, :]) * K1 * DG + offs_k[:, None] * DG + offs_r[None, :] % DG
-            q = tl.load(q_ptrs, mask=km[:, None] & rm[None, :], other=0.0).to(tl.float32) + q_term[None, :]
-            read = tl.zeros((K1P, RP), dtype=tl.float32)
-            for hh in tl.static_range(NH):
-                cols = (head_of_r == hh)[None, :]
-                s = tl.dot(tl.where(cols, q, 0.0), tl.trans(keys), input_precision="ieee") * scale  # [K1P, HP]
-                s = tl.where(offs_t[None, :] <= i, s, float("-inf"))
-                p = tl.exp(s - tl.max(s, axis=1)[:, None])
-                p = p / tl.sum(p, axis=1)[:, None]
-                read += tl.dot(p, tl.where(cols, vals, 0.0), input_precision="ieee")
-            pre = tl.load(
-                pre_ptr + ((b * H + i) * K1 + offs_k[:, None]) * C + offs_c[None, :], mask=km[:, None] & cm[None, :], other=0.0
-            )
-            x = pre.to(tl.float32) + tl.dot(read, w_c, input_precision="ieee")  # [K1P, CP]
-            act = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))  # exact GELU
-            corr_rank = tl.sum(act * hw_rank[None, :], axis=1) + hb_rank  # [K1P]
-            corr_gate = tl.sum(act * hw_gate[None, :], axis=1) + hb_gate
-            rank = tl.load(rank0_ptr + (b * H + i) * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32) + corr_rank
-            alt = tl.where((offs_k >= 1) & (offs_k < K), rank, float("-inf"))
-            best = tl.max(alt, axis=0)
-            arg = tl.argmax(alt, axis=0)
-            lse = best + tl.log(tl.sum(tl.exp(alt - best), axis=0))
-            delta = tl.sum(tl.where(offs_k == K, corr_gate, 0.0), axis=0)  # δ_iK, the slot query
-            if CONTRAST:  # + Σ_{k>0} r_ik δ_ik − δ_i0 (causal.combine)
-                r = tl.where((offs_k >= 1) & (offs_k < K), tl.exp(alt - lse), 0.0)
-                delta += tl.sum(r * corr_gate, axis=0) - tl.sum(tl.where(offs_k == 0, corr_gate, 0.0), axis=0)
-            gate = tl.load(gate0_ptr + b * H + i).to(tl.float32) + delta
-            pick = tl.where(gate + (best - lse) > tie_tol, arg, 0)
-            tl.store(pick_ptr + b * H + i, pick.to(tl.int64))
-            tl.store(gate_ptr + b * H + i, gate.to(gate_ptr.dtype.element_ty))
-            tl.store(rank_ptr + (b * H + i) * K + offs_k, rank.to(rank_ptr.dtype.element_ty), mask=offs_k < K)
-            row = ((b * H + i) * K + pick) * R + offs_r  # the picked candidate's memory terms
-            k_new = tl.load(ck_ptr + row, mask=rm, other=0.0).to(tl.float32)
-            v_new = tl.load(cv_ptr + row, mask=rm, other=0.0).to(tl.float32)
-            q_term = tl.load(cq_ptr + row, mask=rm, other=0.0).to(tl.float32)
+    for i in range(H):
+        keys = tl.where(offs_t[:, None] == i, k_new[None, :], keys)
+        vals = tl.where(offs_t[:, None] == i, v_new[None, :], vals)
+        # query[b, i, h, k, e] at ((b·H + i)·NH + h)·K1·DG + k·DG + e, column r = h·DG + e
+        q_ptrs = query_ptr + ((b * H + i) * NH + head_of_r[None, :]) * K1 * DG + offs_k[:, None] * DG + offs_r[None, :] % DG
+        q = tl.load(q_ptrs, mask=km[:, None] & rm[None, :], other=0.0).to(tl.float32) + q_term[None, :]
+        read = tl.zeros((K1P, RP), dtype=tl.float32)
+        for hh in tl.static_range(NH):
+            cols = (head_of_r == hh)[None, :]
+            s = tl.dot(tl.where(cols, q, 0.0), tl.trans(keys), input_precision="ieee") * scale  # [K1P, HP]
+            s = tl.where(offs_t[None, :] <= i, s, float("-inf"))
+            p = tl.exp(s - tl.max(s, axis=1)[:, None])
+            p = p / tl.sum(p, axis=1)[:, None]
+            read += tl.dot(p, tl.where(cols, vals, 0.0), input_precision="ieee")
+        pre = tl.load(
+            pre_ptr + ((b * H + i) * K1 + offs_k[:, None]) * C + offs_c[None, :], mask=km[:, None] & cm[None, :], other=0.0
+        )
+        x = pre.to(tl.float32) + tl.dot(read, w_c, input_precision="ieee")  # [K1P, CP]
+        act = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))  # exact GELU
+        corr_rank = tl.sum(act * hw_rank[None, :], axis=1) + hb_rank  # [K1P]
+        corr_gate = tl.sum(act * hw_gate[None, :], axis=1) + hb_gate
+        rank = tl.load(rank0_ptr + (b * H + i) * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32) + corr_rank
+        alt = tl.where((offs_k >= 1) & (offs_k < K), rank, float("-inf"))
+        best = tl.max(alt, axis=0)
+        arg = tl.argmax(alt, axis=0)
+        lse = best + tl.log(tl.sum(tl.exp(alt - best), axis=0))
+        delta = tl.sum(tl.where(offs_k == K, corr_gate, 0.0), axis=0)  # δ_iK, the slot query
+        if CONTRAST:  # + Σ_{k>0} r_ik δ_ik − δ_i0 (causal.combine)
+            r = tl.where((offs_k >= 1) & (offs_k < K), tl.exp(alt - lse), 0.0)
+            delta += tl.sum(r * corr_gate, axis=0) - tl.sum(tl.where(offs_k == 0, corr_gate, 0.0), axis=0)
+        gate = tl.load(gate0_ptr + b * H + i).to(tl.float32) + delta
+        pick = tl.where(gate + (best - lse) > tie_tol, arg, 0)
+        tl.store(pick_ptr + b * H + i, pick.to(tl.int64))
+        tl.store(gate_ptr + b * H + i, gate.to(gate_ptr.dtype.element_ty))
+        tl.store(rank_ptr + (b * H + i) * K + offs_k, rank.to(rank_ptr.dtype.element_ty), mask=offs_k < K)
+        row = ((b * H + i) * K + pick) * R + offs_r  # the picked candidate's memory terms
+        k_new = tl.load(ck_ptr + row, mask=rm, other=0.0).to(tl.float32)
+        v_new = tl.load(cv_ptr + row, mask=rm, other=0.0).to(tl.float32)
+        q_term = tl.load(cq_ptr + row, mask=rm, other=0.0).to(tl.float32)
 
 
 def _block(n: int) -> int:
