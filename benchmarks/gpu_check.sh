@@ -46,7 +46,7 @@ export GPU_CHECK_COMMIT="${COMMIT:-unknown (no .git here: pass --commit ID or GP
 OUTDIR="${OUT:-${1:-outputs/gpu_check}}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 STEPS=(lossless accepted kernels graphs joint_step joint_step_8b)
-declare -A LIMIT=([env]=30 [tests]=100 [lossless]=50 [accepted]=45 [kernels]=60 [graphs]=60 [joint_step]=75 [joint_step_8b]=90 [timing]=50)
+declare -A LIMIT=([env]=30 [tests]=120 [lossless]=50 [accepted]=60 [kernels]=60 [graphs]=60 [joint_step]=75 [joint_step_8b]=90 [timing]=50)
 
 if (( DRY )); then
   echo "gpu_check.sh --dry-run: is each step ready here, and would it run (nothing runs on the device)"
