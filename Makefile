@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEMO_MESSAGE ?= Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?
 
-.PHONY: install demo test test-heavy lint bench clean vllm-env test-vllm sglang-env test-sglang
+.PHONY: install demo test test-heavy lint bench clean vllm-env test-vllm sglang-env test-sglang gpu-versions-env test-gpu-versions
 
 install: $(STAMP)
 
@@ -89,6 +89,27 @@ $(SGLANG_STAMP): deploy/sglang/requirements-cpu.txt
 test-sglang: $(STAMP) $(SGLANG_STAMP)
 	$(SGLANG_VENV)/bin/python -m pytest -q -m sglang_cpu tests/sglang_cpu
 	DRELAY_SGLANG_PYTHON=$(SGLANG_VENV)/bin/python $(PY) -m pytest -q -m sglang_cpu tests/deploy/test_sglang_serve.py
+
+# The GPU machine's versions (torch 2.11, triton 3.6, transformers 5.17; no SGLang, no vLLM) in their own
+# venv: torch 2.11 from PyPI is a CUDA build (a few GB) that also runs on this CPU. Only what drelay_model,
+# benchmarks/gpu and tests/model import, and this project without dependencies (the lower pins in
+# pyproject.toml are these versions). `test-gpu-versions` runs the model tests there, the Triton kernels
+# interpreted (TRITON_INTERPRET=1, as tests/model/test_kernels.py sets without CUDA), then
+# `gpu_check.sh --dry-run` with that interpreter.
+GPU_VENV  ?= .venv-gpu
+GPU_STAMP := $(GPU_VENV)/.installed
+
+gpu-versions-env: $(GPU_STAMP)
+
+$(GPU_STAMP):
+	python3 -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q torch==2.11.0 triton==3.6.0 transformers==5.17.0 pytest numpy safetensors pyyaml
+	$(GPU_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(GPU_STAMP)
+
+test-gpu-versions: $(GPU_STAMP)
+	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(GPU_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not slow and not heavy" tests/model
+	PYTHON=$(GPU_VENV)/bin/python bash benchmarks/gpu_check.sh --dry-run
 
 clean:
 	rm -rf $(VENV) .pytest_cache

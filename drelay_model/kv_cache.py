@@ -4,6 +4,10 @@ Speculative decoding commits a different number of tokens per row every round, s
 length (as in Hugging Face's `DynamicCache.crop`) cannot describe a batch. Here every row keeps its
 own valid length; cropping a row is a write to `lengths`, nothing is copied or freed.
 
+`k`, `v` and `lengths` are updated in place (`begin` → `append` → `end`, `crop`): a CUDA graph
+captured over them (benchmarks/gpu/check_graphs.py) reads the same storage on every replay. Only
+`select_rows`, which changes the batch size, allocates new tensors.
+
 Layout:
     k, v     [n_layers, B, n_kv_heads, capacity, head_dim]   preallocated once (a static cache)
     lengths  [B] int64                                         row b holds valid entries [0, lengths[b])
@@ -100,18 +104,21 @@ class KVCache:
     def end(self) -> None:
         """Mark every written token as valid (the caller crops rejected ones afterwards)."""
         assert self._write_pos is not None, "call begin() before end()"
-        self.lengths = self._write_pos[:, -1] + 1
+        self.lengths.copy_(self._write_pos[:, -1] + 1)  # in place: captured graphs read this storage
         self._write_pos = None
 
     # ---- bookkeeping between forwards ----------------------------------------------------------
     def crop(self, new_lengths: torch.Tensor) -> None:
         """Keep only the first `new_lengths[b]` entries of row b ([B] int64, each ≤ current length)."""
+        if new_lengths.shape != self.lengths.shape:
+            raise ValueError(f"crop lengths have shape {tuple(new_lengths.shape)}, the cache has {self.batch_size} rows")
         if bool((new_lengths > self.lengths).any()) or bool((new_lengths < 0).any()):
             raise ValueError(f"crop lengths {new_lengths.tolist()} outside [0, {self.lengths.tolist()}]")
-        self.lengths = new_lengths.clone()
+        self.lengths.copy_(new_lengths)  # in place (a copy: later changes to new_lengths do not reach it)
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only the given batch rows ([R] int64), e.g. to drop finished sequences."""
+        """Keep only the given batch rows ([R] int64), e.g. to drop finished sequences: new tensors (the
+        batch size changes), so a graph captured over this cache must be captured again."""
         self.k = self.k[:, rows]
         self.v = self.v[:, rows]
         self.lengths = self.lengths[rows]

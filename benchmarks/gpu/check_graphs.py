@@ -40,6 +40,12 @@ SHAPES = {
 }
 
 
+def ready() -> str | None:
+    """The paper-sized setting this step builds is readable here (pyyaml, the config)."""
+    paper_setting()
+    return None
+
+
 def build(s: dict, device: str):
     """(drafter, selector) in bf16 on `device`, random weights; the selector's residual heads are
     randomised so that it repairs (a fresh one keeps the native path)."""
@@ -80,6 +86,21 @@ class StaticRound:
         self.cache.crop(lengths)
         self.anchor_ids.copy_(torch.randint(0, vocab, (B,), device=self.anchor_ids.device, generator=g))
         self.history.copy_(torch.randn(self.history.shape, device=self.anchor_ids.device, generator=g))
+
+    def captured_inputs(self) -> dict[str, torch.Tensor]:
+        """Every tensor a captured round reads besides the weights: a replay reads these storages, so
+        `fill` (and the cache's `crop` / `extend_context` inside it) must write them in place."""
+        ctx = self.context()
+        return {
+            "anchor_ids": self.anchor_ids,
+            "history": self.history,
+            "history_mask": self.history_mask,
+            "row_ids": self.row_ids,
+            "context k": self.cache.k,
+            "context v": self.cache.v,
+            "context lengths": self.cache.lengths,
+            "anchor_pos": ctx.anchor_pos,
+        }
 
     def context(self) -> SelectionContext:
         return SelectionContext(
@@ -147,9 +168,13 @@ def run(device: str, scale: str) -> dict:
         rnd = StaticRound(drafter, selector, B, s["capacity"])
         rnd.fill(0, vocab)
         replay, _ = _capture(rnd, device)
+        captured = {name: t.data_ptr() for name, t in rnd.captured_inputs().items()}
         row = {"inputs": []}
         for seed in (1, 2, 3):
             rnd.fill(seed, vocab)
+            moved = [name for name, t in rnd.captured_inputs().items() if t.data_ptr() != captured[name]]
+            if moved:  # a replay would read the old storage: a false difference, said as such
+                raise RuntimeError(f"captured inputs were reallocated by fill(): {', '.join(moved)}")
             eager = tuple(t.clone() for t in rnd())
             graphed = tuple(t.clone() for t in replay())
             cmp = _compare(graphed, eager)

@@ -1,14 +1,25 @@
-"""Step `joint_step`: one bf16 joint training step at the Qwen3-4B per-worker shape, its measured peak
-memory against the memory plan (`drelay plan`'s model, drelay_model/training/memory_plan.py).
+"""Step `joint_step`: one bf16 joint training step at the Qwen3-4B per-worker shape (and, as step
+`joint_step_8b`, at Qwen3-8B's), its measured activations against the memory plan (`drelay plan`'s
+model, drelay_model/training/memory_plan.py).
 
-The shape is platform/experiments/qwen3-4b/train.yaml's per worker: a random-weight Qwen3-4B target
-(36 layers, bf16), the 5-layer drafter on layers 1/9/17/25/33 and the paper-sized DRelay selector
-(fp32 weights, AdamW), 8 sequences × 3,072 tokens, 512 anchors per sequence, 8 micro-batches, head
-chunks of 2,048 slots, bf16 autocast — what a training worker runs per step (features from the
-target's no-grad forward, `training_step_backward`, gradient clipping, `optimizer.step`). A first step
-creates AdamW's state; the second is measured: peak tensor memory (torch.cuda.max_memory_allocated;
-the profiler's memory events on CPU) against `memory_plan.estimate(...)` priced on the path the
-device takes, with shapes read off the built modules. Pass: peak within ±15% of the plan's total.
+The shape is platform/experiments/qwen3-{4b,8b}/train.yaml's per worker: a random-weight Qwen3
+target (36 layers, bf16), the 5-layer drafter on the config's feature layers and the paper-sized
+DRelay selector (fp32 weights, AdamW), 8 sequences × 3,072 tokens, 512 anchors per sequence, 8
+micro-batches, head chunks of 2,048 slots, bf16 autocast — what a training worker runs per step
+(features from the target's no-grad forward, `training_step_backward`, gradient clipping,
+`optimizer.step`). A first step creates AdamW's state and the gradients; the second is measured
+stage by stage, each as its peak tensor memory above what was allocated when it began
+(torch.cuda.max_memory_allocated; the profiler's memory events on CPU):
+
+    feature forward   the target's no-grad forward            vs the plan's "feature forward" stage
+    joint step        forward + backward of drafter + selector vs the plan's step stages (drafter +
+                      (gradients kept allocated and zeroed      head + max(transient, selector))
+                      in place, as the plan counts them among
+                      the resident parameters' 16 B)
+    optimizer         clipping and the AdamW update            reported (foreach temporaries)
+
+Pass: the measured activations (the larger stage) within ±15% of the plan's activations — the part
+of the plan not known from the weights alone; the whole peak against the plan's total is reported.
 """
 
 from __future__ import annotations
@@ -17,25 +28,37 @@ import time
 
 import torch
 
-from benchmarks.gpu.common import QWEN3_4B, QWEN3_TINY, paper_setting, random_qwen3_target, sync
+from benchmarks.gpu.common import QWEN3_4B, QWEN3_8B, QWEN3_TINY, paper_setting, random_qwen3_target, sync
 from drelay_model.attention import attention_path
 from drelay_model.drafter import BlockDrafter, DrafterConfig
 from drelay_model.selectors import default_registry
 from drelay_model.training import memory_plan as mp
 from drelay_model.training.step import DraftTrainModule, StepConfig, training_step_backward
 
-DESCRIPTION = "one bf16 joint step at the Qwen3-4B per-worker shape, measured peak memory vs the memory plan (±15%)"
+DESCRIPTION = "one bf16 joint step at the Qwen3-4B per-worker shape, measured activations vs the memory plan's (±15%)"
 NEEDS = ("cuda",)
-TOLERANCE = 0.15
+# ±15% on the GPU; at test size on CPU ±25%, the tolerance the planner's CPU coefficients were fitted
+# to (tests/model/test_memory_plan.py): fixed costs weigh more in small shapes.
+TOLERANCE = {"full": 0.15, "tiny": 0.25}
 GiB = 2**30
 
 
-def _setting(scale: str) -> dict:
+def ready(model: str = "qwen3-4b") -> str | None:
+    """The per-worker setting of platform/experiments/<model>/train.yaml is readable here."""
+    _setting("full", model)
+    return None
+
+
+def _setting(scale: str, model: str = "qwen3-4b") -> dict:
+    return _shape(scale, model) | {"tolerance": TOLERANCE[scale]}
+
+
+def _shape(scale: str, model: str) -> dict:
     if scale == "full":
-        p = paper_setting()
+        p = paper_setting(model)
         t = p["train"]
         return dict(
-            target=QWEN3_4B,
+            target={"qwen3-4b": QWEN3_4B, "qwen3-8b": QWEN3_8B}[model],
             drafter=p["drafter"],
             selector=p["selector"],
             seqs=t["seqs_per_step"],
@@ -45,7 +68,7 @@ def _setting(scale: str) -> dict:
             chunk_tokens=t["chunk_tokens"],
         )
     return dict(
-        target=QWEN3_TINY,
+        target={**QWEN3_TINY, "tie_word_embeddings": model == "qwen3-4b"},  # Qwen3-8B's head is untied
         drafter=dict(num_layers=1, target_layer_ids=[1, 3, 4], block_size=16, top_k=8),
         selector=dict(d_sel=32, read_dim=16, compact_dim=16, heads=2, history_len=16),
         seqs=2,
@@ -104,31 +127,64 @@ def _resident_bytes(*tensor_sources) -> int:
     return sum(seen.values())
 
 
-def _one_step(target, module, optimizer, params, ids, mask, cfg: StepConfig, layers) -> tuple[float, float]:
+class _Meter:
+    """Peak tensor bytes of a stage above what was allocated when it began (CUDA: the allocator's
+    counters; CPU: the profiler's memory events)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn):
+        if self.cuda:
+            sync("cuda")
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            result = fn()
+            sync("cuda")
+            return torch.cuda.max_memory_allocated() - base, result
+        from drelay_model.training.memory_meter import measure_peak_bytes
+
+        return measure_peak_bytes(fn)
+
+
+def _one_step(target, module, optimizer, params, ids, mask, cfg: StepConfig, layers) -> dict:
     """Features (the target's no-grad forward under bf16 autocast, as pipelines/train/features.py),
-    the joint step's forward + backward, clipping and the AdamW update → (loss, seconds)."""
+    the joint step's forward + backward, clipping and the AdamW update, each stage metered →
+    {"loss", "seconds", "stages": {stage: bytes above its start}}."""
+    meter, stages = _Meter(ids.device), {}
     start = time.perf_counter()
-    with torch.no_grad(), torch.autocast(ids.device.type, dtype=torch.bfloat16):
-        out = target(
-            ids,
-            target.new_cache(*ids.shape),
-            feature_layers=layers,
-            logits_at=torch.zeros(ids.shape[0], 1, dtype=torch.long, device=ids.device),
+
+    def features():
+        with torch.no_grad(), torch.autocast(ids.device.type, dtype=torch.bfloat16):
+            out = target(
+                ids,
+                target.new_cache(*ids.shape),
+                feature_layers=layers,
+                logits_at=torch.zeros(ids.shape[0], 1, dtype=torch.long, device=ids.device),
+            )
+        return out.features.float()
+
+    stages["feature forward"], feats = meter(features)
+    # Gradients stay allocated (zeroed in place): the plan counts them with the parameters.
+    optimizer.zero_grad(set_to_none=False)
+    stages["joint step"], res = meter(
+        lambda: training_step_backward(
+            module, module, ids, mask, feats, cfg, torch.Generator().manual_seed(0), autocast_dtype=torch.bfloat16
         )
-    feats = out.features.float()
-    del out
-    optimizer.zero_grad(set_to_none=True)
-    res = training_step_backward(
-        module, module, ids, mask, feats, cfg, torch.Generator().manual_seed(0), autocast_dtype=torch.bfloat16
     )
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    optimizer.step()
+    feats = None  # freed before the update, as in training
+
+    def update():
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+
+    stages["optimizer"], _ = meter(update)
     sync(ids.device)
-    return float(res.loss), time.perf_counter() - start
+    return {"loss": float(res.loss), "seconds": time.perf_counter() - start, "stages": stages}
 
 
-def run(device: str, scale: str) -> dict:
-    s = _setting(scale)
+def _build(s: dict, device: str):
+    """(target, training module) of setting `s` on `device`, random weights."""
     target = random_qwen3_target(s["target"], device=device, dtype=torch.bfloat16)
     dc = DrafterConfig.for_target(
         target,
@@ -141,7 +197,23 @@ def run(device: str, scale: str) -> dict:
     with torch.device(device):
         drafter = BlockDrafter(dc, target)
         selector = default_registry().create("drelay", drafter=drafter, config=s["selector"])
-    module = DraftTrainModule(drafter, selector).to(device).train()
+    return target, DraftTrainModule(drafter, selector).to(device).train()
+
+
+def _resident(target, module, optimizer, ids, mask, device: str) -> int:
+    """Bytes allocated between steps: weights, gradients, AdamW state, the batch."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.memory_allocated()
+    state = [t for st in optimizer.state.values() for t in st.values()]
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return _resident_bytes(
+        target.parameters(), target.buffers(), module.parameters(), module.buffers(), state, grads, [ids, mask]
+    )
+
+
+def run(device: str, scale: str, model: str = "qwen3-4b") -> dict:
+    s = _setting(scale, model)
+    target, module = _build(s, device)
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     g = torch.Generator().manual_seed(0)
@@ -151,23 +223,10 @@ def run(device: str, scale: str) -> dict:
     cfg = StepConfig(
         anchors_per_seq=s["anchors"], native_fraction=0.5, micro_batches=s["micro_batches"], chunk_tokens=s["chunk_tokens"]
     )
-    layers = dc.target_layer_ids
-    step = lambda: _one_step(target, module, optimizer, params, ids, mask, cfg, layers)  # noqa: E731
-    first_loss, first_s = step()  # creates AdamW's moments: the steady state the plan prices
-    if torch.device(device).type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        resident = torch.cuda.memory_allocated()
-        loss, seconds = step()
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        from drelay_model.training.memory_meter import measure_peak_bytes
-
-        state = [t for st in optimizer.state.values() for t in st.values()]
-        resident = _resident_bytes(
-            target.parameters(), target.buffers(), module.parameters(), module.buffers(), state, [ids, mask]
-        )
-        above, (loss, seconds) = measure_peak_bytes(step)
-        peak = resident + above
+    step = lambda: _one_step(target, module, optimizer, params, ids, mask, cfg, module.drafter.config.target_layer_ids)  # noqa: E731
+    first = step()  # creates AdamW's moments and the gradients: the steady state the plan prices
+    resident = _resident(target, module, optimizer, ids, mask, device)
+    second = step()
     st = mp.StepShape(
         seqs_per_step=s["seqs"],
         seq_len=s["seq_len"],
@@ -177,22 +236,46 @@ def run(device: str, scale: str) -> dict:
         bf16=True,
     )
     plan = _plan(target, module, st, s["selector"], device)
-    ratio = peak / plan.total
+    return _judge(s, target, module, plan, resident, first, second)
+
+
+def _judge(s: dict, target, module, plan: mp.MemoryPlan, resident: int, first: dict, second: dict) -> dict:
+    """The record: measured stages against the plan's, activations judged (±s["tolerance"])."""
+    meas = second["stages"]
+    feats = 4 * s["seqs"] * s["seq_len"] * len(module.drafter.config.target_layer_ids) * target.hidden_size
+    measured_act = max(meas["feature forward"], meas["joint step"])
+    plan_stages = plan.activation_stages
+    plan_step = mp.step_peak({k.removeprefix("step: "): v for k, v in plan_stages.items() if k.startswith("step: ")})
+    act_ratio = measured_act / plan.components["activations"]
+    peak = resident + max(meas["feature forward"], feats + meas["joint step"], meas["optimizer"])
+    losses = [first["loss"], second["loss"]]
     return {
         "shape": {k: v for k, v in s.items() if k != "target"}
         | {"target_layers": target.num_layers, "target_hidden": target.hidden_size},
         "params": {
-            "drafter": sum(p.numel() for p in drafter.parameters()),
-            "selector": sum(p.numel() for p in selector.parameters()),
+            "drafter": sum(p.numel() for p in module.drafter.parameters()),
+            "selector": sum(p.numel() for p in module.selector.parameters()),
         },
-        "loss": [round(first_loss, 4), round(loss, 4)],
-        "step_seconds": [round(first_s, 2), round(seconds, 2)],
+        "loss": [round(x, 4) for x in losses],
+        "step_seconds": [round(first["seconds"], 2), round(second["seconds"], 2)],
         "resident_gib": round(resident / GiB, 3),
+        "measured_stages_gib": {k: round(v / GiB, 3) for k, v in meas.items()},
+        "plan_stages_gib": {
+            "feature forward": round(plan_stages["feature forward"] / GiB, 3),
+            "joint step": round(plan_step / GiB, 3),
+        },
+        "stage_ratios": {
+            "feature forward": round(meas["feature forward"] / plan_stages["feature forward"], 3),
+            "joint step": round(meas["joint step"] / plan_step, 3),
+        },
+        "measured_activations_gib": round(measured_act / GiB, 3),
+        "plan_activations_gib": round(plan.components["activations"] / GiB, 3),
+        "activations_measured_over_plan": round(act_ratio, 3),
         "measured_peak_gib": round(peak / GiB, 3),
         "plan_total_gib": round(plan.total / GiB, 3),
+        "peak_measured_over_plan": round(peak / plan.total, 3),
         "plan_attention": plan.attention,
         "plan_components_gib": {k: round(v / GiB, 3) for k, v in plan.components.items()},
-        "plan_activation_stages_gib": {k: round(v / GiB, 3) for k, v in plan.activation_stages.items()},
-        "measured_over_plan": round(ratio, 3),
-        "ok": bool(torch.isfinite(torch.tensor([first_loss, loss])).all()) and abs(ratio - 1) <= TOLERANCE,
+        "plan_activation_stages_gib": {k: round(v / GiB, 3) for k, v in plan_stages.items()},
+        "ok": bool(torch.isfinite(torch.tensor(losses)).all()) and abs(act_ratio - 1) <= s["tolerance"],
     }

@@ -42,6 +42,12 @@ SHAPES = {
 }
 
 
+def ready() -> str | None:
+    """The paper-sized setting this step builds is readable here (pyyaml, the config)."""
+    paper_setting()
+    return None
+
+
 def _selectors(s: dict, device: str) -> dict[str, DRelaySelector]:
     """The same random selector with kernels="torch" and "triton"; its zero-initialised residual
     heads are randomised so that REPAIRs happen (a fresh selector always keeps the native path)."""

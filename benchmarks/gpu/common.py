@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-PAPER_CONFIG = REPO / "platform" / "experiments" / "qwen3-4b" / "train.yaml"
+PAPER_CONFIG = REPO / "platform" / "experiments" / "qwen3-4b" / "train.yaml"  # the paper's setting
+CONFIGS = REPO / "platform" / "experiments"  # <model>/train.yaml
 SCALES = ("full", "tiny")
 
 # Qwen3-4B's config.json (the shapes `drelay plan` knows as Qwen/Qwen3-4B).
@@ -28,6 +29,17 @@ QWEN3_4B = dict(
     head_dim=128,
     intermediate_size=9728,
     tie_word_embeddings=True,
+)
+# Qwen3-8B's config.json (Qwen/Qwen3-8B in `drelay plan`): wider, untied head.
+QWEN3_8B = dict(
+    vocab_size=151_936,
+    hidden_size=4096,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=12288,
+    tie_word_embeddings=False,
 )
 # The same architecture at test size, for the CPU runs of each step.
 QWEN3_TINY = dict(
@@ -42,12 +54,12 @@ QWEN3_TINY = dict(
 )
 
 
-def paper_setting() -> dict:
-    """The drafter, selector and per-worker step of platform/experiments/qwen3-4b/train.yaml (read
+def paper_setting(model: str = "qwen3-4b") -> dict:
+    """The drafter, selector and per-worker step of platform/experiments/<model>/train.yaml (read
     with pyyaml, a transformers dependency: the run config's pydantic schema is not needed here)."""
     import yaml
 
-    doc = yaml.safe_load(PAPER_CONFIG.read_text())
+    doc = yaml.safe_load((CONFIGS / model / "train.yaml").read_text())
     return {
         "drafter": doc["drafter"],
         "selector": doc["selector"]["config"],

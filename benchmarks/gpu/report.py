@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-ORDER = ("env", "tests", "lossless", "kernels", "graphs", "joint_step", "timing")
+ORDER = ("env", "tests", "lossless", "accepted", "kernels", "graphs", "joint_step", "joint_step_8b", "timing")
 
 
 def _status(rec: dict) -> str:
@@ -39,6 +39,15 @@ def _details(step: str, r: dict) -> list[str]:
             *head,
             *(f"| {m} | {v['lossless']} | {v['rows_equal_to_ar']} | {v['tau']} |" for m, v in r["methods"].items()),
         ]
+    if step == "accepted":
+        head = ["| dtype | accepted as scheduled | tokens = AR | lengths after every round | cache vs fresh prefill | τ |"]
+        rows = [
+            f"| {d} | {v['accepted_as_scheduled']} | {v['tokens_equal_ar']} | {v['lengths_after_every_round']} | "
+            f"{v.get('kv_vs_fresh_prefill_rel', '–')} | {v['tau']} |"
+            for d, v in r["dtypes"].items()
+        ]
+        hists = [f"- {d} accept histogram (drafts 0..H): {v['accept_hist']}" for d, v in r["dtypes"].items()]
+        return [f"target {r['target']}", "", *head, "|---|---|---|---|---|---|", *rows, "", *hists]
     if step == "kernels":
         head = [
             "| batch | attention err | attention triton / torch ms | walk same picks | walk triton / torch ms | "
@@ -60,10 +69,13 @@ def _details(step: str, r: dict) -> list[str]:
             for b, v in r["batches"].items()
         ]
         return [f"mode: {r['mode']}", "", *head, *rows]
-    if step == "joint_step":
+    if step in ("joint_step", "joint_step_8b"):
         return [
-            f"- measured peak {r['measured_peak_gib']} GiB vs plan {r['plan_total_gib']} GiB (×{r['measured_over_plan']}, "
-            f"attention path {r['plan_attention']}); resident before the step {r['resident_gib']} GiB",
+            f"- activations {r['measured_activations_gib']} GiB measured vs {r['plan_activations_gib']} GiB planned "
+            f"(×{r['activations_measured_over_plan']}, attention path {r['plan_attention']}); by stage "
+            f"{r['measured_stages_gib']} GiB measured, {r['plan_stages_gib']} GiB planned",
+            f"- peak {r['measured_peak_gib']} GiB vs plan {r['plan_total_gib']} GiB (×{r['peak_measured_over_plan']}); "
+            f"resident between steps {r['resident_gib']} GiB",
             f"- params {r['params']}; loss {r['loss']}; step seconds {r['step_seconds']}",
             f"- plan components (GiB): {r['plan_components_gib']}",
             f"- plan activation stages (GiB): {r['plan_activation_stages_gib']}",
@@ -96,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     verdict = f"{'PASSED' if ok else 'FAILED'}: {len(records) - failed - skipped} passed, {failed} failed, {skipped} skipped"
     lines = [
         f"# GPU check {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {verdict}, {args.seconds} s",
+        "",
+        f"commit: {records['env'].get('result', {}).get('commit', 'unknown (no env record)')}",
         "",
         "| step | status | seconds |",
         "|---|---|---|",

@@ -1,10 +1,11 @@
 """Run one step of the GPU check (benchmarks/gpu_check.sh), or say what each step would do.
 
     python benchmarks/gpu/run_step.py STEP [--device cuda] [--scale full] [--out FILE.json]
-    python benchmarks/gpu/run_step.py --dry-run [--device cuda]     # every step: run, or skip and why
+    python benchmarks/gpu/run_step.py --dry-run [--device cuda]     # every step: ready?, run or skip and why
 
-STEP is one of STEPS (each a module check_<STEP>.py here with DESCRIPTION, NEEDS and run(device, scale) → dict with
-"ok"). The result is written as JSON ({"step", "device", "scale", "ok", "seconds", "result"} or
+STEP is one of STEPS (each a module check_<STEP>.py here with DESCRIPTION, NEEDS, run(device, scale) → dict with
+"ok", and optionally ready() → None, or why the step cannot run on this machine). The dry run exits 1
+when a step is not ready. The result is written as JSON ({"step", "device", "scale", "ok", "seconds", "result"} or
 "skipped" / "error") to --out and summarised on stdout; exit 0 when ok or skipped, 1 when a check
 failed or raised, 2 on bad arguments. Imports only drelay_model, torch, triton, transformers (and its
 pyyaml), so it runs where the GPU machine's packages are all there is.
@@ -28,7 +29,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().p
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-STEPS = ("lossless", "kernels", "graphs", "joint_step")
+STEPS = ("lossless", "accepted", "kernels", "graphs", "joint_step", "joint_step_8b")
 
 
 def skip_reason(needs: tuple[str, ...], device: str, scale: str = "full") -> str | None:
@@ -70,13 +71,38 @@ def run_step(step: str, device: str, scale: str) -> dict:
     return record
 
 
-def dry_run(device: str) -> list[str]:
-    lines = []
+def readiness(mod) -> str | None:
+    """Why a step's code is not ready on this machine (whatever the device), or None: its needs
+    other than a device (triton), and its own `ready()` where it has one (inputs readable)."""
+    missing = skip_reason(tuple(n for n in mod.NEEDS if n != "cuda"), "cpu", "tiny")
+    if missing:
+        return missing
+    check = getattr(mod, "ready", None)
+    try:
+        return check() if check else None
+    except Exception as exc:  # a step that cannot even prepare is not ready, said in one line
+        return f"{type(exc).__name__}: {exc}"
+
+
+def dry_run(device: str) -> tuple[list[str], bool]:
+    """One line per step: ready or not (its module imports, its needs are there) and whether it would
+    run on `device` or skip, and why → (lines, every step ready)."""
+    lines, all_ready = [], True
     for step in STEPS:
-        mod = _module(step)
+        try:
+            mod = _module(step)
+        except Exception as exc:
+            lines.append(f"{step:<11} NOT READY: import failed: {type(exc).__name__}: {exc}")
+            all_ready = False
+            continue
+        why_not = readiness(mod)
         reason = skip_reason(mod.NEEDS, device)
-        lines.append(f"{step:<11} {'would skip: ' + reason if reason else 'would run'} — {mod.DESCRIPTION}")
-    return lines
+        if why_not:
+            state, all_ready = f"NOT READY: {why_not}", False
+        else:
+            state = "ready; " + ("would skip here: " + reason if reason else "would run")
+        lines.append(f"{step:<11} {state} — {mod.DESCRIPTION}")
+    return lines, all_ready
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="list every step and whether it would run here, then exit")
     args = ap.parse_args(argv)
     if args.dry_run:
-        print("\n".join(dry_run(args.device)))
-        return 0
+        lines, all_ready = dry_run(args.device)
+        print("\n".join(lines))
+        return 0 if all_ready else 1
     if args.step is None:
         ap.error("a STEP is required (or --dry-run)")
     if args.device == "cpu" and args.step == "kernels":

@@ -9,6 +9,11 @@ registers and runs the H decisions in order, exactly as `walk`:
     pick  = argmax_{k>0} S_ik if g_i + max_{k>0} S_ik − logsumexp_{k>0} S_ik > TIE_TOL else 0
 and writes the picked candidate's (k, v, q-term) into the memory. Float32 inside; scores are
 stored in the input dtype. No host syncs: the whole block is one launch.
+
+H is a compile-time constant: one compiled kernel per slot count (a block drafted with fewer slots
+compiles its own once; Triton caches it). A runtime H would be a loop bound the interpreter of Triton
+3.6 cannot read (TRITON_INTERPRET=1 raises there), and compiled for sm_90 the constant bound is as
+small as the runtime one or smaller (benchmarks/gpu/compile_walk.py; docs/devices.md).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ def _walk_kernel(
     pick_ptr,
     gate_ptr,
     rank_ptr,
-    H,
+    H: tl.constexpr,
     K,
     C,
     scale,

@@ -5,6 +5,9 @@ Components (bytes, per worker):
     trainable   drafter + selector parameters, gradients and AdamW moments: 16 B per parameter
                 (fp32 master weights 4 + grads 4 + two moments 8; autocast keeps params fp32)
     frozen      drafter buffers that are copies (the draft-vocabulary head rows)
+    ddp         DistributedDataParallel's gradient buckets with more than one worker: a second copy
+                of the trainable gradients (4 B per parameter), allocated when DDP wraps the module
+                and kept for the run (`gradient_as_bucket_view` off, torch's default)
     features    the batch's context features [B, N, F] (fp32, as FeatureSource returns them)
     activations the larger of two stages, per micro-batch of b = ⌈B / micro_batches⌉ sequences:
       feature forward  KV cache + layer transients + the prefill attention scores of the target
@@ -184,9 +187,12 @@ def _feature_forward(t: TargetShape, st: StepShape, feature_layers: int, attenti
     return cache + layer + kv_copies + mask + scores + 2 * b * N * feature_layers * t.hidden * a
 
 
-def estimate(t: TargetShape, d: DrafterShape, s: SelectorShape | None, st: StepShape, *, attention: str = SDPA_GQA) -> MemoryPlan:
+def estimate(
+    t: TargetShape, d: DrafterShape, s: SelectorShape | None, st: StepShape, *, attention: str = SDPA_GQA, ddp: bool = False
+) -> MemoryPlan:
     """Peak memory per worker by component and the FLOPs of one training step, with attention on
-    `attention` (`drelay_model.attention.attention_path(device)` for the device that will run)."""
+    `attention` (`drelay_model.attention.attention_path(device)` for the device that will run);
+    `ddp`: the module is wrapped in DistributedDataParallel (more than one worker)."""
     attention = _check_path(attention)
     trainable = d.params() + (s.params if s is not None else 0)
     F = d.feature_layers * t.hidden
@@ -197,6 +203,7 @@ def estimate(t: TargetShape, d: DrafterShape, s: SelectorShape | None, st: StepS
         "target weights": (t.params() + t.fused_copies()) * t.bytes_per_param,
         "drafter+selector params, grads, AdamW": 16 * trainable,
         "frozen drafter buffers": (d.draft_vocab or 0) * d.hidden * t.bytes_per_param,
+        "DDP gradient buckets": 4 * trainable if ddp else 0,
         "features": 4 * st.seqs_per_step * st.seq_len * F,
         "activations": max(step, feat),
     }
@@ -208,10 +215,12 @@ def estimate(t: TargetShape, d: DrafterShape, s: SelectorShape | None, st: StepS
     )
 
 
-def predicted_peak_bytes(t: TargetShape, d: DrafterShape, s: SelectorShape | None, st: StepShape, *, device: str = "cuda") -> int:
+def predicted_peak_bytes(
+    t: TargetShape, d: DrafterShape, s: SelectorShape | None, st: StepShape, *, device: str = "cuda", ddp: bool = False
+) -> int:
     """Predicted peak bytes per worker of a training run on `device` ("cuda", "cpu"), with
     attention priced on the path the code takes there (`drelay_model.attention.attention_path`)."""
-    return estimate(t, d, s, st, attention=attention_path(device)).total
+    return estimate(t, d, s, st, attention=attention_path(device), ddp=ddp).total
 
 
 def flops_per_step(t: TargetShape, d: DrafterShape, st: StepShape, trainable: int) -> float:

@@ -3,7 +3,8 @@
 The estimate comes from shapes alone (drelay_model.training.memory_plan; no weights are loaded):
 the target's architecture (known Qwen3 / SmolLM2 shapes, a local model directory's config.json,
 or a tiny test spec), the drafter and selector sections, and the per-worker step (seqs_per_step,
-max_seq_len, anchors_per_seq, micro_batches, chunk_tokens, bf16). Attention is priced on the path
+max_seq_len, anchors_per_seq, micro_batches, chunk_tokens, bf16), and DDP's gradient buckets when
+more than one worker trains with `ray.strategy: ddp`. Attention is priced on the path
 the code takes on the planned device (`planned_device`: CUDA for a GPU run, else CPU; see
 drelay_model/attention.py), and the report names it. A plan that does not fit is a one-line error
 (exit 2).
@@ -43,6 +44,7 @@ class PlanReport:
     drafter_params: int
     device: str = "cuda"
     shapes: tuple = ()  # (TargetShape, DrafterShape, SelectorShape | None, StepShape): re-estimate on another path
+    ddp: bool = False  # DDP's gradient buckets are in the plan
 
     @property
     def fits(self) -> bool:
@@ -134,8 +136,9 @@ def plan_from_config(
     device = device or planned_device(cfg)
     if device not in ("cpu", "cuda"):
         raise DRelayError(f"--device must be cpu or cuda, got '{device}'")
-    plan = mp.estimate(t, d, s, st, attention=attention_path(device))
-    return PlanReport(config_name, plan, gpu_memory_gib, s.params if s else 0, d.params(), device, (t, d, s, st))
+    ddp = cfg.ray.num_workers > 1 and cfg.ray.strategy == "ddp"  # as pipelines.train.worker wraps the module
+    plan = mp.estimate(t, d, s, st, attention=attention_path(device), ddp=ddp)
+    return PlanReport(config_name, plan, gpu_memory_gib, s.params if s else 0, d.params(), device, (t, d, s, st), ddp)
 
 
 def format_report(r: PlanReport) -> str:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ("lossless", "kernels", "graphs", "joint_step")
+STEPS = ("lossless", "accepted", "kernels", "graphs", "joint_step", "joint_step_8b")
 # What the GPU machine lacks (it has torch, triton, transformers + its dependencies, numpy,
 # safetensors, pytest): a script importing any of these would fail there.
 ABSENT_ON_GPU_MACHINE = ("ray", "mlflow", "pydantic", "pipelines", "deploy", "sglang", "vllm")
@@ -36,26 +36,46 @@ def _without_absent_packages(code: str, *args: str, timeout: int = 600) -> subpr
     )
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip reasons of a machine without CUDA")
-def test_dry_run_lists_every_step_and_why_it_would_skip(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"PYTHON": sys.executable}
-    proc = subprocess.run(
-        ["bash", str(ROOT / "benchmarks/gpu_check.sh"), "--dry-run", str(tmp_path / "report")],
+def _dry_run(tmp_path, env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(ROOT / "benchmarks/gpu_check.sh"), "--dry-run", *args, str(tmp_path / "report")],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=ROOT,
         env=env,
     )
-    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip reasons of a machine without CUDA")
+def test_dry_run_says_every_step_is_ready_and_why_it_would_skip(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "GPU_CHECK_COMMIT")} | {"PYTHON": sys.executable}
+    proc = _dry_run(tmp_path, env, "--commit", "0123abc")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     for step in ("env", "tests", *STEPS, "timing"):
-        assert any(line.startswith(step) for line in lines), (step, proc.stdout)
+        line = next((x for x in lines if x.startswith(step + " ")), "")
+        assert " ready" in line and "NOT READY" not in line, (step, proc.stdout)
     for step in STEPS:
-        line = next(x for x in lines if x.startswith(step))
-        assert "would skip: no CUDA device" in line
-    assert "would run" in next(x for x in lines if x.startswith("env"))
+        assert "would skip here: no CUDA device" in next(x for x in lines if x.startswith(step + " "))
+    assert "tests collected" in next(x for x in lines if x.startswith("tests "))
+    assert "commit 0123abc" in proc.stdout
     assert not (tmp_path / "report").exists()  # a dry run writes nothing
+
+
+def test_without_python_on_the_path_the_check_uses_python3(tmp_path):
+    """The GPU machine has `python3` only; a copied working tree has no .git, so the commit comes in."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "PYTHON", "GPU_CHECK_COMMIT")}
+    env |= {"PATH": f"{bin_dir}:/usr/bin:/bin", "GPU_CHECK_COMMIT": "feedbee"}
+    proc = _dry_run(tmp_path, env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[1].startswith("python      python3 (Python 3.") and "commit feedbee" in proc.stdout
+    bad = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_check.sh"), "--commit"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and bad.stderr.strip() == "gpu_check.sh: --commit needs a commit id"
 
 
 def test_the_scripts_import_nothing_the_gpu_machine_lacks():
@@ -81,7 +101,7 @@ def test_the_report_names_failed_timed_out_and_skipped_steps(tmp_path):
     work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir()
     records = {
-        "env": {"step": "env", "ok": True, "result": {"torch": "2.11.0", "device": "NVIDIA H200"}},
+        "env": {"step": "env", "ok": True, "result": {"torch": "2.11.0", "device": "NVIDIA H200", "commit": "0123abc"}},
         "tests": {
             "step": "tests",
             "ok": False,
@@ -101,10 +121,11 @@ def test_the_report_names_failed_timed_out_and_skipped_steps(tmp_path):
     )
     assert proc.returncode == 1
     report = (out / "report.md").read_text()
-    assert report.startswith("# GPU check ") and report.splitlines()[0].endswith("FAILED: 2 passed, 3 failed, 2 skipped, 123 s")
+    assert report.startswith("# GPU check ") and report.splitlines()[0].endswith("FAILED: 2 passed, 5 failed, 2 skipped, 123 s")
+    assert "commit: 0123abc" in report.splitlines()
     assert "| graphs | FAILED: timed out after 75 s |" in report and "| lossless | skipped: no CUDA device |" in report
     assert "| kernels | FAILED: no record (the step did not finish) |" in report and "- failed: t::x" in report
-    assert "(unexpected result: 'measured_peak_gib')" in report  # a partial result is shown raw, not a crash
+    assert "(unexpected result: 'measured_activations_gib')" in report  # a partial result is shown raw, not a crash
     assert set(json.loads((out / "results.json").read_text())) == {
         "env",
         "tests",
@@ -112,6 +133,8 @@ def test_the_report_names_failed_timed_out_and_skipped_steps(tmp_path):
         "kernels",
         "graphs",
         "joint_step",
+        "joint_step_8b",
+        "accepted",
         "timing",
     }
     assert sorted(p.name for p in out.iterdir()) == ["report.md", "results.json"]
@@ -135,7 +158,34 @@ def test_each_step_runs_at_test_size_on_cpu(step, tmp_path):
     result = record["result"]
     if step == "graphs":
         assert all(i["bitwise_equal"] for b in result["batches"].values() for i in b["inputs"])
-    if step == "joint_step":
-        assert abs(result["measured_over_plan"] - 1) <= 0.15 and result["plan_attention"] == "sdpa-gqa"
+    if step.startswith("joint_step"):
+        assert abs(result["activations_measured_over_plan"] - 1) <= result["shape"]["tolerance"]
+        assert result["plan_attention"] == "sdpa-gqa"
+    if step == "accepted":
+        fp32 = result["dtypes"]["float32"]
+        assert all(fp32["accept_hist"]) and fp32["tokens_equal_ar"] and fp32["lengths_after_every_round"]
     if step == "kernels":
         assert all(b["walk"]["same_picks"] and b["selector"]["same_paths"] for b in result["batches"].values())
+
+
+@pytest.mark.slow
+def test_timing_runs_at_test_size_on_cpu(tmp_path):
+    """benchmarks/gpu_timing.py's code (Qwen3-4B-shaped layers on the GPU) at test size, with the GPU
+    machine's packages only."""
+    out = tmp_path / "timing.txt"
+    proc = _without_absent_packages(
+        RUN_SCRIPT,
+        str(ROOT / "benchmarks/gpu_timing.py"),
+        "--device",
+        "cpu",
+        "--scale",
+        "tiny",
+        "--layers",
+        "4",
+        "--out",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith("target: test-shaped layers") and any(x.startswith("verify batch 8: G=1") for x in lines)
+    assert any(x.startswith("speculative (native, untrained drafter):") for x in lines)
