@@ -191,13 +191,16 @@ def stage(proposer, choice, args: dict) -> None:
 
 
 def _recorder(folder: str):
-    """Save each step's pool, history and path as `step-<pid>-<n>.pt` under `folder`."""
+    """Save each step's pool, history and path as `step-<pid>-<n>.pt` under `folder`, until a file
+    `PAUSE` appears there."""
     import torch
 
     os.makedirs(folder, exist_ok=True)
     counter = iter(range(10**9))
 
     def record(tensors: dict) -> None:
+        if os.path.exists(os.path.join(folder, "PAUSE")):
+            return
         cpu = {k: (v.detach().cpu() if v is not None else None) for k, v in tensors.items()}
         torch.save(cpu, os.path.join(folder, f"step-{os.getpid()}-{next(counter):06d}.pt"))
 

