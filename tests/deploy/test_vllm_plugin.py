@@ -4,7 +4,7 @@ DFlash proposer, and vLLM's verification keeps the output the target's.
 One vLLM engine with the plugin (VLLM_PLUGINS=drelay, the bundled checkpoint exported with its
 selector) decodes 8 GSM8K prompts greedily at batch 1 and batch 8 (prefix caching off; staggered
 max_tokens, so rows finish at different steps and vLLM condenses its persistent batch mid-flight),
-records every step's pool and path, then samples one prompt 240 times at T = 1 (the engine's seed 0). A second
+records every step's pool and path, then samples a short chat prompt 240 times at T = 1 (the engine's seed 0). A second
 engine decodes the same prompts autoregressively. Checked:
   - a replay of the recorded pools through our own selector gives the plugin's paths;
   - vLLM + DRelay = vLLM AR token for token, at batch 1 and 8;
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter, defaultdict
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -44,6 +45,7 @@ pytestmark = [
 CHECKPOINT = BUNDLED_CHECKPOINTS / SMOLLM2
 MAX_NEW = [64, 24, 48, 16, 56, 32, 40, 8]  # staggered: rows leave the batch at different steps
 SAMPLES, TEMPERATURE, SAMPLE_TOKENS = 240, 1.0, 3
+SAMPLED_QUESTION = "Name a color."  # a short prompt (34 tokens): 240 prefills stay cheap
 MIN_GROUP = 30  # samples sharing a prefix before its next token is tested
 
 
@@ -58,19 +60,22 @@ def setup(tmp_path_factory):
     prompts = first_turn_prompts(target.tokenizer, "gsm8k", len(MAX_NEW))
     base = {"model": str(cache_root() / SMOLLM2), "prompts": prompts, "max_new_tokens": MAX_NEW, "eager": True,
             "prefix_caching": False}  # fmt: skip
-    sampled = {"prompts": [prompts[1]] * SAMPLES, "max_new_tokens": SAMPLE_TOKENS, "temperature": TEMPERATURE,
+    from pipelines.common.chat import user_prompt
+
+    sample_prompt = user_prompt(target.tokenizer, SAMPLED_QUESTION)
+    sampled = {"prompts": [sample_prompt] * SAMPLES, "max_new_tokens": SAMPLE_TOKENS, "temperature": TEMPERATURE,
                "batch_sizes": [SAMPLES // 4], "record": False}  # fmt: skip
     runs = run_vllm(vllm_python(), {**base, "draft": str(draft), "num_speculative_tokens": 15, "batch_sizes": [1, len(MAX_NEW)],
                                     "detailed_metrics": True, "then": [sampled]},
                     env={"VLLM_PLUGINS": "drelay", RECORD_ENV: str(record)}, log=tmp / "vllm-drelay.log")["runs"]  # fmt: skip
     ar = run_vllm(vllm_python(), {**base, "draft": None, "batch_sizes": [len(MAX_NEW)]})["runs"][0]
-    return target, prompts, ar, runs, record
+    return SimpleNamespace(target=target, prompts=prompts, ar=ar, runs=runs, record=record, sample_prompt=sample_prompt)
 
 
 def test_plugin_paths_replay_through_our_selector(setup):
     """Every recorded step: our own DRelay selector (loaded from the checkpoint, our venv) on the
     plugin's pool, anchors and verified history picks the plugin's path."""
-    target, _, _, _, record = setup
+    target, record = setup.target, setup.record
     from pipelines.common.methods import load_method, resolve_method
 
     _, selector = load_method(resolve_method("drelay", target_spec=SMOLLM2, checkpoint=str(CHECKPOINT)), target)
@@ -91,7 +96,7 @@ def test_plugin_paths_replay_through_our_selector(setup):
 
 
 def test_vllm_drelay_equals_vllm_ar(setup):
-    _, _, ar, runs, _ = setup
+    ar, runs = setup.ar, setup.runs
     greedy = [r for r in runs if r["job"] == 0]
     assert [r["batch_size"] for r in greedy] == [1, len(MAX_NEW)]
     for run in greedy:
@@ -102,7 +107,7 @@ def test_vllm_drelay_equals_vllm_ar(setup):
 def test_vllm_drelay_rounds_equal_our_engine(setup):
     """τ in vLLM (per-request detailed metrics: one entry per verify step) equals our engine's
     fixed-length DRelay τ on the same prompts: rounds within one per request, at batch 1 and 8."""
-    target, prompts, _, runs, _ = setup
+    target, prompts, runs = setup.target, setup.prompts, setup.runs
     engine = our_engine(target, "drelay", str(CHECKPOINT))
     ours = [engine.generate([p], GenerationConfig(max_new_tokens=n)).stats.rounds for p, n in zip(prompts, MAX_NEW)]
     for run in (r for r in runs if r["job"] == 0):
@@ -119,6 +124,22 @@ def chi2_sf(stat: float, dof: int) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
 
+def pearson(counts: Counter, p: torch.Tensor, n: int) -> tuple[float, int]:
+    """Pearson χ² of `counts` (n draws) against p [V]: one category per token expected ≥ 5 times,
+    the rest pooled into one more when that pool is expected ≥ 5 times too, else into the least
+    likely category (so every category is expected ≥ 5 times). Returns (statistic, dof)."""
+    common = [int(v) for v in torch.nonzero(p * n >= 5)[:, 0]]
+    expected = [float(p[v]) * n for v in common]
+    observed = [float(counts[v]) for v in common]
+    rest_e, rest_o = n - sum(expected), n - sum(observed)
+    if rest_e >= 5 or not common:
+        expected, observed = expected + [rest_e], observed + [rest_o]
+    else:
+        low = min(range(len(common)), key=expected.__getitem__)
+        expected[low], observed[low] = expected[low] + rest_e, observed[low] + rest_o
+    return sum((o - e) ** 2 / e for o, e in zip(observed, expected)), len(expected) - 1
+
+
 def target_probs(target, ids: list[int], temperature: float) -> torch.Tensor:
     """p(· | ids) at `temperature` [V] float64, from our float32 target."""
     cache = target.new_cache(1, len(ids) + 1)
@@ -129,9 +150,9 @@ def target_probs(target, ids: list[int], temperature: float) -> torch.Tensor:
 def test_sampling_after_deterministic_drafts_follows_the_target(setup):
     """At T = 1, group the samples by their prefix after the first token (which the target draws
     alone, at prefill); within each group of ≥ 30 the next token — decided by vLLM's verification
-    of the selector's point-mass draft — must follow the target's p(· | prefix): Pearson χ² over
-    the tokens expected ≥ 5 times plus one bucket for the rest, summed over groups."""
-    target, prompts, _, runs, _ = setup
+    of the selector's point-mass draft — must follow the target's p(· | prefix): Pearson χ²
+    (`pearson`), summed over groups."""
+    target, runs, sample_prompt = setup.target, setup.runs, setup.sample_prompt
     job = [r for r in runs if r["job"] == 1]
     samples = [t for r in job for t in r["tokens"]]
     steps = [a for r in job for per in r["per_step_accepted"] for a in per]
@@ -146,13 +167,8 @@ def test_sampling_after_deterministic_drafts_follows_the_target(setup):
             n = sum(counts.values())
             if n < MIN_GROUP:
                 continue
-            p = target_probs(target, prompts[1] + list(prefix), TEMPERATURE)
-            common = [int(v) for v in torch.nonzero(p * n >= 5)[:, 0]]
-            expected = [float(p[v]) * n for v in common] + [n * (1 - float(p[common].sum()))]
-            observed = [counts[v] for v in common] + [n - sum(counts[v] for v in common)]
-            stat += sum((o - e) ** 2 / e for o, e in zip(observed, expected) if e > 0)
-            dof += len(common)
-            tested += n
+            group_stat, group_dof = pearson(counts, target_probs(target, sample_prompt + list(prefix), TEMPERATURE), n)
+            stat, dof, tested = stat + group_stat, dof + group_dof, tested + n
     assert tested >= SAMPLES // 2 and dof >= 2, f"too few samples in groups of ≥ {MIN_GROUP}: {tested}"
     p_value = chi2_sf(stat, dof)
     print(f"χ² {stat:.1f} on {dof} degrees of freedom over {tested} draws: p = {p_value:.3f}")
