@@ -145,9 +145,9 @@ class DraftChoice:
         self.staged = StagedStep(rows=rows, anchors=anchors.to(torch.long), anchor_pos=anchor_pos)
 
     @torch.inference_mode()
-    def choose(self, compute_logits, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def choose(self, compute_logits, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B·H, D] slot hidden states (slots 1..H of each request, request-major) →
-        (draft ids [B·H] int64 in the target vocabulary, V = compute_logits' vocabulary width)."""
+        draft ids [B·H] int64 (target vocabulary)."""
         step, self.staged = self.staged, None
         B, H, K = step.anchors.shape[0], self.num_slots, self.top_k
         logits = compute_logits(hidden)  # [B·H, V]
@@ -170,7 +170,7 @@ class DraftChoice:
         if self.recorder is not None:
             self.recorder({"hidden": block.hidden, "cand_ids": block.cand_ids, "cand_logq": block.cand_logq,
                            "anchors": step.anchors, "history": history, "history_mask": mask, "path": path})  # fmt: skip
-        return path.reshape(-1), logits.shape[-1]
+        return path.reshape(-1)
 
     def _dtype(self) -> torch.dtype:
         return next((p.dtype for p in self.selector.parameters()), torch.float32)

@@ -15,13 +15,12 @@ vLLM-CPU, and GPUs with `VLLM_USE_V2_MODEL_RUNNER=0`):
     [T, L·D] (before `combine_hidden_states` projects them), `query_start_loc`,
     `num_rejected_tokens_gpu`, `target_positions`, the anchors `next_token_ids` and
     `runner.input_batch.req_ids`;
-  - `_sample_draft_tokens(hidden, sampling_metadata)` returns the selector's path; for a batch with
-    sampled (T > 0) requests also its draft distribution, a point mass q = one-hot(x) [B·H, V], so
-    vLLM's rejection sampler accepts x with probability min(1, p(x)/q(x)) = p(x) and otherwise
-    resamples from norm(max(p − q, 0)) = p with x removed: the speculative-sampling rule for a
-    deterministic draft, so the output is the target's at any temperature. (Without draft
-    probabilities vLLM means the same point mass, but vLLM-CPU 0.32's recovered-token kernel for
-    that case does not draw from p with x removed: docs/vllm.md.) Greedy batches get none.
+  - `_sample_draft_tokens(hidden, sampling_metadata)` returns the selector's path and no draft
+    probabilities: vLLM then verifies each draft as a point mass (accept x with probability p(x),
+    else resample from p with x removed), the speculative-sampling rule for a deterministic draft.
+    Greedy output is the target's token for token (tested); at T > 0 vLLM-CPU 0.32's own
+    verification does not resample from the target's distribution, with or without this plugin
+    (measured, docs/vllm.md).
 A vLLM whose methods no longer have these signatures gets one warning and native drafting; so does
 a step the choice cannot take (another number of drafts than the selector's H, a heterogeneous
 vocabulary, a vocabulary-sharded argmax).
@@ -114,8 +113,7 @@ def _wrap(cls) -> None:
         if choice is not None and choice.staged is not None and not args and not kwargs:
             B = choice.staged.anchors.shape[0]
             if hidden_states.shape[0] == B * choice.num_slots and _argmax_is_plain(self):
-                ids, vocab = choice.choose(self.model.compute_logits, hidden_states)
-                return ids, (None if sampling_metadata.all_greedy else point_mass(ids, vocab))
+                return choice.choose(self.model.compute_logits, hidden_states), None
             choice.staged = None
             warn_once(
                 "shape", "%d draft rows for %d requests (H = %d): native drafts", hidden_states.shape[0], B, choice.num_slots
@@ -128,14 +126,6 @@ def _wrap(cls) -> None:
         fn.__name__, fn.__qualname__, fn.__doc__ = name, f"{cls.__name__}.{name}", original.__doc__
         fn.__wrapped__ = original
         setattr(cls, name, fn)
-
-
-def point_mass(ids, vocab: int):
-    """The draft distribution of a deterministic draft: one-hot rows [N, vocab] float32 at ids [N].
-    Handed to vLLM's rejection sampler at T > 0 (see the module docstring)."""
-    import torch
-
-    return torch.zeros(ids.shape[0], vocab, dtype=torch.float32, device=ids.device).scatter_(1, ids[:, None], 1.0)
 
 
 def _argmax_is_plain(proposer) -> bool:
