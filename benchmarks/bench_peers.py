@@ -1,17 +1,22 @@
-"""Our engine beside vLLM-CPU (the measured peer) on the same prompts and the same drafter.
+"""Our engine beside vLLM-CPU (the measured peer) on the same prompts and the same drafter, and
+DRelay inside vLLM beside vLLM's own DFlash and AR.
 
 In one run and one process tree: the drafter checkpoint is exported to vLLM's DFlash format
-(`drelay export --format vllm`), vLLM decodes in its own venv (`make vllm-env`; deploy/vllm/runner.py
-in a child process, one engine instance for AR and one for DFlash) and our engine decodes here:
-AR and DFlash (the native selection, every round verifying the whole block, as vLLM does), greedy,
-the prompts in consecutive static batches of 1, 8 and 16. Reported per (method, batch): output
-tokens/s (wall, prefill included), τ (ours: tokens per round; vLLM: its mean acceptance length,
-1 + accepted / drafts) and the ratio ours ÷ vLLM; and how many outputs equal vLLM's token for token.
+(`drelay export --format vllm`, its trained selector in `drelay_selector/`), vLLM decodes in its own
+venv (`make vllm-env`; deploy/vllm/runner.py in a child process, one engine instance per method: AR,
+DFlash = the export without its selector, DRelay = the export with VLLM_PLUGINS=drelay, so this
+project's plugin chooses the drafts) and our engine decodes here: AR, DFlash (the native selection)
+and DRelay, every round verifying the whole block, as vLLM does; greedy, the prompts in consecutive
+static batches of 1, 8 and 16. Reported per (method, batch): output tokens/s (wall, prefill
+included), τ (ours: tokens per round; vLLM: its mean acceptance length, 1 + accepted / drafts) and
+the ratio ours ÷ vLLM; how many outputs equal vLLM's token for token; and, within vLLM, DRelay ÷
+DFlash and DRelay ÷ AR.
 
 Run:  .venv/bin/python benchmarks/bench_peers.py                 # 16 GSM8K prompts, 128 tokens
       .venv/bin/python benchmarks/bench_peers.py --quick         # 4 prompts, 32 tokens, batches 1, 4
       ... --eager                                                # vLLM without torch.compile
       ... --time-limit 3600                                      # stop starting phases after an hour
+      ... --vllm-only                                            # vLLM's three methods, not our engine
 The machine is shared (2 cores): numbers are noisy; the engines run one after the other, never at once.
 Four phases (vLLM AR, vLLM DFlash, ours AR, ours DFlash), each printed as it ends, vLLM's own log in
 --vllm-log. With --time-limit, a phase that would run past the limit is cut: vLLM's process group is
@@ -34,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from pipelines.cli import guarded  # noqa: E402
 
-METHODS = ("ar", "native")
+METHODS = ("ar", "native", "drelay")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,6 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(REPO / "outputs" / "bench_peers.json"))
     p.add_argument("--vllm-log", default=str(REPO / "outputs" / "bench_peers.vllm.log"), help="vLLM runner output")
     p.add_argument("--no-mlflow", action="store_true")
+    p.add_argument("--vllm-only", action="store_true", help="measure vLLM's AR, DFlash and DRelay only (not our engine)")
     args = p.parse_args(argv)
     if args.quick:
         args.prompts, args.max_new_tokens, args.batch_sizes = 4, 32, "1,4"
@@ -111,21 +117,24 @@ def run_ours(target, checkpoint: str, prompts, max_new: int, batches: list[int],
     return out
 
 
-def run_peer(python, model_dir: str, draft: str, prompts, args, clock: Clock) -> dict:
-    """The same table for vLLM-CPU (two engine instances: AR, DFlash), each under the time left."""
+def run_peer(python, model_dir: str, draft: Path, prompts, args, clock: Clock) -> dict:
+    """The same table for vLLM-CPU (three engine instances: AR, DFlash, DRelay), each under the time left."""
     from deploy.vllm.peer import mean_acceptance_length, run_vllm
+    from deploy.vllm.selector_dir import native_view
 
     base = {"model": model_dir, "prompts": prompts, "max_new_tokens": args.max_new_tokens,
             "batch_sizes": args.batches, "eager": args.eager}  # fmt: skip
+    native = str(native_view(draft, draft.with_name("native")))
     out: dict = {}
-    for method, draft_dir in (("ar", None), ("native", draft)):
+    for method, draft_dir in (("ar", None), ("native", native), ("drelay", str(draft))):
         out[method] = {"load_s": None}
         if clock.left() <= 0:
             clock.say(f"vLLM {method}: time limit reached, not started")
             continue
         clock.say(f"vLLM {method}: starting (log: {args.vllm_log})")
         res = run_vllm(python, {**base, "draft": draft_dir, "num_speculative_tokens": 15},
-                       timeout_s=min(clock.left(), 6 * 3600), log=Path(args.vllm_log))  # fmt: skip
+                       timeout_s=min(clock.left(), 6 * 3600), log=Path(args.vllm_log),
+                       env={"VLLM_PLUGINS": "drelay" if method == "drelay" else ""})  # fmt: skip
         out[method]["load_s"] = res["load_s"]
         for run in res["runs"]:
             tau = mean_acceptance_length(sum(run["drafts"]), sum(run["accepted"])) if draft_dir else 1.0
@@ -133,6 +142,27 @@ def run_peer(python, model_dir: str, draft: str, prompts, args, clock: Clock) ->
             clock.say(f"vLLM {method} batch {run['batch_size']}: {out[method][run['batch_size']]['tok_s']:.1f} tok/s")
         clock.say(f"vLLM {method}: done (load {res['load_s']:.0f} s){' — cut by the time limit' if res['timed_out'] else ''}")
     return out
+
+
+def within_vllm(peer: dict, batches: list[int]) -> dict:
+    """{batch: {"drelay_over_native", "drelay_over_ar", "tau_<method>", "same_as_ar"}} for the
+    batches all three vLLM methods finished."""
+    rows = {}
+    for b in batches:
+        if all(b in peer.get(m, {}) for m in METHODS):
+            ar, nat, dr = (peer[m][b] for m in METHODS)
+            rows[b] = {"drelay_over_native": dr["tok_s"] / nat["tok_s"], "drelay_over_ar": dr["tok_s"] / ar["tok_s"],
+                       **{f"tok_s_{m}": peer[m][b]["tok_s"] for m in METHODS}, **{f"tau_{m}": peer[m][b]["tau"] for m in METHODS},
+                       "same_as_ar": sum(a == w for a, w in zip(dr["tokens"], ar["tokens"]))}  # fmt: skip
+    return rows
+
+
+def print_within(rows: dict, n_prompts: int) -> None:
+    print(f"\nvLLM-CPU: DRelay (plugin) beside vLLM's DFlash and AR\n{'batch':>6}{'AR tok/s':>10}{'DFlash':>9}{'DRelay':>9}"
+          f"{'÷DFlash':>9}{'÷AR':>7}{'τ DFlash':>10}{'τ DRelay':>10}{'= AR':>7}")  # fmt: skip
+    for b, r in rows.items():
+        print(f"{b:>6}{r['tok_s_ar']:>10.1f}{r['tok_s_native']:>9.1f}{r['tok_s_drelay']:>9.1f}{r['drelay_over_native']:>8.2f}×"
+              f"{r['drelay_over_ar']:>6.2f}×{r['tau_native']:>10.3f}{r['tau_drelay']:>10.3f}{r['same_as_ar']:>4}/{n_prompts}")  # fmt: skip
 
 
 def compare(ours: dict, peer: dict, batches: list[int]) -> dict:
@@ -183,12 +213,16 @@ def main(argv=None) -> int:
     Path(args.vllm_log).parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         draft = export_vllm(args.checkpoint, Path(tmp) / "draft", target=target)
-        peer = run_peer(python, str(cache_root() / SMOLLM2), str(draft), prompts, args, clock)
-        ours = run_ours(target, args.checkpoint, prompts, args.max_new_tokens, args.batches, clock)
-    table = compare(ours, peer, args.batches)
-    print_table(table, args, len(prompts))
-    complete = all(b in table[m] for m in METHODS for b in args.batches)
-    result = {"args": {k: v for k, v in vars(args).items() if k != "batches"}, "table": table,
+        peer = run_peer(python, str(cache_root() / SMOLLM2), draft, prompts, args, clock)
+        ours = {} if args.vllm_only else run_ours(target, args.checkpoint, prompts, args.max_new_tokens, args.batches, clock)
+    table, inside = compare(ours, peer, args.batches), within_vllm(peer, args.batches)
+    if not args.vllm_only:
+        print_table(table, args, len(prompts))
+    print_within(inside, len(prompts))
+    complete = all(b in inside for b in args.batches) and (
+        args.vllm_only or all(b in table[m] for m in METHODS for b in args.batches)
+    )
+    result = {"args": {k: v for k, v in vars(args).items() if k != "batches"}, "table": table, "vllm": inside,
               "wall_s": time.perf_counter() - clock.t0, "complete": complete,
               "vllm_load_s": {m: peer[m]["load_s"] for m in METHODS}}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -200,6 +234,8 @@ def main(argv=None) -> int:
             for m, rows in table.items():
                 for b, r in rows.items():
                     run.log_metrics({f"{m}_b{b}_{k}": float(v) for k, v in r.items()})
+            for b, r in inside.items():
+                run.log_metrics({f"vllm_b{b}_{k}": float(v) for k, v in r.items()})
             run.log_metrics({"wall_s": result["wall_s"], "complete": float(complete)})
     clock.say(f"done{'' if complete else ' (partial: the time limit cut some phases)'} → {args.out}")
     return 0

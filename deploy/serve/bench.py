@@ -5,7 +5,8 @@ One leg at concurrency C: C client threads send requests (GSM8K test questions) 
 been sent or `time_limit` seconds have passed. A level's result merges its legs and reports
   throughput   completion tokens / wall seconds of its legs;  req_per_s
   latency      p50 / p99 of send → last byte;  ttft  p50 / p99 of send → first content
-  tau          mean of the responses' tokens per verification round (sglext; absent from other servers)
+  tau          mean of the responses' tokens per verification round (SGLang's sglext, or vLLM's
+               per-request `metrics.speculative_decoding.mean_acceptance_length`; absent elsewhere)
   failures     requests that got no 200 or an in-band error; status counts by code
 """
 
@@ -113,6 +114,9 @@ def one_request(url: str, model: str, prompt: str, max_tokens: int, api_key: str
                     ext = event.get("sglext")
                     if ext and ext["spec_verify_ct"]:
                         sample.tau = (sample.tokens - 1) / ext["spec_verify_ct"]
+                spec = (event.get("metrics") or {}).get("speculative_decoding")  # vLLM, with per-request spec metrics
+                if spec and spec.get("num_spec_steps"):
+                    sample.tau = spec["mean_acceptance_length"]
             sample.latency = time.perf_counter() - t0
             return sample
     except requests.RequestException:

@@ -136,7 +136,7 @@ class ServeConfig(StrictConfig):
     def method(self) -> str:
         """What the response reports as the decoding method."""
         if self.backend == "vllm":
-            return "dflash" if self.vllm.checkpoint else "ar"
+            return ("drelay" if self.vllm.selector else "dflash") if self.vllm.checkpoint else "ar"
         return self.engine.method if self.backend == "engine" else self.sglang.algorithm.lower()
 
 

@@ -25,7 +25,9 @@ so the export picks a token the drafter is least likely to meet: the largest id 
 vocabulary (frequency-ranked, so a rare token), else the last id of the vocabulary. A collision
 can only cost acceptance, never change the output (verification decides).
 
-Selector tensors (`selector.*`) are not exported: vLLM drafts with its native argmax path only.
+A trained selector (`selector.*` tensors and `meta.selector`) goes in the `drelay_selector/`
+subfolder (selector_dir.py), where vLLM's loader never looks: vLLM alone drafts natively from the
+export, and with this package's plugin (plugin.py) the selector chooses the drafts.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pathlib import Path
 import torch
 
 from deploy.draft_config import architecture_fields
+from deploy.vllm.selector_dir import SELECTOR_DIR, write_selector_dir
 from drelay_model.atomic import atomic_directory
 from drelay_model.drafter import DrafterConfig, read_checkpoint
 from drelay_model.errors import DRelayError
@@ -129,7 +132,7 @@ def export_vllm(checkpoint: str | Path, out: str | Path, *, target) -> Path:
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DRelayError(f"output '{out}' already exists and is not an empty directory")
-    config, tensors, _ = read_checkpoint(checkpoint)
+    config, tensors, meta = read_checkpoint(checkpoint)
     config.check_target(target)
     own = _drafter_tensor_names(config)
     missing = sorted(own - set(tensors))
@@ -140,14 +143,20 @@ def export_vllm(checkpoint: str | Path, out: str | Path, *, target) -> Path:
     mask_id = mask_token_id(config, tensors, target.vocab_size)
     dtype = tensors["fc.weight"].dtype
     skipped = sorted(k for k in tensors if k not in own)
+    has_selector = any(k.startswith("selector.") for k in skipped)
+    selector = (meta.get("selector") or {}) if has_selector else {}
+    if has_selector and not selector.get("name"):
+        raise DRelayError(f"checkpoint '{checkpoint}' holds selector tensors but no meta.selector name")
     with atomic_directory(out) as tmp:
         save_file(exported, str(tmp / WEIGHTS), metadata={"format": "pt"})
         torch.save({"mask_token_id": mask_id, "embedding": tensors["mask_embedding"].contiguous()}, tmp / MASK_FILE)
         doc = vllm_config(config, vocab_size=target.vocab_size, mask_id=mask_id, dtype=dtype)
         (tmp / CONFIG).write_text(json.dumps(doc, indent=2))
-        (tmp / NOTE).write_text(_note(checkpoint, config, mask_id, skipped))
+        (tmp / NOTE).write_text(_note(checkpoint, config, mask_id, skipped, selector.get("name")))
         for path in tmp.iterdir():
             path.chmod(0o644)  # safetensors writes 0600; an export is read by other users' servers
+        if selector:
+            write_selector_dir(tmp, config, selector, {k: tensors[k] for k in skipped})
     return out
 
 
@@ -160,8 +169,7 @@ def _drafter_tensor_names(config: DrafterConfig) -> set[str]:
     return names
 
 
-def _note(checkpoint, config: DrafterConfig, mask_id: int, skipped: list[str]) -> str:
-    selector = sorted({k.split(".")[1] for k in skipped if k.startswith("selector.")})
+def _note(checkpoint, config: DrafterConfig, mask_id: int, skipped: list[str], selector: str | None) -> str:
     lines = [
         f"# vLLM DFlash draft model exported from `{checkpoint}`",
         "",
@@ -173,8 +181,10 @@ def _note(checkpoint, config: DrafterConfig, mask_id: int, skipped: list[str]) -
         f"- Masked slots: `mask_embedding.pt` replaces the embedding of token id {mask_id} (`dflash_config.mask_token_id`).",
         "- Draft vocabulary: " + ("`lm_head` = the target's LM-head rows, `d2t` = target id − draft id."
                                   if config.draft_vocab_size else "none (vLLM shares the target's embedding and LM head)."),
-        "- Not exported: " + (f"{len(skipped)} selector tensors ({', '.join(selector)}); vLLM drafts with the "
-                              "native argmax path (DFlash), so a trained selector does not run there." if skipped else "nothing."),
+        "- Selector: " + (f"the trained '{selector}' selector ({sum(k.startswith('selector.') for k in skipped)} tensors) in `{SELECTOR_DIR}/`, which vLLM's "
+                          "loader ignores; vLLM alone drafts natively (argmax), and with this project's vLLM plugin "
+                          "(`VLLM_PLUGINS=drelay`, docs/vllm.md) the selector chooses the drafts."
+                          if selector else "none (vLLM drafts natively)."),
         "",
     ]  # fmt: skip
     return "\n".join(lines)

@@ -32,19 +32,22 @@ def mean_acceptance_length(drafts: int, accepted: int) -> float:
     return 1.0 + accepted / drafts if drafts else 0.0
 
 
-def run_vllm(python: Path, request: dict, *, timeout_s: float = 1800, log: Path | None = None) -> dict:
+def run_vllm(python: Path, request: dict, *, timeout_s: float = 1800, log: Path | None = None, env: dict | None = None) -> dict:
     """Run `runner.py` on `request` in a child process (its own venv and process group); the parsed
     result. The child's output goes to `log` (default: discarded after a failure's last line is shown).
     Past `timeout_s` the whole group (vLLM's engine core and workers too) is killed and whatever
-    batch sizes had finished come back, with "timed_out": True; no result at all is an error."""
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    batch sizes had finished come back, with "timed_out": True; no result at all is an error.
+    `env` adds variables (e.g. VLLM_PLUGINS=drelay)."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), **(env or {})}
     with tempfile.TemporaryDirectory(prefix="drelay-vllm-") as tmp:
         req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
         log = Path(log) if log else Path(tmp) / "runner.log"
         req.write_text(json.dumps(request))
         rc = run_in_group([str(python), str(RUNNER), str(req), str(res)], log, timeout_s, cwd=tmp, env=env)
         if not res.is_file() or rc not in (0, None):
-            tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+            lines = log.read_text(errors="replace").strip().splitlines()
+            errors = [line for line in lines if "Error" in line or "Exception" in line]
+            tail = (errors or lines)[-1:] or ["no output"]
             why = f"no result within {timeout_s:.0f} s" if rc is None else f"exit {rc}"
             raise DRelayError(f"vLLM runner failed ({why}): {tail[0][:300]}")
         return {**json.loads(res.read_text()), "timed_out": rc is None}

@@ -2,7 +2,9 @@
 
 `drelay serve --config platform/serve/smollm2-135m-vllm.yaml` validates the config here (the `vllm:`
 section), exports the drafter checkpoint to vLLM's format (deploy/vllm/export.py) into a temp
-directory, and runs `serve_llm.py` with the vLLM venv's Python (`make vllm-env`) until SIGINT or
+directory (with `selector: true` the trained selector stays in it and the replica runs with
+VLLM_PLUGINS=drelay, so this package's vLLM plugin chooses the drafts; otherwise the selector folder
+is dropped and vLLM drafts natively), and runs `serve_llm.py` with the vLLM venv's Python (`make vllm-env`) until SIGINT or
 SIGTERM, which it forwards. Ray Serve LLM answers the OpenAI API (`/v1/models`,
 `/v1/chat/completions`, `/v1/completions`, streaming) at host:port.
 """
@@ -10,6 +12,7 @@ SIGTERM, which it forwards. Ray Serve LLM answers the OpenAI API (`/v1/models`,
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -29,6 +32,7 @@ class VllmSection(StrictConfig):
 
     target: str = "smollm2-135m"  # smollm2-135m, a HF directory, or a hub id (GPU hosts)
     checkpoint: str | None = None  # our drafter checkpoint, exported at start; None: AR
+    selector: bool = False  # the checkpoint's trained selector chooses the drafts (the DRelay vLLM plugin)
     num_speculative_tokens: int | None = Field(None, ge=1, le=63)  # default: the drafter's block size − 1
     dtype: Literal["float32", "bfloat16", "auto"] = "float32"
     max_model_len: int = Field(2048, ge=64)
@@ -41,6 +45,8 @@ class VllmSection(StrictConfig):
     def _cpu_dtype(self) -> "VllmSection":
         if self.accelerator == "cpu" and self.dtype == "auto":
             raise ValueError("dtype 'auto' is for GPUs; on CPU say float32 or bfloat16")
+        if self.selector and not self.checkpoint:
+            raise ValueError("selector: true needs a checkpoint (the selector is the checkpoint's)")
         return self
 
 
@@ -64,13 +70,15 @@ def launch_spec(cfg, draft: Path | None) -> dict:
     return {"model_id": cfg.model_id, "model_source": target_dir(v.target), "draft": str(draft) if draft else None,
             "num_speculative_tokens": n_spec, "dtype": v.dtype, "max_model_len": v.max_model_len,
             "kv_cache_gib": v.kv_cache_gib, "accelerator": v.accelerator, "num_replicas": cfg.autoscaling.max_replicas,
-            "ray_num_cpus": v.ray_num_cpus, "host": cfg.host, "port": cfg.port}  # fmt: skip
+            "ray_num_cpus": v.ray_num_cpus, "host": cfg.host, "port": cfg.port,
+            "drelay_plugin": bool(draft and v.selector)}  # fmt: skip
 
 
 def run_vllm_serve(cfg) -> int:
     """Export, start serve_llm.py in the vLLM venv, wait for it; Ctrl-C / SIGTERM stop it."""
     from deploy.vllm.export import export_vllm
     from deploy.vllm.peer import vllm_python
+    from deploy.vllm.selector_dir import SELECTOR_DIR
     from drelay_model.target import load_target
 
     python = vllm_python()
@@ -82,6 +90,10 @@ def run_vllm_serve(cfg) -> int:
             target = load_target(cfg.vllm.target, pack=False)
             draft = export_vllm(cfg.vllm.checkpoint, Path(tmp) / "draft", target=target)
             del target
+            if cfg.vllm.selector and not (draft / SELECTOR_DIR).is_dir():
+                raise DRelayError(f"vllm.selector: checkpoint '{cfg.vllm.checkpoint}' holds no trained selector")
+            if not cfg.vllm.selector:
+                shutil.rmtree(draft / SELECTOR_DIR, ignore_errors=True)  # native drafting
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(launch_spec(cfg, draft)))
         proc = subprocess.Popen([str(python), str(SCRIPT), str(spec_path)])

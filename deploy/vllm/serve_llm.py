@@ -6,8 +6,11 @@ platform/serve/*-vllm.yaml` starts it (deploy/vllm/serve.py) and it blocks until
 
 SPEC (written by deploy/vllm/serve.py from the validated serve config): model_id, model_source (HF
 dir), draft (exported DFlash dir or null), num_speculative_tokens, dtype, max_model_len,
-kv_cache_gib, accelerator ("cpu" | "gpu"), num_replicas, ray_num_cpus, host, port. It imports only
-Ray and the standard library (vLLM is imported by Ray Serve LLM inside the replica).
+kv_cache_gib, accelerator ("cpu" | "gpu"), num_replicas, ray_num_cpus, host, port, drelay_plugin
+(true: the replica runs with VLLM_PLUGINS=drelay and the draft directory holds `drelay_selector/`, so
+this project's vLLM plugin chooses the drafts). It imports only Ray and the standard library (vLLM
+is imported by Ray Serve LLM inside the replica). With a draft, every response carries vLLM's
+per-request acceptance (`metrics.speculative_decoding`: mean_acceptance_length, …).
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ def llm_config(spec: dict):
             "model": spec["draft"],
             "num_speculative_tokens": spec["num_speculative_tokens"],
         }
+        engine["per_request_spec_decode_metrics"] = "summary"
     env = {"VLLM_CPU_KVCACHE_SPACE": str(spec["kv_cache_gib"])} if spec["accelerator"] == "cpu" else {}
+    if spec.get("drelay_plugin"):
+        env["VLLM_PLUGINS"] = "drelay"  # vLLM loads only this project's plugin (deploy/vllm/plugin.py)
     extra = {"accelerator_config": {"kind": "cpu"}} if spec["accelerator"] == "cpu" else {}
     return LLMConfig(
         model_loading_config={"model_id": spec["model_id"], "model_source": spec["model_source"]},

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from deploy.vllm.export import ARCHITECTURE, CONFIG, MASK_FILE, NOTE, WEIGHTS
+from deploy.vllm.selector_dir import read_selector_dir
 from drelay_model.drafter import BlockDrafter, DrafterConfig, load_drafter, save_drafter
 from drelay_model.target import load_target
 from pipelines.cli.main import main as drelay
@@ -146,7 +147,11 @@ def test_export_matches_vllm_order(tiny, tmp_path, draft_vocab):
     assert cfg["architectures"] == [ARCHITECTURE] and cfg["model_type"] == "qwen3"
     assert cfg["dflash_config"]["target_layer_ids"] == list(drafter.config.target_layer_ids)
     assert cfg.get("draft_vocab_size") == draft_vocab
-    assert "selector tensors" in (out / NOTE).read_text()
+    assert "drelay_selector/" in (out / NOTE).read_text()
+    saved = read_selector_dir(out)  # the selector beside the drafter, where vLLM's loader never looks
+    assert saved.selector["name"] == "drelay" and list(saved.tensors) == ["selector.gate.weight"]
+    assert saved.drafter.to_dict() == drafter.config.to_dict()
+    assert sorted(p.name for p in out.glob("*.safetensors")) == [WEIGHTS]
     torch.manual_seed(1)
     prompts = [torch.randint(0, tiny.vocab_size, (n,)) for n in (3, 9, 20)]
     _check_agree(tiny, drafter, out, prompts, atol=1e-4)

@@ -1,0 +1,127 @@
+"""The vLLM plugin's parts that need no vLLM (default suite): per-request rings fed as vLLM feeds
+them (rows that move between steps, rejected tails, requests leaving and joining, a recomputed
+prefill) hold what our engine's history holds; the draft choice's pool is vLLM's argmax at candidate
+0; the selector folder's errors are one line; an unknown proposer signature is refused."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from deploy.vllm.draft_choice import DraftChoice, RequestRings, valid_rows
+from deploy.vllm.plugin import register, signature_mismatch
+from deploy.vllm.selector_dir import SELECTOR_DIR, native_view, read_selector_dir
+from drelay_model.errors import DRelayError
+from drelay_model.selectors.native import NativeSelector
+
+N, F = 4, 2
+
+
+def feats(req: int, positions) -> torch.Tensor:
+    """The target feature of request `req` at each position: [req, pos] (rows [T, 2])."""
+    return torch.tensor([[float(req), float(p)] for p in positions])
+
+
+def expected_history(req: int, upto: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last N features before position `upto` (from `start`), right-aligned, zero-padded."""
+    pos = list(range(max(start, upto - N), upto))
+    out = torch.zeros(N, F)
+    if pos:
+        out[N - len(pos) :] = feats(req, pos)
+    return out, torch.arange(N) >= N - len(pos)
+
+
+def step(rings, batch, known):
+    """One vLLM step. batch: [(req id, req index, first position, rows computed, rejected)]."""
+    hidden = torch.cat([feats(i, range(p, p + n)) for _, i, p, n, _ in batch])
+    lens = torch.tensor([n for *_, n, _ in batch])
+    qsl = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    rejected = torch.tensor([r for *_, r in batch])
+    rows = rings.rows_for([b[0] for b in batch], known)
+    first = torch.tensor([p for _, _, p, _, _ in batch])
+    rings.append_step(rows, hidden, qsl, rejected, first, width=min(N, int(lens.max())))
+    return rows
+
+
+def check(rings, rows, expectations):
+    h, m = rings.read(rows)
+    for b, (req, upto, start) in enumerate(expectations):
+        want_h, want_m = expected_history(req, upto, start)
+        assert torch.equal(m[b], want_m) and torch.equal(h[b], want_h), (b, h[b], want_h)
+
+
+def test_rings_follow_requests_across_moving_rows():
+    rings = RequestRings(3, N, F)
+    # prefill: a (6 prompt tokens) and b (3)
+    rows = step(rings, [("a", 0, 0, 6, 0), ("b", 1, 0, 3, 0)], {"a", "b"})
+    check(rings, rows, [(0, 6, 0), (1, 3, 0)])
+    # verify 1 + 3 drafts each, rows swapped; b rejects 2 drafts, a accepts all
+    rows = step(rings, [("b", 1, 3, 4, 2), ("a", 0, 6, 4, 0)], {"a", "b"})
+    check(rings, rows, [(1, 5, 0), (0, 10, 0)])
+    # a finished (vLLM forgot it); c joins with a prefill of 2 and takes a free row
+    rows = step(rings, [("c", 2, 0, 2, 0), ("b", 1, 5, 4, 3)], {"b", "c"})
+    check(rings, rows, [(2, 2, 0), (1, 6, 0)])
+    assert set(rings.rows) == {"b", "c"}
+    # b preempted and recomputed from position 0: its ring restarts; d fills the third row
+    rows = step(rings, [("b", 1, 0, 8, 0), ("d", 3, 0, 1, 0), ("c", 2, 2, 4, 1)], {"b", "c", "d"})
+    check(rings, rows, [(1, 8, 0), (3, 1, 0), (2, 5, 0)])
+    # a fourth live request with every row taken evicts one absent from the batch, which restarts
+    rows = step(rings, [("e", 4, 0, 3, 0)], {"b", "c", "d", "e"})
+    check(rings, rows, [(4, 3, 0)])
+    # a prefix-cache hit: the history starts at the first uncached position
+    rows = step(rings, [("f", 5, 7, 2, 0), ("e", 4, 3, 4, 0)], {"f", "e"})
+    check(rings, rows, [(5, 9, 7), (4, 7, 0)])
+
+
+def test_valid_rows_takes_the_last_rows_before_the_rejected_tail():
+    hidden = torch.arange(10.0)[:, None]
+    got, n_new, end = valid_rows(hidden, torch.tensor([0, 6, 10]), torch.tensor([1, 2]), 3)
+    assert n_new.tolist() == [3, 2] and end.tolist() == [5, 8]
+    assert got[0, :, 0].tolist() == [2.0, 3.0, 4.0] and got[1, :2, 0].tolist() == [6.0, 7.0]
+
+
+def test_native_choice_is_vllms_argmax():
+    torch.manual_seed(0)
+    B, H, K, D, V = 3, 4, 5, 8, 50
+    head = torch.randn(V, D)
+    choice = DraftChoice(NativeSelector(), num_slots=H, top_k=K, rings=None)
+    pos = torch.arange(6)
+    choice.stage(["x", "y", "z"], {"x", "y", "z"}, hidden=torch.randn(6, 2), qsl=torch.tensor([0, 2, 4, 6]), rejected=None,
+                 positions=pos, anchors=torch.tensor([1, 2, 3]), max_query_len=2)  # fmt: skip
+    hidden = torch.randn(B * H, D)
+    ids = choice.choose(lambda h: h @ head.T, hidden)
+    assert torch.equal(ids, (hidden @ head.T).argmax(-1)) and choice.staged is None
+
+
+def test_selector_folder_errors_are_one_line(tmp_path):
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    assert read_selector_dir(draft) is None
+    (draft / SELECTOR_DIR).mkdir()
+    (draft / SELECTOR_DIR / "config.json").write_text(json.dumps({"selector": {"name": "drelay"}}))
+    with pytest.raises(DRelayError) as err:
+        read_selector_dir(draft)
+    assert "drelay_selector/config.json" in str(err.value) and "\n" not in str(err.value)
+    (draft / "model.safetensors").write_text("x")
+    view = native_view(draft, tmp_path / "native")
+    assert [p.name for p in view.iterdir()] == ["model.safetensors"] and read_selector_dir(view) is None
+
+
+def test_unknown_proposer_signature_is_refused(caplog):
+    class Proposer:
+        def __init__(self, vllm_config, device, runner=None): ...
+        def load_model(self, target_model): ...
+        def propose(
+            self, target_positions, target_hidden_states, next_token_ids, common_attn_metadata, num_rejected_tokens_gpu
+        ): ...
+        def _sample_draft_tokens(self, hidden_states, sampling_metadata): ...
+
+    assert signature_mismatch(Proposer) is None
+    Proposer.propose = lambda self, target_hidden_states, next_token_ids: None
+    assert "propose has no parameter target_positions" in signature_mismatch(Proposer)
+    with caplog.at_level(logging.WARNING):
+        register()  # no vLLM in this venv: one warning, nothing wrapped, no exception
+    assert "drafting stays native" in caplog.text
