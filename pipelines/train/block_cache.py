@@ -16,11 +16,14 @@ F = L·D target feature width):
 Anchors are drawn as in a joint step — `anchors_per_seq` per sequence, the share
 `native_anchor_fraction.end` traced by the argmax scout — once, from a seeded generator per shard.
 
-Layout: `<data.block_cache_dir>/<fingerprint>/shard-00000.safetensors …` (`data.block_cache_shard`
-sequences each, written to a temp name then renamed, so a killed build resumes at the first missing
-shard) and `manifest.json` once every shard exists. The fingerprint hashes everything a block depends
-on: the drafter's tensors, the target and its feature layers, the cached sequences' token ids, the
-anchor settings, the precision and the seed — change any and the stage builds a new cache.
+Layout: `<data.block_cache_dir>/<fingerprint>/shard-00000.safetensors …` — shard i holds training
+sequences i·S … (i+1)·S − 1 (S = `data.block_cache_shard`), each written to a temp name then renamed,
+so a killed build resumes at the first missing shard — and `manifest.json` (blocks, bytes, build
+time) once the shards a run needs exist. The fingerprint hashes everything a block depends on: the
+drafter's tensors, the target and its feature layers, the training sequences' token ids (all of them,
+in order), the anchor settings, the precision, the shard size and the seed — change any and the stage
+builds a new cache. `data.block_cache_sequences` only says how many shards a run reads: a run asking
+for more sequences extends the same cache, one asking for fewer reads its first shards.
 """
 
 from __future__ import annotations
@@ -69,7 +72,10 @@ class CacheLayout:
         return self.dir / "manifest.json"
 
     def complete(self) -> bool:
-        return self.manifest.is_file()
+        """Every shard this run reads exists and the manifest covers them."""
+        if self.missing() or not self.manifest.is_file():
+            return False
+        return json.loads(self.manifest.read_text())["shards"] >= self.num_shards
 
     def missing(self) -> list[int]:
         return [i for i in range(self.num_shards) if not self.shard(i).is_file()]
@@ -92,27 +98,22 @@ def sequence_digest(seqs: list[TrainSequence]) -> str:
     return h.hexdigest()
 
 
-def cached_sequences(cfg: RunConfig, train_seqs: list[TrainSequence]) -> list[TrainSequence]:
-    """The training sequences the cache holds: the first `data.block_cache_sequences` (all: None)."""
-    n = cfg.data.block_cache_sequences
-    return list(train_seqs if n is None else train_seqs[:n])
-
-
 def layout(cfg: RunConfig, root: Path, drafter, target, seqs: list[TrainSequence]) -> CacheLayout:
-    """The cache for this drafter + data + anchor settings (see the module docstring)."""
+    """The cache for this drafter + data + anchor settings (see the module docstring); the run reads
+    the shards of its first `data.block_cache_sequences` sequences (all: None)."""
     t, d = cfg.train, drafter.config
     spec = {
         "version": CACHE_VERSION,
         "drafter": tensor_digest(drafter.state_dict()),
         "target": [target.name, list(d.target_layer_ids), target.hidden_size],
-        "data": sequence_digest(seqs),
+        "data": sequence_digest(seqs),  # every training sequence: the shards hold its prefix
         "anchors": [t.anchors_per_seq, t.native_anchor_fraction.end, t.scout_restart, t.seed],
         "pool": [d.num_slots, d.top_k],
         "bf16": t.bf16,
         "shard": cfg.data.block_cache_shard,
     }
-    shard = cfg.data.block_cache_shard
-    return CacheLayout(root=Path(root), spec=spec, num_shards=(len(seqs) + shard - 1) // shard)
+    shard, n = cfg.data.block_cache_shard, min(cfg.data.block_cache_sequences or len(seqs), len(seqs))
+    return CacheLayout(root=Path(root), spec=spec, num_shards=(n + shard - 1) // shard)
 
 
 @torch.no_grad()
@@ -188,7 +189,7 @@ def build(lay: CacheLayout, seqs, drafter, features, cfg: RunConfig, device, *, 
     bar.close()
     while lay.missing():  # other ranks' shards
         time.sleep(1.0)
-    if rank == 0 and not lay.complete():
+    if rank == 0 and not lay.complete():  # (re)written for the shards this run reads
         write_manifest(lay, build_seconds=time.perf_counter() - started)
     while not lay.complete():
         time.sleep(0.5)

@@ -48,7 +48,7 @@ STAGE_STATE = "stage_state.pt"
 
 def open_cache(cfg: RunConfig, target, module, train_seqs, device, rank: int, world: int):
     """Build (if needed) and load the block cache → (CachedBlocks, manifest dict)."""
-    seqs = block_cache.cached_sequences(cfg, train_seqs)
+    seqs = train_seqs
     lay = block_cache.layout(cfg, repo_path(cfg.data.block_cache_dir), module.drafter, target, seqs)
     if not lay.complete():
         cache_dir = repo_path(cfg.data.feature_cache_dir) if cfg.data.feature_cache == "disk" else None

@@ -66,6 +66,9 @@ def test_same_inputs_reuse_the_cache_and_any_change_builds_a_new_one(setup, tmp_
     assert lay.complete() and manifest["shards"] == 3 and manifest["blocks"] > 0
     again = block_cache.layout(config(ck), tmp_path, drafter, target, seqs)
     assert again.fingerprint == lay.fingerprint and again.complete()
+    fewer = block_cache.layout(config(ck, "data.block_cache_sequences=3"), tmp_path, drafter, target, seqs)
+    assert fewer.fingerprint == lay.fingerprint and fewer.num_shards == 2 and fewer.complete()  # its first shards
+    assert len(block_cache.load(fewer, with_features=False)) < manifest["blocks"]
     changed = [
         block_cache.layout(config(ck, "train.anchors_per_seq=6"), tmp_path, drafter, target, seqs),
         block_cache.layout(config(ck, "train.seed=1"), tmp_path, drafter, target, seqs),
