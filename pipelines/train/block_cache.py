@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from drelay_model.errors import DRelayError
 from drelay_model.training.anchors import eligible_anchors, make_blocks, sample_uniform_anchors, scout_anchors
 from drelay_model.training.head import chunked_head
 from drelay_model.training.selector_step import CachedBlocks
@@ -211,11 +212,11 @@ def write_manifest(lay: CacheLayout, *, build_seconds: float) -> None:
     tmp.replace(lay.manifest)
 
 
-def load(lay: CacheLayout, *, with_features: bool) -> CachedBlocks:
-    """Every shard, concatenated (feature rows re-based per shard); `features` only when a head reads
-    a history window."""
+def load(lay: CacheLayout, *, with_features: bool, rank: int = 0, world: int = 1) -> CachedBlocks:
+    """The shards i ≡ rank (mod world), concatenated (feature rows re-based per shard): each worker
+    holds and trains on its own share; `features` only when a head reads a history window."""
     parts, feats, base = [], [], 0
-    for i in range(lay.num_shards):
+    for i in range(rank, lay.num_shards, world):
         t = load_file(str(lay.shard(i)))
         f = t.pop("features")
         t["feat_row"] = t["feat_row"] + base
@@ -223,5 +224,7 @@ def load(lay: CacheLayout, *, with_features: bool) -> CachedBlocks:
         parts.append(t)
         if with_features:
             feats.append(f)
+    if not parts:
+        raise DRelayError(f"data.block_cache_sequences: {lay.num_shards} shard(s) for {world} workers; give every worker one")
     cat = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     return CachedBlocks(**cat, features=torch.cat(feats) if with_features else None)

@@ -6,8 +6,9 @@
    Train workers themselves, once: each worker drafts the shards i ≡ rank (mod workers) with the
    target and drafter it has already loaded on its device, resuming at the first missing shard.
    Later runs — other heads, other epochs, sweep trials — find the fingerprint and only read it.
-2. Steps draw `seqs_per_step × anchors_per_seq` cached blocks (a seeded order per epoch, the same on
-   every worker, disjoint batches per rank) and train the selector on them
+2. Each worker reads only its shards (i ≡ rank mod workers) and draws `seqs_per_step ×
+   anchors_per_seq` blocks per step from them (a seeded order per epoch and rank), training the
+   selector on them
    (`drelay_model.training.selector_step`); with several workers gradients are averaged with one
    all-reduce per parameter.
 3. Validation is held-out greedy replay τ, as in a joint run; native and oracle τ depend only on the
@@ -56,7 +57,7 @@ def open_cache(cfg: RunConfig, target, module, train_seqs, device, rank: int, wo
         module.drafter.eval()
         block_cache.build(lay, seqs, module.drafter, features, cfg, device, rank=rank, world=world)
     manifest = json.loads(lay.manifest.read_text())
-    blocks = block_cache.load(lay, with_features=bool(module.selector.capabilities.history_len))
+    blocks = block_cache.load(lay, with_features=bool(module.selector.capabilities.history_len), rank=rank, world=world)
     return blocks, manifest
 
 
@@ -112,14 +113,14 @@ def selector_stage_loop(cfg_dict: dict) -> None:
     if logger is not None:
         logger({f"cache/{k}": float(manifest[k]) for k in ("blocks", "bytes_per_1000_blocks", "build_seconds")}, start)
     size = cfg.train.seqs_per_step * cfg.train.anchors_per_seq
-    per_epoch = max(len(cache) // (size * world), 1)
+    per_epoch = max(len(cache) // size, 1)  # each worker's own shards
     line, t_last, step_last = ProgressLine(start, cfg.train.max_steps), time.perf_counter(), start
     autocast = torch.bfloat16 if cfg.train.bf16 else None
     clock.restart()
     for step in range(start, cfg.train.max_steps):
         epoch, i = divmod(step, per_epoch)
-        order = epoch_batches(len(cache), size, torch.Generator().manual_seed(cfg.train.seed * 7919 + epoch))
-        batch = cache.take(order[(i * world + rank) % len(order)])
+        order = epoch_batches(len(cache), size, torch.Generator().manual_seed((cfg.train.seed * 7919 + epoch) * 101 + rank))
+        batch = cache.take(order[i % len(order)])
         progress = clock.progress(step)
         lr = lr_at(clock.schedule_step(step), base=cfg.train.lr, warmup=cfg.train.warmup_steps, total=cfg.train.max_steps)
         for group in optimizer.param_groups:
