@@ -65,11 +65,11 @@ class BestHead:
     """Early stopping on `val/tau`: the best value, its weights and the validations since."""
 
     def __init__(self, patience: int | None) -> None:
-        self.patience, self.best, self.state, self.bad = patience, float("-inf"), None, 0
+        self.patience, self.best, self.state, self.bad, self.step = patience, float("-inf"), None, 0, 0
 
-    def update(self, tau: float, selector) -> None:
+    def update(self, tau: float, selector, step: int) -> None:
         if tau > self.best:
-            self.best, self.bad = tau, 0
+            self.best, self.bad, self.step = tau, 0, step
             self.state = {k: v.detach().clone() for k, v in selector.state_dict().items()}
         else:
             self.bad += 1
@@ -79,10 +79,10 @@ class BestHead:
         return self.patience is not None and self.bad >= self.patience
 
     def to_dict(self) -> dict:
-        return {"best": self.best, "bad": self.bad, "state": self.state}
+        return {"best": self.best, "bad": self.bad, "state": self.state, "step": self.step}
 
     def load(self, doc: dict) -> None:
-        self.best, self.bad, self.state = doc["best"], doc["bad"], doc["state"]
+        self.best, self.bad, self.state, self.step = doc["best"], doc["bad"], doc["state"], doc["step"]
 
 
 def selector_stage_loop(cfg_dict: dict) -> None:
@@ -141,11 +141,12 @@ def selector_stage_loop(cfg_dict: dict) -> None:
             started = time.perf_counter()
             if rank == 0:
                 metrics.update(fixed, **_validate_selector(target, module, *val))
-            stop = _early_stop(best, metrics.get(HEADLINE_METRIC), selector, world)
+            stop = _early_stop(best, metrics.get(HEADLINE_METRIC), selector, world, step + 1)
             if stop or last:
                 last = True
                 if best.state is not None:
                     selector.load_state_dict(best.state)  # export the best validated head
+                    metrics.update({"val/tau_best": best.best, "val/best_step": best.step})
             t_last += time.perf_counter() - started
             clock.pause(time.perf_counter() - started)
         checkpointing = (step + 1) % cfg.train.checkpoint_every == 0 or last
@@ -183,10 +184,10 @@ def _validate_selector(target, module, prompts, conts) -> dict[str, float]:
     return {"val/tau_selector": tau, HEADLINE_METRIC: tau}
 
 
-def _early_stop(best: BestHead, tau: float | None, selector, world: int) -> bool:
+def _early_stop(best: BestHead, tau: float | None, selector, world: int, step: int) -> bool:
     """Rank 0 validates; every rank learns whether to stop (one broadcast with several workers)."""
     if tau is not None:
-        best.update(tau, selector)
+        best.update(tau, selector, step)
     flag = torch.tensor([1.0 if best.stop else 0.0])
     if world > 1:
         torch.distributed.broadcast(flag, src=0)
