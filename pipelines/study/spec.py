@@ -144,7 +144,7 @@ def final_checkpoint(cfg: RunConfig, repo_path) -> Path:
 
 def finished(cfg: RunConfig, repo_path) -> bool:
     """True when the run's exported checkpoint exists and is its last one: it reached train.max_steps
-    or, with train.max_minutes, spent its time budget (meta `final`)."""
+    or, with train.max_minutes or train.early_stop_patience, ended early (meta `final`)."""
     import json
 
     doc = final_checkpoint(cfg, repo_path) / "drafter_config.json"
@@ -152,7 +152,8 @@ def finished(cfg: RunConfig, repo_path) -> bool:
         meta = json.loads(doc.read_text()).get("meta", {})
     except (OSError, ValueError):
         return False
-    return meta.get("step") == cfg.train.max_steps or (cfg.train.max_minutes is not None and meta.get("final") is True)
+    ends_early = cfg.train.max_minutes is not None or cfg.train.early_stop_patience is not None
+    return meta.get("step") == cfg.train.max_steps or (ends_early and meta.get("final") is True)
 
 
 def _fill(override: str, done: dict[str, RunConfig]) -> str:

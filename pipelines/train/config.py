@@ -62,6 +62,12 @@ class DataSection(StrictConfig):
     validation_fraction: float = Field(0.02, ge=0.0, lt=0.5)
     feature_cache: Literal["none", "disk"] = "none"
     feature_cache_dir: str = "outputs/feature_cache"
+    # The selector stage's block cache (`train.stage: selector`): one folder per fingerprint of
+    # drafter + data + anchor settings under this directory; `block_cache_sequences` training
+    # sequences go into it (None: all of them), `block_cache_shard` sequences per shard.
+    block_cache_dir: str = "outputs/block_cache"
+    block_cache_sequences: int | None = Field(None, ge=1)
+    block_cache_shard: int = Field(32, ge=1, le=4096)
 
 
 class Schedule(StrictConfig):
@@ -92,6 +98,10 @@ class CoefficientSchedule(Schedule):
 
 
 class TrainSection(StrictConfig):
+    # joint: drafter (+ selector) steps on fresh target features and drafter forwards; selector:
+    # only the head trains, on blocks the frozen drafter drafted once into the block cache
+    # (pipelines/train/block_cache.py; needs drafter.freeze and train.scout_policy: native).
+    stage: Literal["joint", "selector"] = "joint"
     max_steps: int = Field(2000, ge=1)
     seqs_per_step: int = Field(4, ge=1)  # per worker
     anchors_per_seq: int = Field(16, ge=1, le=512)
@@ -129,6 +139,9 @@ class TrainSection(StrictConfig):
     validation_prompts: int = Field(8, ge=0)
     micro_batches: int = Field(1, ge=1, le=1024)  # gradient accumulation passes per step (memory ÷ micro_batches)
     chunk_tokens: int = Field(2048, ge=16)  # anchor slots per vocabulary-head chunk (peak ∝ chunk_tokens · V)
+    # Stop when held-out val/tau has not risen for this many validations in a row (None: never);
+    # the exported head is then the best validated one (selector stage only).
+    early_stop_patience: int | None = Field(None, ge=1)
 
 
 class RaySection(StrictConfig):
@@ -170,6 +183,15 @@ class RunConfig(StrictConfig):
             self.drafter.init_checkpoint is None or not self.selector.trains_selector or not self.train.selector_loss
         ):
             raise ValueError("drafter.freeze needs drafter.init_checkpoint, a trainable selector.name and train.selector_loss")
+        if self.train.stage == "selector":
+            if not self.drafter.freeze:
+                raise ValueError("train.stage: 'selector' trains the head alone on cached blocks; it needs drafter.freeze=true")
+            if self.train.scout_policy != "native":
+                raise ValueError(
+                    "train.stage: 'selector' caches anchors traced once by the argmax; it needs train.scout_policy=native"
+                )
+        elif self.train.early_stop_patience is not None:
+            raise ValueError("train.early_stop_patience: only the selector stage (train.stage=selector) stops early")
         return self
 
 

@@ -45,6 +45,9 @@ class PlanReport:
     device: str = "cuda"
     shapes: tuple = ()  # (TargetShape, DrafterShape, SelectorShape | None, StepShape): re-estimate on another path
     ddp: bool = False  # DDP's gradient buckets are in the plan
+    cache_bytes: int | None = None  # the selector stage's block cache, at most (None: not a selector stage)
+    cache_sequences: int = 0
+    workers: int = 1
 
     @property
     def fits(self) -> bool:
@@ -138,7 +141,24 @@ def plan_from_config(
         raise DRelayError(f"--device must be cpu or cuda, got '{device}'")
     ddp = cfg.ray.num_workers > 1 and cfg.ray.strategy == "ddp"  # as pipelines.train.worker wraps the module
     plan = mp.estimate(t, d, s, st, attention=attention_path(device), ddp=ddp)
-    return PlanReport(config_name, plan, gpu_memory_gib, s.params if s else 0, d.params(), device, (t, d, s, st), ddp)
+    report = PlanReport(config_name, plan, gpu_memory_gib, s.params if s else 0, d.params(), device, (t, d, s, st), ddp)
+    if tr.stage == "selector":
+        report.cache_sequences, report.workers = cfg.data.block_cache_sequences or 0, cfg.ray.num_workers
+        report.cache_bytes = block_cache_bytes(cfg, t.hidden, len(layer_ids))
+    return report
+
+
+def block_cache_bytes(cfg: RunConfig, hidden: int, feature_layers: int) -> int | None:
+    """Upper bound of the selector stage's block cache (pipelines/train/block_cache.py): per block
+    hidden H·D bf16 + pool H·K (int32 ids, fp32 log q) + labels H int32 + valid H + 20 B of anchors;
+    per cached token F = L·D bf16 features; every sequence at data.max_seq_len, anchors_per_seq
+    blocks each. None when the cache holds every training sequence (unknown count)."""
+    n = cfg.data.block_cache_sequences
+    if n is None:
+        return None
+    H, K, M = cfg.drafter.block_size - 1, cfg.drafter.top_k, cfg.train.anchors_per_seq
+    per_block = H * hidden * 2 + H * K * 8 + H * 5 + 20
+    return n * (M * per_block + cfg.data.max_seq_len * feature_layers * hidden * 2)
 
 
 def format_report(r: PlanReport) -> str:
@@ -146,7 +166,14 @@ def format_report(r: PlanReport) -> str:
         f"plan for {r.config or 'config'} on {r.device}: per GPU; drafter {r.drafter_params / 1e6:.1f}M params, "
         f"selector {r.selector_params / 1e6:.1f}M params"
     )
-    return head + "\n" + mp.format_plan(r.plan, r.gpu_memory_gib)
+    text = head + "\n" + mp.format_plan(r.plan, r.gpu_memory_gib)
+    if r.cache_bytes is not None:
+        text += (
+            f"\nselector stage: block cache ≤ {r.cache_bytes / mp.GiB:.1f} GiB on disk ({r.cache_sequences} sequences), "
+            f"each of the {r.workers} workers holding its share in host memory; the target and drafter rows above "
+            "are the cache build's (once), the training steps run the head alone"
+        )
+    return text
 
 
 def check_fits(r: PlanReport) -> None:

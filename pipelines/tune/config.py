@@ -139,6 +139,8 @@ def field_path_error(path: str) -> str | None:
             return f"'{path}' is not a training-config field ({where} has: {', '.join(fields)})"
         annotation = fields[key].annotation
         last = i == len(keys) - 1
+        if not last and getattr(annotation, "__origin__", None) is dict:
+            return None  # a key of a free-form mapping (selector.config.d_sel): its owner checks it when the trial builds
         is_model = isinstance(annotation, type) and issubclass(annotation, BaseModel)
         if last and is_model:
             return f"'{path}' is a section; sweep one of its fields ({', '.join(annotation.model_fields)})"
@@ -189,6 +191,8 @@ def check_continuation(sweep: SweepConfig, base_doc: dict) -> None:
     or in any swept value, so the learning rate the trials start at is the one the overrides give."""
     if not base_doc["drafter"].get("init_checkpoint"):
         return
+    if base_doc["drafter"].get("freeze") and base_doc["selector"].get("fresh"):
+        return  # a fresh head on a fixed drafter: nothing trained is continued, a warm-up is the head's own
     warmups = [
         base_doc["train"]["warmup_steps"],
         *(sweep.space["train.warmup_steps"].endpoints() if "train.warmup_steps" in sweep.space else ()),

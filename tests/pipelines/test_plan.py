@@ -72,3 +72,16 @@ def test_train_refuses_a_gpu_run_whose_plan_exceeds_the_gpu(monkeypatch):
         check_memory(cfg)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 * 2**30))
     check_memory(cfg)  # the shipped config fits an 80 GB GPU
+
+
+@pytest.mark.parametrize("name", ["qwen3-4b", "qwen3-8b"])
+def test_selector_stage_configs_plan_their_block_cache(name, capsys):
+    """The Qwen3 selector-stage configs fit, and the plan states the cache's size: per block
+    H·D bf16 + H·K·8 + H·5 + 20 bytes, per sequence max_seq_len·L·D bf16 features."""
+    cfg = load_config(f"platform/experiments/{name}/selector-stage.yaml")
+    report = plan_from_config(cfg)
+    D = {"qwen3-4b": 2560, "qwen3-8b": 4096}[name]
+    per_seq = 64 * (15 * D * 2 + 15 * 16 * 8 + 15 * 5 + 20) + 3072 * 5 * D * 2
+    assert report.fits and report.cache_bytes == 1024 * per_seq
+    assert drelay(["plan", "--config", f"platform/experiments/{name}/selector-stage.yaml"]) == 0
+    assert "selector stage: block cache ≤" in capsys.readouterr().out

@@ -1,0 +1,209 @@
+"""The selector stage's Ray Train worker loop (`train.stage: selector`): a head trained alone on cached blocks.
+
+    drelay train --config platform/experiments/smollm2-135m/selector-stage.yaml selector.name=dflash2
+
+1. The block cache (`block_cache.py`) for this frozen drafter + data + anchor settings is built by the
+   Train workers themselves, once: each worker drafts the shards i ≡ rank (mod workers) with the
+   target and drafter it has already loaded on its device, resuming at the first missing shard.
+   Later runs — other heads, other epochs, sweep trials — find the fingerprint and only read it.
+2. Each worker reads only its shards (i ≡ rank mod workers) and draws `seqs_per_step ×
+   anchors_per_seq` blocks per step from them (a seeded order per epoch and rank), training the
+   selector on them
+   (`drelay_model.training.selector_step`); with several workers gradients are averaged with one
+   all-reduce per parameter.
+3. Validation is held-out greedy replay τ, as in a joint run; native and oracle τ depend only on the
+   frozen drafter, so they are measured once. With `train.early_stop_patience: N` the run stops when
+   `val/tau` has not risen for N validations in a row and exports the best validated head.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from drelay_model.decoding import replay
+from drelay_model.target import load_target
+from drelay_model.training.schedules import lr_at
+from drelay_model.training.selector_step import epoch_batches, selector_step_backward
+from pipelines.common.paths import repo_path
+from pipelines.train import block_cache
+from pipelines.train.config import RunConfig
+from pipelines.train.features import FeatureSource
+from pipelines.train.model_io import build_module, restore_training_checkpoint, save_training_checkpoint
+from pipelines.train.worker import (
+    HEADLINE_METRIC,
+    ProgressLine,
+    TrainClock,
+    _metric_logger,
+    load_data,
+    step_config,
+    validation_set,
+    worker_device,
+)
+
+STAGE_STATE = "stage_state.pt"
+
+
+def open_cache(cfg: RunConfig, target, module, train_seqs, device, rank: int, world: int):
+    """Build (if needed) and load the block cache → (CachedBlocks, manifest dict)."""
+    seqs = train_seqs
+    lay = block_cache.layout(cfg, repo_path(cfg.data.block_cache_dir), module.drafter, target, seqs)
+    if not lay.complete():
+        cache_dir = repo_path(cfg.data.feature_cache_dir) if cfg.data.feature_cache == "disk" else None
+        features = FeatureSource(target, module.drafter.config.target_layer_ids, cache_dir, bf16=cfg.train.bf16)
+        module.drafter.eval()
+        block_cache.build(lay, seqs, module.drafter, features, cfg, device, rank=rank, world=world)
+    manifest = json.loads(lay.manifest.read_text())
+    blocks = block_cache.load(lay, with_features=bool(module.selector.capabilities.history_len), rank=rank, world=world)
+    return blocks, manifest
+
+
+class BestHead:
+    """Early stopping on `val/tau`: the best value, its weights and the validations since."""
+
+    def __init__(self, patience: int | None) -> None:
+        self.patience, self.best, self.state, self.bad, self.step = patience, float("-inf"), None, 0, 0
+
+    def update(self, tau: float, selector, step: int) -> None:
+        if tau > self.best:
+            self.best, self.bad, self.step = tau, 0, step
+            self.state = {k: v.detach().clone() for k, v in selector.state_dict().items()}
+        else:
+            self.bad += 1
+
+    @property
+    def stop(self) -> bool:
+        return self.patience is not None and self.bad >= self.patience
+
+    def to_dict(self) -> dict:
+        return {"best": self.best, "bad": self.bad, "state": self.state, "step": self.step}
+
+    def load(self, doc: dict) -> None:
+        self.best, self.bad, self.state, self.step = doc["best"], doc["bad"], doc["state"], doc["step"]
+
+
+def selector_stage_loop(cfg_dict: dict) -> None:
+    import ray.train
+
+    cfg = RunConfig.model_validate({k: v for k, v in cfg_dict.items() if not k.startswith("_")})
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(cfg.ray.cpus_per_worker)
+    device = worker_device(cfg)
+    target = load_target(cfg.target.spec, device=device, dtype=cfg.target.dtype)
+    train_seqs, val_seqs = load_data(cfg, target)
+    module = build_module(cfg, target, train_seqs).to(device)
+    cache, manifest = open_cache(cfg, target, module, train_seqs, device, rank, world)
+    selector = module.selector
+    params = [p for p in selector.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    start, clock, best = 0, TrainClock(cfg.train.max_minutes, cfg.train.max_steps), BestHead(cfg.train.early_stop_patience)
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            start, clock.spent = restore_training_checkpoint(Path(d), module, optimizer, target)
+            if (Path(d) / STAGE_STATE).is_file():
+                best.load(torch.load(Path(d) / STAGE_STATE, weights_only=True))
+    val = validation_set(cfg, target, val_seqs) if rank == 0 else ([], [])
+    fixed = _fixed_validation(target, module, *val) if rank == 0 else {}
+    logger = _metric_logger(cfg_dict) if rank == 0 else None
+    if logger is not None:
+        logger({f"cache/{k}": float(manifest[k]) for k in ("blocks", "bytes_per_1000_blocks", "build_seconds")}, start)
+    size = cfg.train.seqs_per_step * cfg.train.anchors_per_seq
+    per_epoch = max(len(cache) // size, 1)  # each worker's own shards
+    line, t_last, step_last = ProgressLine(start, cfg.train.max_steps), time.perf_counter(), start
+    autocast = torch.bfloat16 if cfg.train.bf16 else None
+    clock.restart()
+    for step in range(start, cfg.train.max_steps):
+        epoch, i = divmod(step, per_epoch)
+        order = epoch_batches(len(cache), size, torch.Generator().manual_seed((cfg.train.seed * 7919 + epoch) * 101 + rank))
+        batch = cache.take(order[i % len(order)])
+        progress = clock.progress(step)
+        lr = lr_at(clock.schedule_step(step), base=cfg.train.lr, warmup=cfg.train.warmup_steps, total=cfg.train.max_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        out = selector_step_backward(selector, batch, step_config(cfg, progress), autocast_dtype=autocast)
+        if world > 1:
+            for p in params:
+                if p.grad is not None:
+                    torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.AVG)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip).item()
+        optimizer.step()
+        metrics = {**out.metrics, "loss/total": float(out.loss), "lr": lr, "grad_norm": grad_norm, "step": step + 1}
+        clock.tick(world)
+        last = step + 1 == cfg.train.max_steps or clock.spent_all(world)
+        validating = (step + 1) % cfg.train.validate_every == 0 or last
+        if validating:
+            started = time.perf_counter()
+            if rank == 0:
+                metrics.update(fixed, **_validate_selector(target, module, *val))
+            stop = _early_stop(best, metrics.get(HEADLINE_METRIC), selector, world, step + 1)
+            if stop or last:
+                last = True
+                if best.state is not None:
+                    selector.load_state_dict(best.state)  # export the best validated head
+                    metrics.update({"val/tau_best": best.best, "val/best_step": best.step})
+            t_last += time.perf_counter() - started
+            clock.pause(time.perf_counter() - started)
+        checkpointing = (step + 1) % cfg.train.checkpoint_every == 0 or last
+        if checkpointing:
+            now = time.perf_counter()
+            metrics["throughput/blocks_per_s"] = (step + 1 - step_last) * size * world / max(now - t_last, 1e-9)
+        if checkpointing or validating:
+            _report(metrics, rank, module, optimizer, step + 1, cfg, best, checkpoint=checkpointing, clock=clock, final=last)
+        if checkpointing:
+            t_last, step_last = time.perf_counter(), step + 1
+        if logger is not None:
+            logger(metrics, step + 1)
+        if rank == 0:
+            line.update(step + 1, metrics, budget_left_s=clock.left(), last=last)
+        if last:
+            break
+
+
+def _fixed_validation(target, module, prompts, conts) -> dict[str, float]:
+    """Native and oracle replay τ: fixed by the frozen drafter, measured once."""
+    if not prompts:
+        return {}
+    return {
+        "val/tau_native": replay(target, module.drafter, prompts, conts).tau,
+        "val/tau_oracle": replay(target, module.drafter, prompts, conts, oracle=True).tau,
+    }
+
+
+def _validate_selector(target, module, prompts, conts) -> dict[str, float]:
+    if not prompts:
+        return {}
+    module.selector.eval()
+    tau = replay(target, module.drafter, prompts, conts, selector=module.selector).tau
+    module.selector.train()
+    return {"val/tau_selector": tau, HEADLINE_METRIC: tau}
+
+
+def _early_stop(best: BestHead, tau: float | None, selector, world: int, step: int) -> bool:
+    """Rank 0 validates; every rank learns whether to stop (one broadcast with several workers)."""
+    if tau is not None:
+        best.update(tau, selector, step)
+    flag = torch.tensor([1.0 if best.stop else 0.0])
+    if world > 1:
+        torch.distributed.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+def _report(metrics, rank, module, optimizer, step, cfg, best: BestHead, *, checkpoint: bool, clock, final: bool) -> None:
+    import tempfile
+
+    import ray.train
+    from ray.train import Checkpoint
+
+    if rank != 0 or not checkpoint:
+        ray.train.report(metrics)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        save_training_checkpoint(Path(tmp), module, optimizer, step, cfg, train_seconds=clock.spent, final=final)
+        torch.save(best.to_dict(), Path(tmp) / STAGE_STATE)
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp))
