@@ -13,7 +13,7 @@ with 3 logical CPUs and a resource naming it (`cluster_nodes.py`).
 Node ids come from Ray's own records: the state API's node table, and Ray Train's run history
 (`RAY_TRAIN_ENABLE_STATE_TRACKING=1` on every node and the driver): attempts, workers, node ids.
 
-Heavy: 9½ minutes here on 2 busy shared cores (`make test-heavy`; docs/cluster.md).
+Heavy: 9 minutes here on 2 busy shared cores (`make test-heavy`; docs/cluster.md).
 """
 
 from __future__ import annotations
