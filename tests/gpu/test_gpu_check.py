@@ -49,31 +49,25 @@ def _dry_run(tmp_path, env: dict, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip reasons of a machine without CUDA")
 def test_dry_run_says_every_step_is_ready_and_why_it_would_skip(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "GPU_CHECK_COMMIT")} | {"PYTHON": sys.executable}
+    """Run as on the GPU machine: `python3` only on the PATH (no `python`, no $PYTHON) and a copied
+    tree's commit passed in (--commit wins over $GPU_CHECK_COMMIT)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "PYTHON")}
+    env |= {"PATH": f"{bin_dir}:/usr/bin:/bin", "GPU_CHECK_COMMIT": "feedbee"}
     proc = _dry_run(tmp_path, env, "--commit", "0123abc")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
+    assert lines[1].startswith("python      python3 (Python 3.") and lines[1].endswith("commit 0123abc")
     for step in ("env", "tests", *STEPS, "timing"):
         line = next((x for x in lines if x.startswith(step + " ")), "")
         assert " ready" in line and "NOT READY" not in line, (step, proc.stdout)
     for step in STEPS:
         assert "would skip here: no CUDA device" in next(x for x in lines if x.startswith(step + " "))
     assert "tests collected" in next(x for x in lines if x.startswith("tests "))
-    assert "commit 0123abc" in proc.stdout
     assert not (tmp_path / "report").exists()  # a dry run writes nothing
-
-
-def test_without_python_on_the_path_the_check_uses_python3(tmp_path):
-    """The GPU machine has `python3` only; a copied working tree has no .git, so the commit comes in."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
-    (bin_dir / "python3").chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "PYTHON", "GPU_CHECK_COMMIT")}
-    env |= {"PATH": f"{bin_dir}:/usr/bin:/bin", "GPU_CHECK_COMMIT": "feedbee"}
-    proc = _dry_run(tmp_path, env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.splitlines()[1].startswith("python      python3 (Python 3.") and "commit feedbee" in proc.stdout
     bad = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_check.sh"), "--commit"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and bad.stderr.strip() == "gpu_check.sh: --commit needs a commit id"
 
