@@ -246,7 +246,7 @@ def test_imported_drafter_exported_for_sglang_keeps_dflash_context_layout(tiny, 
     args = ["import", "--format", "dflash", "--target", TINY_DEEP, "--top-k", "4", str(src), str(tmp_path / "back")]
     assert drelay(args) == 0
     drafter, _, _ = load_drafter(tmp_path / "back", deep)
-    out = export_sglang(tmp_path / "back", tmp_path / "sglang", dtype="float32")
+    out = export_sglang(tmp_path / "back", tmp_path / "sglang", context_length=2048, dtype="float32")
     model = runner_from(out, load_file(str(out / "model.safetensors")))
     feats = torch.randn(1, 7, model.fc.in_features)
     with torch.no_grad():
