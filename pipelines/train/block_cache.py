@@ -16,8 +16,10 @@ F = L·D target feature width):
 Anchors are drawn as in a joint step — `anchors_per_seq` per sequence, the share
 `native_anchor_fraction.end` traced by the argmax scout — once, from a seeded generator per shard.
 
-Layout: `<data.block_cache_dir>/<fingerprint>/shard-00000.safetensors …` — shard i holds training
-sequences i·S … (i+1)·S − 1 (S = `data.block_cache_shard`), each written to a temp name then renamed,
+Layout: `<data.block_cache_dir>/<fingerprint>/shard-00000.safetensors …` — shard i holds sequences
+i·S … (i+1)·S − 1 (S = `data.block_cache_shard`) of the training set in a seeded random order
+(`cache_order`: the corpus file groups sources and near-duplicate conversations, so any prefix of
+shards must sample all of them), each written to a temp name then renamed,
 so a killed build resumes at the first missing shard — and `manifest.json` (blocks, bytes, build
 time) once the shards a run needs exist. The fingerprint hashes everything a block depends on: the
 drafter's tensors, the target and its feature layers, the training sequences' token ids (all of them,
@@ -31,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +48,7 @@ from drelay_model.training.selector_step import CachedBlocks
 from pipelines.train.config import RunConfig
 from pipelines.train.data import TrainSequence, collate
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 BUILD_BATCH = 4  # sequences per drafter pass while building
 
 
@@ -97,6 +100,14 @@ def sequence_digest(seqs: list[TrainSequence]) -> str:
     for s in seqs:
         h.update(f"{s.seq_id}|{s.response_start}|{','.join(map(str, s.input_ids))}\n".encode())
     return h.hexdigest()
+
+
+def cache_order(seqs: list[TrainSequence], seed: int) -> list[TrainSequence]:
+    """The training sequences in the cache's order: a seeded shuffle, so the first shards sample every
+    source (the corpus file holds each source, and runs of near-identical conversations, together)."""
+    order = list(range(len(seqs)))
+    random.Random(seed * 1_000_003 + 17).shuffle(order)
+    return [seqs[i] for i in order]
 
 
 def layout(cfg: RunConfig, root: Path, drafter, target, seqs: list[TrainSequence]) -> CacheLayout:

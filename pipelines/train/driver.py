@@ -104,6 +104,7 @@ def run_training(
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig
     from ray.train.torch import TorchTrainer
 
+    from pipelines.train.selector_stage import selector_stage_loop
     from pipelines.train.worker import train_loop_per_worker
 
     cfg = rooted(cfg)
@@ -130,7 +131,7 @@ def run_training(
                 runtime_env=cfg.ray.runtime_env or None,
             )
         trainer = TorchTrainer(
-            train_loop_per_worker,
+            selector_stage_loop if cfg.train.stage == "selector" else train_loop_per_worker,  # the head alone, on cached blocks
             train_loop_config=worker_cfg,
             scaling_config=scaling_config(cfg),
             run_config=RayRunConfig(

@@ -11,8 +11,9 @@
    selector on them
    (`drelay_model.training.selector_step`); with several workers gradients are averaged with one
    all-reduce per parameter.
-3. Validation is held-out greedy replay τ, as in a joint run; native and oracle τ depend only on the
-   frozen drafter, so they are measured once. With `train.early_stop_patience: N` the run stops when
+3. Validation is held-out greedy replay τ, as in a joint run, on `validation_prompts` held-out
+   sequences drawn across sources (`spread`); native and oracle τ depend only on the frozen drafter,
+   so they are measured once. With `train.early_stop_patience: N` the run stops when
    `val/tau` has not risen for N validations in a row and exports the best validated head.
 """
 
@@ -49,7 +50,7 @@ STAGE_STATE = "stage_state.pt"
 
 def open_cache(cfg: RunConfig, target, module, train_seqs, device, rank: int, world: int):
     """Build (if needed) and load the block cache → (CachedBlocks, manifest dict)."""
-    seqs = train_seqs
+    seqs = block_cache.cache_order(train_seqs, cfg.train.seed)
     lay = block_cache.layout(cfg, repo_path(cfg.data.block_cache_dir), module.drafter, target, seqs)
     if not lay.complete():
         cache_dir = repo_path(cfg.data.feature_cache_dir) if cfg.data.feature_cache == "disk" else None
@@ -59,6 +60,12 @@ def open_cache(cfg: RunConfig, target, module, train_seqs, device, rank: int, wo
     manifest = json.loads(lay.manifest.read_text())
     blocks = block_cache.load(lay, with_features=bool(module.selector.capabilities.history_len), rank=rank, world=world)
     return blocks, manifest
+
+
+def spread(val_seqs: list, seed: int) -> list:
+    """The held-out sequences in a seeded random order, so the first `validation_prompts` sample every
+    source (in file order they are the first source's, which can repeat training answers verbatim)."""
+    return block_cache.cache_order(val_seqs, seed + 1)
 
 
 class BestHead:
@@ -107,7 +114,7 @@ def selector_stage_loop(cfg_dict: dict) -> None:
             start, clock.spent = restore_training_checkpoint(Path(d), module, optimizer, target)
             if (Path(d) / STAGE_STATE).is_file():
                 best.load(torch.load(Path(d) / STAGE_STATE, weights_only=True))
-    val = validation_set(cfg, target, val_seqs) if rank == 0 else ([], [])
+    val = validation_set(cfg, target, spread(val_seqs, cfg.train.seed)) if rank == 0 else ([], [])
     fixed = _fixed_validation(target, module, *val) if rank == 0 else {}
     logger = _metric_logger(cfg_dict) if rank == 0 else None
     if logger is not None:

@@ -123,10 +123,6 @@ def _labels(target, ids: torch.Tensor) -> torch.Tensor:
 def train_loop_per_worker(cfg_dict: dict) -> None:
     import ray.train
 
-    if cfg_dict["train"]["stage"] == "selector":  # the head alone, on cached blocks
-        from pipelines.train.selector_stage import selector_stage_loop
-
-        return selector_stage_loop(cfg_dict)
     cfg = RunConfig.model_validate({k: v for k, v in cfg_dict.items() if not k.startswith("_")})
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()

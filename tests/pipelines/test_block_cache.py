@@ -163,3 +163,12 @@ def test_drelay_train_rejects_a_stage_without_a_frozen_drafter_in_one_line():
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "drafter.freeze=true" in lines[0], proc.stderr
+
+
+def test_the_cache_order_mixes_sources_so_any_first_shards_sample_all_of_them():
+    """The corpus file holds each source together: the cache's seeded order must not."""
+    seqs = [TrainSequence(f"{src}/{i}#0", (1, 2, 3), 1) for src in ("a", "b", "c", "d") for i in range(50)]
+    order = block_cache.cache_order(seqs, 0)
+    assert sorted(s.seq_id for s in order) == sorted(s.seq_id for s in seqs)  # a permutation
+    assert order == block_cache.cache_order(seqs, 0) and order != block_cache.cache_order(seqs, 1)
+    assert {s.seq_id.split("/")[0] for s in order[:20]} == {"a", "b", "c", "d"}

@@ -52,7 +52,7 @@ def _loss(sel, blocks, cfg) -> float:
         return float(sel.training_loss(inputs).weighted_sum / inputs.valid.sum())
 
 
-@pytest.mark.parametrize("name", trainable_selectors())
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "drelay" else n for n in trainable_selectors()])
 def test_every_head_learns_from_the_cache_and_stays_lossless(cached, name):
     target, drafter, blocks, seqs = cached
     torch.manual_seed(1)

@@ -373,3 +373,18 @@ def test_start_reference_measures_the_init_checkpoint_like_a_trial(tmp_path, tin
     assert got == pytest.approx(again) and {"val/tau", "val/tau_selector", "val/tau_native"} <= set(got)
     assert json.loads((tmp_path / "start.json").read_text()) == got  # cached: a resumed sweep reads it back
     assert load_drafter(tmp_path / "ck" / "drafter", target)[2]["final"] is False
+
+
+def test_selector_stage_sweeps_reach_into_the_selector_config_and_may_warm_up():
+    """A swept path may go into the free-form selector.config (its owner checks the values when a trial
+    builds), and a fresh head on a frozen drafter continues nothing, so its sweep may warm up."""
+    from pipelines.common.paths import REPO_ROOT as ROOT
+    from pipelines.tune.config import field_path_error, load_sweep
+
+    assert field_path_error("selector.config.d_sel") is None
+    assert "is a value" in field_path_error("train.lr.x")
+    for name in ("smollm2-135m-selector-stage.yaml", "smollm2-135m-selector-stage-smoke.yaml"):
+        sweep, base = load_sweep(ROOT / "platform/sweeps" / name)
+        assert base["train"]["stage"] == "selector" and base["drafter"]["freeze"] and base["selector"]["fresh"]
+    sweep, base = load_sweep(ROOT / "platform/sweeps/smollm2-135m-selector-stage.yaml")
+    assert base["train"]["warmup_steps"] == 10 and len(sweep.space) == 5
