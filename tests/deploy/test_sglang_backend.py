@@ -20,6 +20,8 @@ def test_launch_command_enables_drelay():
     cmd = launch_command(load_serve_config(QWEN).sglang, python="/opt/sglang/bin/python", draft="/d", context_length=40960)
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     assert cmd[cmd.index("--speculative-algorithm") + 1] == "DRELAY"
+    # top-k 1 up front: SGLang's args then resolve as DFLASH's on Blackwell too (tests/sglang_cpu)
+    assert cmd[cmd.index("--speculative-eagle-topk") + 1] == "1"
     assert cmd[cmd.index("--port") + 1] == "30000"
 
 

@@ -102,17 +102,26 @@ def _server_args(dirs, algorithm: str):
         random_seed=0,
         speculative_draft_model_path=str(dirs["draft"]),
         speculative_num_draft_tokens=16,
+        # DRELAY's documented flags say top-k 1 (DFLASH's handler derives it, too late for the
+        # default attention backend, which reads it by the algorithm's name on Blackwell).
+        speculative_eagle_topk=1 if algorithm == "DRELAY" else None,
         skip_tokenizer_init=True,
     )
 
 
-def test_server_args_resolve_as_dflash(drelay_registered, dirs):
+@pytest.mark.parametrize("platform", [{}, {"is_sm100": True, "is_sm100_or_sm110": True}], ids=["this-machine", "blackwell"])
+def test_server_args_resolve_as_dflash(drelay_registered, dirs, platform):
     """The documented flags pass SGLang's own argument handling and end with DFLASH's derived fields
-    (device `cuda`: DFLASH's handler refuses the CPU; resolution itself needs no GPU)."""
+    (device `cuda`: DFLASH's handler refuses the CPU; resolution itself needs no GPU), on a Blackwell
+    (SM100) machine too, where SGLang picks DFLASH's draft attention backend by the algorithm's name:
+    DRELAY's handler is DFLASH's, so it gets the same backend."""
+    from sglang.srt.runtime_context import override_platform
+
     resolved = {}
     for algorithm in ("DFLASH", "DRELAY"):
         args = _server_args(dirs, algorithm)
-        args.resolve_once()
+        with override_platform(**platform):
+            args.resolve_once()
         resolved[algorithm] = args.resolved_dict()
     diff = {k: (v, resolved["DRELAY"][k]) for k, v in resolved["DFLASH"].items() if v != resolved["DRELAY"][k]}
     assert diff == {"speculative_algorithm": ("DFLASH", "DRELAY")}

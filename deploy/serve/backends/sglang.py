@@ -83,6 +83,8 @@ def launch_command(cfg: SGLangSection, *, python: str, draft: str, context_lengt
         draft,
         "--speculative-num-draft-tokens",
         str(cfg.num_draft_tokens),
+        "--speculative-eagle-topk",  # one path; said up front so Blackwell's backend default is DFLASH's
+        "1",
         "--host",
         "127.0.0.1",
         "--port",
