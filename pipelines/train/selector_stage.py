@@ -26,23 +26,21 @@ from pathlib import Path
 import torch
 
 from drelay_model.decoding import replay
-from drelay_model.target import load_target
 from drelay_model.training.schedules import lr_at
 from drelay_model.training.selector_step import epoch_batches, selector_step_backward
 from pipelines.common.paths import repo_path
 from pipelines.train import block_cache
 from pipelines.train.config import RunConfig
 from pipelines.train.features import FeatureSource
-from pipelines.train.model_io import build_module, restore_training_checkpoint, save_training_checkpoint
+from pipelines.train.model_io import restore_training_checkpoint, save_training_checkpoint
 from pipelines.train.worker import (
     HEADLINE_METRIC,
     ProgressLine,
     TrainClock,
     _metric_logger,
-    load_data,
+    start_worker,
     step_config,
     validation_set,
-    worker_device,
 )
 
 STAGE_STATE = "stage_state.pt"
@@ -95,14 +93,7 @@ class BestHead:
 def selector_stage_loop(cfg_dict: dict) -> None:
     import ray.train
 
-    cfg = RunConfig.model_validate({k: v for k, v in cfg_dict.items() if not k.startswith("_")})
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    torch.set_num_threads(cfg.ray.cpus_per_worker)
-    device = worker_device(cfg)
-    target = load_target(cfg.target.spec, device=device, dtype=cfg.target.dtype)
-    train_seqs, val_seqs = load_data(cfg, target)
-    module = build_module(cfg, target, train_seqs).to(device)
+    cfg, rank, world, device, target, train_seqs, val_seqs, module = start_worker(cfg_dict)
     cache, manifest = open_cache(cfg, target, module, train_seqs, device, rank, world)
     selector = module.selector
     params = [p for p in selector.parameters() if p.requires_grad]

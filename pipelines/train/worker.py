@@ -120,7 +120,10 @@ def _labels(target, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([ids[:, :1], logits[:, :-1].argmax(-1)], dim=1)
 
 
-def train_loop_per_worker(cfg_dict: dict) -> None:
+def start_worker(cfg_dict: dict):
+    """What every training loop starts from, on this Train worker: the validated config, rank and
+    world size, the device, the frozen target, the train/validation split and the module on the
+    device. Returns (cfg, rank, world, device, target, train_seqs, val_seqs, module)."""
     import ray.train
 
     cfg = RunConfig.model_validate({k: v for k, v in cfg_dict.items() if not k.startswith("_")})
@@ -131,6 +134,13 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
     target = load_target(cfg.target.spec, device=device, dtype=cfg.target.dtype)
     train_seqs, val_seqs = load_data(cfg, target)
     module = build_module(cfg, target, train_seqs).to(device)
+    return cfg, rank, world, device, target, train_seqs, val_seqs, module
+
+
+def train_loop_per_worker(cfg_dict: dict) -> None:
+    import ray.train
+
+    cfg, rank, world, device, target, train_seqs, val_seqs, module = start_worker(cfg_dict)
     cache_dir = repo_path(cfg.data.feature_cache_dir) if cfg.data.feature_cache == "disk" else None
     autocast = cfg.train.bf16  # bfloat16 autocast on CPU and CUDA alike: the feature forward and the step
     features = FeatureSource(target, module.drafter.config.target_layer_ids, cache_dir, bf16=autocast)
