@@ -37,6 +37,9 @@ from drelay_model.selectors.drelay.global_read import GlobalRead
 from drelay_model.selectors.drelay.walk import WalkResult, walk, walk_inputs
 from drelay_model.selectors.drelay.objective import drelay_training_loss
 
+# Above this many ids, `embed` under autograd projects each distinct id once (a training batch).
+_DEDUP_MIN_IDS = 1024
+
 
 @dataclass(frozen=True)
 class SelectorOutput:
@@ -125,7 +128,15 @@ class DRelaySelector(Selector):
 
     # ---- shared front end ----------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token ids [...] → projected frozen embeddings ê [..., d]."""
+        """Token ids [...] → projected frozen embeddings ê [..., d].
+
+        Under autograd, with many ids (a training batch: B·H·K pool entries, mostly repeats of a few
+        thousand distinct tokens), each distinct id is projected once and the rows gathered back:
+        ê = (W_e E[u])[inv] with u, inv = unique(ids). Same values, the projection's forward and
+        weight gradient over U ≪ B·H·K rows (the largest matmul of a cached DRelay step otherwise)."""
+        if torch.is_grad_enabled() and ids.numel() > _DEDUP_MIN_IDS:
+            uniq, inv = torch.unique(ids, return_inverse=True)
+            return self.embed_in(F.embedding(uniq, self.embed_weight).to(self.embed_in.weight.dtype))[inv]
         return self.embed_in(F.embedding(ids, self.embed_weight).to(self.embed_in.weight.dtype))
 
     def evidence(
