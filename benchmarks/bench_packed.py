@@ -5,6 +5,7 @@ step (target forward of 1 token), verification of 2, 4 and 16 tokens, the draft 
 forward + head + top-K), and each selector's select. Within every repetition the two settings
 alternate (the order flips each repetition) and every figure is a median over repetitions of the
 best of 3 calls, so a busy machine slows both alike; the ratio packed ÷ eager is printed per phase.
+The two settings are two stacks of the same weights (`CpuKernels(packed=True / False)`).
 Packing does not change any output (the script checks the argmax of every verify and the pool of
 every draft agree between the settings).
 
@@ -27,7 +28,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from drelay_model.kernels import cpu_linear  # noqa: E402
+from drelay_model.kernels.cpu_linear import CpuKernels  # noqa: E402
 from drelay_model.selectors import SelectionContext  # noqa: E402
 from pipelines.cli import guarded  # noqa: E402
 
@@ -55,16 +56,9 @@ def best_of(fn, n: int = 3) -> float:
     return min(times)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    from pipelines.common.methods import load_method, load_target_spec, resolve_method
-
-    target = load_target_spec(args.target)
-    if not target.packed:
-        print("error: this target was not packed (not CPU float32, or no oneDNN)", file=sys.stderr)
-        return 1
-    methods = {m: load_method(resolve_method(m, target_spec=args.target), target) for m in args.methods.split(",")}
+def phases_of(target, methods: dict, args) -> tuple[dict, tuple]:
+    """The timed phases of one stack (a target and its methods' drafters and selectors, all under
+    the target's CPU kernel settings) on the same random context, and (verify-16 argmax, pool)."""
     drafter = next(iter(methods.values()))[0]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 5000, (1, args.context), generator=g)
@@ -91,20 +85,31 @@ def main(argv=None) -> int:
                             history_mask=torch.ones(history.shape[:2], dtype=torch.bool))  # fmt: skip
     for m, (_, selector) in methods.items():
         phases[f"select_{m}"] = lambda s=selector: s.select(block, sctx)
-    # Same outputs either way.
-    outs = {}
-    for on in (True, False):
-        cpu_linear.set_enabled(on)
-        outs[on] = (verify(16)().argmax(-1), drafter.draft(anchor, ctx).cand_ids)
-    same = all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
+    return phases, (verify(16)().argmax(-1), block.cand_ids)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from drelay_model.target import load_target
+    from pipelines.common.methods import load_method, resolve_method
+
+    stacks = {}
+    for on in (True, False):  # the same weights under packed (True) and eager (False) settings
+        target = load_target(args.target, cpu_kernels=CpuKernels(packed=on))
+        if on and not target.packed:
+            print("error: this target was not packed (not CPU float32, or no oneDNN)", file=sys.stderr)
+            return 1
+        methods = {m: load_method(resolve_method(m, target_spec=args.target), target) for m in args.methods.split(",")}
+        stacks[on] = phases_of(target, methods, args)
+    same = all(torch.equal(a, b) for a, b in zip(stacks[True][1], stacks[False][1]))  # same outputs either way
+    phases = stacks[True][0]
     times: dict[str, dict[bool, list[float]]] = {p: {True: [], False: []} for p in phases}
     with torch.inference_mode():
         for rep in range(args.reps):
             for on in (True, False) if rep % 2 else (False, True):
-                cpu_linear.set_enabled(on)
-                for name, fn in phases.items():
+                for name, fn in stacks[on][0].items():
                     times[name][on].append(best_of(fn))
-    cpu_linear.set_enabled(True)
     table = {p: {"eager_ms": statistics.median(t[False]), "packed_ms": statistics.median(t[True])} for p, t in times.items()}
     for row in table.values():
         row["ratio"] = row["packed_ms"] / row["eager_ms"]

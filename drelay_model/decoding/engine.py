@@ -35,6 +35,7 @@ from drelay_model.decoding.verify import accept, accept_sampled, pick_tokens
 from drelay_model.decoding.verify_costs import VerifyCosts
 from drelay_model.drafter.model import BlockDrafter
 from drelay_model.errors import DRelayError
+from drelay_model.kernels.cpu_linear import CpuKernels
 from drelay_model.selectors.base import Selector
 from drelay_model.selectors.native import NativeSelector
 from drelay_model.target.model import TargetModel
@@ -91,6 +92,16 @@ class SpeculativeEngine:
                 )
 
     # ---- public --------------------------------------------------------------------------------
+    @property
+    def cpu_kernels(self) -> CpuKernels:
+        """The CPU kernel settings this engine decodes with: its drafter's (which it takes from the
+        target unless given its own), else its target's (`kernels/cpu_linear.py`)."""
+        return (self.drafter if self.drafter is not None else self.target).cpu_kernels
+
+    def describe_kernels(self) -> str:
+        """One line: the CPU kernel settings and what of them takes effect on this engine's device."""
+        return self.cpu_kernels.describe(self.device, self.target.dtype)
+
     def new_policy(self) -> CostAwareLength | None:
         """A cold cost-aware policy for this engine (None without measured costs). A selector other
         than `native` gets a second arm: drafted rounds that keep the native path without it."""

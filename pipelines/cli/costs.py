@@ -43,9 +43,9 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.max_batch <= 1024 or any(not 1 <= b <= 1024 for b in args.batch or ()):
         raise DRelayError("--max-batch and --batch must be in [1, 1024]")
     target = load_target_spec(args.target, device=args.device, dtype=args.dtype)
-    if args.show and not costs_path(args.target, spec, target.embed_weight.device.type, packed=target.packed).exists():
-        raise DRelayError(f"no cached costs for {args.target}/{args.method}; run without --show to measure them")
     drafter, selector = load_method(spec, target)
+    if args.show and not costs_path(args.target, spec, target, drafter).exists():
+        raise DRelayError(f"no cached costs for {args.target}/{args.method}; run without --show to measure them")
     max_batch = max([args.max_batch, *(args.batch or ())])
     costs = verify_costs(
         target, drafter, selector, target_spec=args.target, spec=spec, remeasure=not args.show, reps=args.reps,

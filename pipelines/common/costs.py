@@ -1,7 +1,8 @@
 """The measured round cost surface for cost-aware verification length, cached per machine.
 
-One JSON file per (target, checkpoint, method, torch threads, device and its processor model,
-packed linears or not, and on CPU what the drafter runs below float32: `cpu_linear.draft_precisions`)
+One JSON file per (target, checkpoint, method, torch threads, device and its processor model, and
+the CPU kernels that take effect: packed linears or not and what the drafter runs below float32,
+`CpuKernels.active(...).cache_tag()`)
 under $DRELAY_CACHE_DIR/costs/ (default ~/.cache/drelay/costs/), holding the surface over the batch
 sizes 1 … max_batch (`surface_batches`): measuring takes about `MEASURE_BUDGET_S` + one repetition
 (docs/verification-length.md has today's figure on the CPU default), and the costs belong to the
@@ -21,7 +22,6 @@ from pathlib import Path
 import torch
 
 from drelay_model.decoding.verify_costs import StaleCosts, VerifyCosts, measure_costs, surface_batches
-from drelay_model.kernels import cpu_linear
 from drelay_model.target.loading import cache_root
 from pipelines.common.methods import MethodSpec
 
@@ -39,12 +39,17 @@ def processor_model(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
-def costs_path(target_spec: str, spec: MethodSpec, device: str = "cpu", *, packed: bool = False) -> Path:
+def costs_path(target_spec: str, spec: MethodSpec, target, drafter) -> Path:
+    """The cache file of the surface of `target` (loaded from `target_spec`) with `drafter` (`spec`'s).
+    The CPU kernel settings enter the name as they take effect there (the drafter's, which it takes
+    from the target unless given its own: `CpuKernels.active(...).cache_tag()`), since drafting and
+    verification costs differ by them."""
+    device = str(target.embed_weight.device.type)
+    kernels = drafter.cpu_kernels.active(device, target.dtype)
     ckpt = str(Path(spec.checkpoint).resolve()) if spec.checkpoint else "random-drafter"
     digest = hashlib.sha1(ckpt.encode()).hexdigest()[:10]
     chip = hashlib.sha1(processor_model(device).encode()).hexdigest()[:6]
-    low = "".join(f"-{p}" for p in cpu_linear.draft_precisions()) if device == "cpu" else ""  # drafting costs differ by it
-    name = f"{target_spec}__{digest}__{spec.name}__t{torch.get_num_threads()}__{device}-{chip}{'-packed' if packed else ''}{low}.json"
+    name = f"{target_spec}__{digest}__{spec.name}__t{torch.get_num_threads()}__{device}-{chip}{kernels.cache_tag()}.json"
     return cache_root() / "costs" / name.replace("/", "_")
 
 
@@ -66,8 +71,7 @@ def verify_costs(
     """The cached cost surface over batch sizes 1 … max_batch, measured (and cached) on first use,
     when stale or too narrow, or when `remeasure` (the median of up to `reps` interleaved
     repetitions per term, within `MEASURE_BUDGET_S`)."""
-    device = str(target.embed_weight.device.type)
-    path = costs_path(target_spec, spec, device, packed=getattr(target, "packed", False))
+    path = costs_path(target_spec, spec, target, drafter)
     if path.exists() and not remeasure:
         try:
             costs = VerifyCosts.load(path)

@@ -49,10 +49,11 @@ def target(request):
 
 @pytest.fixture(scope="session")
 def make_drafter():
-    def build(target, seed: int = 0, **overrides) -> BlockDrafter:
+    def build(target, seed: int = 0, cpu_kernels=None, **overrides) -> BlockDrafter:
+        """An untrained drafter (the same weights for the same seed) with `cpu_kernels` (default: the target's)."""
         torch.manual_seed(seed)
         cfg = DrafterConfig.for_target(target, **{"num_layers": 1, **overrides})
-        return BlockDrafter(cfg, target).eval()
+        return BlockDrafter(cfg, target, cpu_kernels=cpu_kernels).eval()
 
     return build
 
