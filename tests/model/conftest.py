@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drelay_model.decoding.verify_costs import VerifyCosts, surface_batches
+from drelay_model.decoding.cost_policy import RoundCosts, surface_batches
 from drelay_model.drafter import BlockDrafter, DrafterConfig
 from drelay_model.selectors import Selection, SelectionContext, Selector
 from drelay_model.target import tiny_target
@@ -63,12 +63,12 @@ def scripted_selector():
     return ScriptedSelector
 
 
-def _steep_batch_surface(H: int) -> VerifyCosts:
+def _steep_batch_surface(H: int) -> RoundCosts:
     """A cost surface over batch sizes 1, 2, 4 where drafting pays for one row and not for four: each
     verified draft adds 0.1 ms to a round alone, 8 ms at two rows and 60 ms at four."""
     slope = {1: 0.1, 2: 8.0, 4: 60.0}
     batches = surface_batches(4)
-    return VerifyCosts(
+    return RoundCosts(
         verify_ms=[[10.0 * b + slope[b] * (t - 1) for t in range(1, H + 2)] for b in batches],
         draft_slots_ms=[[0.5 * b] * H for b in batches], select_ms=0.1, batch_sizes=batches,
     )  # fmt: skip

@@ -52,7 +52,7 @@ def test_ar_generation_on_the_bundled_target(capsys):
 
 @pytest.mark.parametrize("length", ["cost", "fixed"])
 def test_speculative_generation_reports_speedup_and_matches_ar(capsys, tmp_path, monkeypatch, length):
-    from pipelines.common import costs
+    from drelay_model.decoding.cost_policy import cache as costs
 
     monkeypatch.setattr(costs, "cache_root", lambda: tmp_path)
     # One timed repetition of the cost surface instead of up to nine: the test checks that the surface
@@ -173,7 +173,7 @@ def test_costs_command_measures_caches_and_shows(capsys, tmp_path, monkeypatch):
     """The command's measuring, caching and showing, on the tiny target: timing only, so the model's size
     does not matter, and its rounds take milliseconds where SmolLM2's take tens (a drafter's block is
     16 positions on either)."""
-    monkeypatch.setattr("pipelines.common.costs.cache_root", lambda: tmp_path)
+    monkeypatch.setattr("drelay_model.decoding.cost_policy.cache.cache_root", lambda: tmp_path)
     small = ["--max-batch", "2", "--reps", "1"]  # the surface at b = 1, 2: seconds
     assert main(["costs", *TINY, "--random-drafter", "--show"]) == 2 and "run without --show" in capsys.readouterr().err
     assert main(["costs", *TINY, "--random-drafter", "--json", *small]) == 0
@@ -194,7 +194,7 @@ def test_costs_command_measures_caches_and_shows(capsys, tmp_path, monkeypatch):
     assert main(["costs", *TINY, "--random-drafter", "--reps", "0"]) == 2 and "--reps" in capsys.readouterr().err
     assert main(["costs", *TINY, "--random-drafter", "--max-batch", "0"]) == 2 and "--max-batch" in capsys.readouterr().err
     # another CPU model (a home directory shared by cluster nodes) gets its own surface
-    monkeypatch.setattr("pipelines.common.costs.processor_model", lambda device: "Another CPU")
+    monkeypatch.setattr("drelay_model.decoding.cost_policy.cache.processor_model", lambda device: "Another CPU")
     assert main(["costs", *TINY, "--random-drafter", "--show"]) == 2 and "run without --show" in capsys.readouterr().err
     assert main(["costs", *TINY, "--random-drafter", "--json", "--max-batch", "1", "--reps", "1"]) == 0
     assert len(list(tmp_path.glob("costs/*.json"))) == 2
@@ -205,16 +205,15 @@ def test_cost_curves_are_kept_apart_by_the_cpu_kernels_that_take_effect():
     """A drafter without int8 short blocks, or a target without packed linears, drafts and verifies at
     other costs: another file. The settings come from the models; nothing else in the process changes."""
     from drelay_model.kernels.cpu_linear import CpuKernels, available, int8_kernel
-    from pipelines.common.costs import costs_path
-    from pipelines.common.methods import resolve_method
+    from drelay_model.decoding.cost_policy import costs_path
 
     if not (available() and int8_kernel()):
         pytest.skip("this torch build has no packed linears or no weight-only int8 matmul")
-    spec = resolve_method("native", target_spec="tiny-llama", random_drafter=True)
     names = {}
     for label, kernels in {"on": CpuKernels(), "no-int8": CpuKernels(int8_draft=False), "off": CpuKernels(packed=False)}.items():
         target = tiny_target("tiny-llama", cpu_kernels=kernels)
-        names[label] = costs_path("tiny-llama", spec, target, BlockDrafter(DrafterConfig.for_target(target), target)).name
+        drafter = BlockDrafter(DrafterConfig.for_target(target), target)
+        names[label] = costs_path(target, drafter, target_spec="tiny-llama", method="native", checkpoint=None).name
     assert "-packed" in names["on"] and "int8-blocks" in names["on"]
     assert "-packed" in names["no-int8"] and "int8-blocks" not in names["no-int8"]
     assert "-packed" not in names["off"] and "rank" not in names["off"] and len(set(names.values())) == 3
