@@ -139,7 +139,8 @@ class CpuKernels:
         asked = " ".join(f"{name}={int(getattr(self, field))}" for field, name in self.ENV.items())
         on = self.active(device, dtype)
         if not on.packed:
-            return f"cpu kernels: {asked} → F.linear throughout (packing applies to float32 CPU weights with oneDNN)"
+            why = "packing off" if not self.packed else "packing applies only to float32 CPU weights with oneDNN"
+            return f"cpu kernels: {asked} → F.linear throughout ({why})"
         rank = on.rank_dtype()
         pool = f"pool ranked in {str(rank).removeprefix('torch.')}" if rank is not None else "pool in float32"
         blocks = "int8 short draft blocks" if on.int8_draft else "float32 draft blocks"
