@@ -5,8 +5,11 @@ step (target forward of 1 token), verification of 2, 4 and 16 tokens, the draft 
 forward + head + top-K), and each selector's select. Within every repetition the two settings
 alternate (the order flips each repetition) and every figure is a median over repetitions of the
 best of 3 calls, so a busy machine slows both alike; the ratio packed ÷ eager is printed per phase.
-Packing does not change any output (the script checks the argmax of every verify and the pool of
-every draft agree between the settings).
+The two settings are two stacks of the same weights (`CpuKernels(packed=True / False)`).
+Packing does not change any output: the script checks that the argmax of every verify and each
+slot's native candidate of the draft agree between the settings, and counts the pool members that
+differ (where the packed drafter ranks its pool coarsely, bf16 or int8, a member tied at the K-th
+place may differ: `BlockDrafter.pool`).
 
 Run:  .venv/bin/python benchmarks/bench_packed.py [--threads 1] [--reps 8]
 Results go to --out (JSON) and MLflow (experiment `drelay-benchmarks`) unless --no-mlflow.
@@ -27,7 +30,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from drelay_model.kernels import cpu_linear  # noqa: E402
+from drelay_model.kernels.cpu_linear import CpuKernels  # noqa: E402
 from drelay_model.selectors import SelectionContext  # noqa: E402
 from pipelines.cli import guarded  # noqa: E402
 
@@ -55,66 +58,79 @@ def best_of(fn, n: int = 3) -> float:
     return min(times)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    from pipelines.common.methods import load_method, load_target_spec, resolve_method
-
-    target = load_target_spec(args.target)
-    if not target.packed:
-        print("error: this target was not packed (not CPU float32, or no oneDNN)", file=sys.stderr)
-        return 1
-    methods = {m: load_method(resolve_method(m, target_spec=args.target), target) for m in args.methods.split(",")}
-    drafter = next(iter(methods.values()))[0]
+def shared_context(target, drafter, args) -> dict:
+    """One random cached context (target cache, drafter context, history, a drafted block) that both
+    stacks time on, as the packed stack builds it: the settings then differ only in the phases."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 5000, (1, args.context), generator=g)
     cache, ctx = target.new_cache(1, args.context + 64), drafter.new_context_cache(1, args.context + 64)
     res = target(ids, cache, feature_layers=drafter.config.target_layer_ids)
     drafter.extend_context(res.features, ctx)
-    history = res.features[:, -64:]
-    L = cache.lengths.clone()
-    anchor = ids[:, -1]
-    block_ids = torch.randint(100, 5000, (1, 16), generator=g)
+    anchor, history = ids[:, -1], res.features[:, -64:]
+    sctx = SelectionContext(anchor_ids=anchor, anchor_pos=cache.lengths.clone(), row_ids=torch.zeros(1, dtype=torch.long),
+                            history=history, history_mask=torch.ones(history.shape[:2], dtype=torch.bool))  # fmt: skip
+    return {"cache": cache, "L": cache.lengths.clone(), "ctx": ctx, "anchor": anchor, "sctx": sctx,
+            "block": drafter.draft(anchor, ctx), "block_ids": torch.randint(100, 5000, (1, 16), generator=g)}  # fmt: skip
+
+
+def phases_of(target, methods: dict, shared: dict) -> tuple[dict, tuple]:
+    """The timed phases of one stack (a target and its methods' drafters and selectors, all under
+    the target's CPU kernel settings) on the shared context, and (verify-16 argmax, the pool)."""
+    drafter = next(iter(methods.values()))[0]
+    cache, ctx, anchor = shared["cache"], shared["ctx"], shared["anchor"]
 
     def verify(T):
         def run():
-            out = target(block_ids[:, :T], cache).logits
-            cache.crop(L)
+            out = target(shared["block_ids"][:, :T], cache).logits
+            cache.crop(shared["L"])
             return out
 
         return run
 
     phases = {"ar_step": verify(1), "verify_2": verify(2), "verify_4": verify(4), "verify_16": verify(16),
               "draft": lambda: drafter.draft(anchor, ctx)}  # fmt: skip
-    block = drafter.draft(anchor, ctx)
-    sctx = SelectionContext(anchor_ids=anchor, anchor_pos=L, row_ids=torch.zeros(1, dtype=torch.long), history=history,
-                            history_mask=torch.ones(history.shape[:2], dtype=torch.bool))  # fmt: skip
     for m, (_, selector) in methods.items():
-        phases[f"select_{m}"] = lambda s=selector: s.select(block, sctx)
-    # Same outputs either way.
-    outs = {}
-    for on in (True, False):
-        cpu_linear.set_enabled(on)
-        outs[on] = (verify(16)().argmax(-1), drafter.draft(anchor, ctx).cand_ids)
-    same = all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
+        phases[f"select_{m}"] = lambda s=selector: s.select(shared["block"], shared["sctx"])
+    return phases, (verify(16)().argmax(-1), drafter.draft(anchor, ctx).cand_ids)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from drelay_model.target import load_target
+    from pipelines.common.methods import load_method, resolve_method
+
+    stacks, shared = {}, None
+    for on in (True, False):  # the same weights under packed (True) and eager (False) settings
+        target = load_target(args.target, cpu_kernels=CpuKernels(packed=on))
+        if on and not target.packed:
+            print("error: this target was not packed (not CPU float32, or no oneDNN)", file=sys.stderr)
+            return 1
+        methods = {m: load_method(resolve_method(m, target_spec=args.target), target) for m in args.methods.split(",")}
+        shared = shared or shared_context(target, next(iter(methods.values()))[0], args)
+        stacks[on] = phases_of(target, methods, shared)
+    (v_on, pool_on), (v_off, pool_off) = stacks[True][1], stacks[False][1]
+    same = torch.equal(v_on, v_off) and torch.equal(pool_on[..., 0], pool_off[..., 0])  # same outputs either way
+    members = int((~(pool_on[..., :, None] == pool_off[..., None, :]).any(-1)).sum())  # packed members not in the eager pool
+    phases = stacks[True][0]
     times: dict[str, dict[bool, list[float]]] = {p: {True: [], False: []} for p in phases}
     with torch.inference_mode():
         for rep in range(args.reps):
             for on in (True, False) if rep % 2 else (False, True):
-                cpu_linear.set_enabled(on)
-                for name, fn in phases.items():
+                for name, fn in stacks[on][0].items():
                     times[name][on].append(best_of(fn))
-    cpu_linear.set_enabled(True)
     table = {p: {"eager_ms": statistics.median(t[False]), "packed_ms": statistics.median(t[True])} for p, t in times.items()}
     for row in table.values():
         row["ratio"] = row["packed_ms"] / row["eager_ms"]
     for key in ("eager_ms", "packed_ms"):
         table["verify_16_over_ar"] = table.get("verify_16_over_ar", {}) | {key: table["verify_16"][key] / table["ar_step"][key]}
-    print(f"{'phase':<20}{'eager ms':>10}{'packed ms':>11}{'packed÷eager':>14}   (outputs identical: {same})")
+    print(
+        f"{'phase':<20}{'eager ms':>10}{'packed ms':>11}{'packed÷eager':>14}   (outputs identical: {same}; pool members differing: {members})"
+    )
     for name, row in table.items():
         ratio = f"{row['ratio']:>14.2f}" if "ratio" in row else f"{'(÷ ar_step)':>14}"
         print(f"{name:<20}{row['eager_ms']:>10.2f}{row['packed_ms']:>11.2f}{ratio}")
-    out = {"args": vars(args), "table": table, "outputs_identical": same}
+    out = {"args": vars(args), "table": table, "outputs_identical": same, "pool_members_differing": members}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     if not args.no_mlflow:

@@ -1,7 +1,7 @@
 """The cost-aware policy's settings, replayed offline against recorded one-draft outcomes.
 
 Deciding whether a round drafts is a bandit problem: a round that stays AR learns nothing about the
-drafts it skipped. This script measures how well `CostAwareLength` (the real class, not a copy)
+drafts it skipped. This script measures how well `CostPolicy` (the real class, not a copy)
 plays it for a few settings of its shrinkages κ (`rate_prior`) and κ_b (`base_prior`), its margin
 (`min_gain`) and its optimism z (`optimism`):
 
@@ -40,8 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from drelay_model.decoding import GenerationConfig  # noqa: E402
 from drelay_model.decoding.replay import replay  # noqa: E402
-from drelay_model.decoding.length_bandit import BanditSettings, CostAwareLength  # noqa: E402
-from drelay_model.decoding.verify_costs import VerifyCosts  # noqa: E402
+from drelay_model.decoding.cost_policy import CostPolicy, PolicySettings, RoundCosts  # noqa: E402
 from drelay_model.selectors.native import NativeSelector  # noqa: E402
 
 MAX_CORPUS_PROMPTS = 13  # Alpaca from index 4,500 in steps of 40: 13 prompts in the 5,000-row subset
@@ -89,7 +88,7 @@ def record(ar_engine, drafter, messages: list[str], max_new: int) -> list[list[t
     return seqs
 
 
-def simulate(seqs, costs: VerifyCosts, rule: str | tuple[float, ...], *, one_policy: bool = False) -> float:
+def simulate(seqs, costs: RoundCosts, rule: str | tuple[float, ...], *, one_policy: bool = False) -> float:
     """S over the recorded rounds of `rule`: "always" (draft and verify every round), "oracle" (draft
     exactly the rounds that hit) or a policy setting (κ, κ_b, min_gain, z), fresh for each prompt
     unless `one_policy`."""
@@ -99,9 +98,7 @@ def simulate(seqs, costs: VerifyCosts, rule: str | tuple[float, ...], *, one_pol
     for seq in seqs:
         if isinstance(rule, tuple) and (policy is None or not one_policy):
             kappa, base_kappa, min_gain, z = rule
-            policy = CostAwareLength(
-                costs, 1, BanditSettings(rate_prior=kappa, base_prior=base_kappa, min_gain=min_gain, optimism=z)
-            )
+            policy = CostPolicy(costs, 1, PolicySettings(rate_prior=kappa, base_prior=base_kappa, min_gain=min_gain, optimism=z))
         for hit, q in seq:
             if policy is None:
                 drafts = rule == "always" or hit

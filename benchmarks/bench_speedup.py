@@ -9,7 +9,7 @@ checks it), and S per benchmark is the median of these paired ratios, with their
 
 The cost curve for cost-aware length is the one `drelay costs` measures and caches (per target,
 checkpoint, method, threads, device and its processor model, packed linears and what the drafter runs
-below float32: `pipelines.common.costs`); --remeasure redoes it.
+below float32: `drelay_model.decoding.cost_policy.cache`); --remeasure redoes it.
 
 Run:  .venv/bin/python benchmarks/bench_speedup.py                         # 2 prompts × 8 benchmarks × 128 tokens
       .venv/bin/python benchmarks/bench_speedup.py --limit 1 --max-new-tokens 64 --benchmarks gsm8k,mt_bench

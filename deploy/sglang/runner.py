@@ -30,6 +30,7 @@ import torch
 from deploy.sglang.model import drafter_config_from_hf
 from deploy.sglang.runner_math import DraftRunner
 from drelay_model.errors import DRelayError
+from drelay_model.kernels.cpu_linear import CpuKernels
 
 
 class DRelayRunnerModel(DraftRunner):
@@ -113,9 +114,11 @@ class DRelayRunnerModel(DraftRunner):
             raise RuntimeError("DRELAY draft_model.lm_head unset (the worker attaches the target's head before capture)")
         return self.candidates(hidden, self._draft_head)
 
-    def bind_selector(self, embed_weight: torch.Tensor) -> None:
+    def bind_selector(self, embed_weight: torch.Tensor, *, cpu_kernels: CpuKernels | None = None) -> None:
         """Build the exported selector on the target's input embedding [≥ V, D] (it shares it,
-        as in training), on that tensor's device, in the drafter's dtype. No-op without one."""
+        as in training), on that tensor's device, in the drafter's dtype. No-op without one.
+        cpu_kernels: its linears' CPU kernel settings (default `CpuKernels.from_env()`; they apply
+        only to float32 CPU weights, so never on a GPU)."""
         saved = self.hf_config.get("drelay_selector") or {}
         if not saved:
             return
@@ -126,7 +129,8 @@ class DRelayRunnerModel(DraftRunner):
                 f"the DRELAY selector was trained for blocks of {self.drafter_config.block_size}; "
                 f"run with --speculative-num-draft-tokens {self.drafter_config.block_size}"
             )
-        view = SimpleNamespace(config=self.drafter_config, embed_weight=embed_weight)  # what selectors size themselves from
+        kernels = cpu_kernels if cpu_kernels is not None else CpuKernels.from_env()
+        view = SimpleNamespace(config=self.drafter_config, embed_weight=embed_weight, cpu_kernels=kernels)  # what selectors read
         tensors = {"selector." + k.removeprefix("drelay_selector."): v for k, v in self.extra_tensors.items()}
         with torch.device(embed_weight.device):  # built beside the embedding it shares
             selector = default_registry().from_checkpoint(saved["name"], drafter=view, tensors=tensors, meta={"selector": saved})

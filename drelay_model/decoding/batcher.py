@@ -130,7 +130,7 @@ class ContinuousBatcher:
         self.engine = engine
         self.max_batch = max_batch
         self.stats = DecodeStats(num_slots=engine.num_slots)  # batch-level phase times and totals
-        # Cost-aware verification length when the engine has measured costs (length_bandit.py).
+        # Cost-aware verification length when the engine has measured costs (cost_policy/).
         self.policy = engine.new_policy()
         self._lock = threading.Lock()
         self._pending: list[_Request] = []

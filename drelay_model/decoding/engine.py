@@ -9,8 +9,9 @@
               commit        keep path[:n]; crop the target's cache to the accepted length; anchor ← x
 
 Autoregressive decoding (no drafter) is the same loop with an empty path, so AR and speculative
-timings come from one code path. With measured `costs`, each round verifies the number of path
-tokens that maximises expected tokens per second (`length_bandit.py`; 0 = an AR round). The
+timings come from one code path. With measured `costs`, each round consults the cost policy once,
+when it plans (`cost_policy/`: the number of path tokens that maximises expected tokens per second;
+0 = an AR round); that round's plan then cuts the paths and learns from the round. The
 continuous batcher drives the same public phases (`prefill`, `round`) over a changing batch. The
 engine knows nothing about tokenization: token ids in and out.
 """
@@ -26,15 +27,15 @@ import torch
 from drelay_model.decoding.batch_state import BatchState
 from drelay_model.decoding.generation import GenerationConfig, SettingsError
 from drelay_model.decoding.history import VerifiedHistory
-from drelay_model.decoding.length_bandit import CostAwareLength
+from drelay_model.decoding.cost_policy import CostPolicy, RoundCosts
 from drelay_model.decoding.logprobs import round_logprobs
 from drelay_model.decoding.rounds import PathChoice, RoundPlan, RoundResult, RoundTimer, Verified
 from drelay_model.decoding.stats import DecodeStats
 from drelay_model.decoding.draws import RowDraws, commit_rows
 from drelay_model.decoding.verify import accept, accept_sampled, pick_tokens
-from drelay_model.decoding.verify_costs import VerifyCosts
 from drelay_model.drafter.model import BlockDrafter
 from drelay_model.errors import DRelayError
+from drelay_model.kernels.cpu_linear import CpuKernels
 from drelay_model.selectors.base import Selector
 from drelay_model.selectors.native import NativeSelector
 from drelay_model.target.model import TargetModel
@@ -62,10 +63,10 @@ class SpeculativeEngine:
         drafter: BlockDrafter | None = None,
         selector: Selector | None = None,
         *,
-        costs: VerifyCosts | None = None,
+        costs: RoundCosts | None = None,
     ):
         """costs: measured round costs; given, the verification length is cost-aware (see
-        `length_bandit.py`); None: every round verifies the selector's whole path (the paper's setting)."""
+        `cost_policy/`); None: every round verifies the selector's whole path (the paper's setting)."""
         if drafter is not None:
             drafter.config.check_target(target)
             selector = selector if selector is not None else NativeSelector()
@@ -79,7 +80,7 @@ class SpeculativeEngine:
         # The cost-aware policy learns acceptance rates, calibration and cost scales as it decodes;
         # it carries them from one generate() call to the next (as a server's traffic would), so a
         # short request does not pay for learning from scratch. Outputs never depend on it (lossless);
-        # assign a fresh CostAwareLength to start cold.
+        # assign a fresh CostPolicy to start cold.
         self._native = NativeSelector()  # the path a two-armed policy's native-arm rounds keep
         self.policy = self.new_policy()
         self.device = target.device
@@ -91,12 +92,22 @@ class SpeculativeEngine:
                 )
 
     # ---- public --------------------------------------------------------------------------------
-    def new_policy(self) -> CostAwareLength | None:
+    @property
+    def cpu_kernels(self) -> CpuKernels:
+        """The CPU kernel settings this engine decodes with: its drafter's (which it takes from the
+        target unless given its own), else its target's (`kernels/cpu_linear.py`)."""
+        return (self.drafter if self.drafter is not None else self.target).cpu_kernels
+
+    def describe_kernels(self) -> str:
+        """One line: the CPU kernel settings and what of them takes effect on this engine's device."""
+        return self.cpu_kernels.describe(self.device, self.target.dtype)
+
+    def new_policy(self) -> CostPolicy | None:
         """A cold cost-aware policy for this engine (None without measured costs). A selector other
         than `native` gets a second arm: drafted rounds that keep the native path without it."""
         if self.costs is None:
             return None
-        return CostAwareLength(self.costs, self.num_slots, native_arm=not self.selector.capabilities.native_path)
+        return CostPolicy(self.costs, self.num_slots, native_arm=not self.selector.capabilities.native_path)
 
     @torch.inference_mode()
     def generate(
@@ -185,14 +196,15 @@ class SpeculativeEngine:
         return state, res.logits[:, 0]
 
     def round(self, state: BatchState, accept_rule: AcceptRule, stats: DecodeStats,
-              policy: CostAwareLength | None = None, sampler: Sampler | None = None,
+              policy: CostPolicy | None = None, sampler: Sampler | None = None,
               logprobs: Sequence[int | None] | None = None) -> RoundResult:  # fmt: skip
         """One batched round over every row of `state`: plan → draft → select → verify → commit.
 
         `accept_rule` is the acceptance rule (`accept` at the call's temperature; the continuous
         batcher passes per-row settings); `sampler` replaces the choice of a selector that samples
         its path (`capabilities.samples_path`) with a sampled one, whose proposal then goes to
-        `accept_rule`. With a policy, the round's phase times feed it (`RoundTimer.feed`). `logprobs`
+        `accept_rule`. With a policy, the round consults it once (`plan`) and its plan learns from the
+        round's outcome and phase times (`PolicyRound.learn`). `logprobs`
         (one entry per row: k alternatives, or None) asks for the committed tokens' log-probabilities
         from the verify logits (`logprobs.round_logprobs`; rows with None cost nothing)."""
         timer = RoundTimer()
@@ -200,7 +212,7 @@ class SpeculativeEngine:
         if plan.drafts:
             timer.mark("draft_start")
             block = self.draft(state, plan, timer)
-            choice = self.select(state, block, plan, policy, sampler)
+            choice = self.select(state, block, plan, sampler)
             timer.mark("selected")
             stats.drafted_steps += 1
             stats.selector_steps += int(plan.runs_selector)
@@ -208,12 +220,10 @@ class SpeculativeEngine:
             R, dev = state.anchor.shape[0], state.anchor.device
             choice = PathChoice(torch.empty(R, 0, dtype=torch.long, device=dev), torch.zeros(R, dtype=torch.long, device=dev))
         verified = self.verify(state, choice, accept_rule, timer)
-        if choice.q is not None:
-            policy.observe(choice.q, choice.length, verified.accepted)
         self.commit(state, choice, verified)
         timer.record(stats)
-        if policy is not None:
-            timer.feed(policy, plan, verify_width=1 + choice.path.shape[1])
+        if plan.cost is not None:
+            plan.cost.learn(timer.times(verify_width=1 + choice.path.shape[1]), choice.q, choice.length, verified.accepted)
         lp = None
         if logprobs is not None and any(k is not None for k in logprobs):
             lp = round_logprobs(verified.logits, choice.path, verified.accepted, verified.next_token, logprobs)
@@ -221,18 +231,19 @@ class SpeculativeEngine:
             verified.accepted, verified.next_token, choice.path, logprobs=lp, length=choice.length, drafted=plan.drafts
         )
 
-    def plan(self, policy: CostAwareLength | None, rows: int = 1) -> RoundPlan:
+    def plan(self, policy: CostPolicy | None, rows: int = 1) -> RoundPlan:
         """How many path tokens a round over `rows` rows may verify (all H without a policy; 0 = an
         AR round), how many slots get an LM head, and which selector picks the path (a two-armed
-        policy's native-arm rounds keep the native path without running the selector)."""
+        policy's native-arm rounds keep the native path without running the selector). The round's
+        one consultation of the policy (`CostPolicy.round`)."""
         H = self.num_slots
-        planned = H if policy is None else policy.plan(partial=self.selector.capabilities.partial_block, batch=rows)
-        runs_selector = policy is None or policy.use_selector
-        selector = self.selector if runs_selector else self._native
-        if self.drafter is None or planned == 0:
-            return RoundPlan(0, 0, selector, runs_selector, rows)
-        head = planned if selector.capabilities.partial_block else H
-        return RoundPlan(planned, head, selector, runs_selector, rows)
+        if policy is None:
+            if self.drafter is None:
+                return RoundPlan(0, 0, self.selector, True, rows)
+            return RoundPlan(H, H, self.selector, True, rows)
+        cost = policy.round(rows=rows, partial=self.selector.capabilities.partial_block)
+        selector = self.selector if cost.runs_selector else self._native
+        return RoundPlan(cost.verify_slots, cost.head_slots, selector, cost.runs_selector, rows, cost)
 
     def draft(self, state: BatchState, plan: RoundPlan, timer: RoundTimer):
         """Catch the drafter's context up with the verified features it has not seen, then draft one
@@ -244,11 +255,9 @@ class SpeculativeEngine:
         timer.mark("drafted")
         return block
 
-    def select(
-        self, state: BatchState, block, plan: RoundPlan, policy: CostAwareLength | None, sampler: Sampler | None
-    ) -> PathChoice:
+    def select(self, state: BatchState, block, plan: RoundPlan, sampler: Sampler | None) -> PathChoice:
         """The path each row submits: the plan's selector (or the sampler) over the block; with a
-        policy, the batch's paths are cut where verifying more stops paying (`CostAwareLength.choose`:
+        cost policy, the batch's paths are cut where verifying more stops paying (`PolicyRound.cut`:
         one length for the batch, since the verify forward is as wide as its longest row)."""
         planned, selector = plan.verify_slots, plan.selector
         ctx = state.selection_context(max_slots=planned if planned < self.num_slots else None)
@@ -256,10 +265,10 @@ class SpeculativeEngine:
         selection = sampler(selector, block, ctx) if samples else selector.select(block, ctx)
         proposal = (block.cand_ids, selection.proposal_q) if selection.proposal_q is not None else None
         choice = PathChoice(selection.path_ids, selection.length, proposal=proposal)
-        if policy is not None:
+        if plan.cost is not None:
             chosen = selection.pool_index[:, :planned, None]
             q = block.cand_logq[:, :planned].gather(2, chosen)[:, :, 0].float().exp()  # [R, planned]
-            length = torch.minimum(choice.length, policy.choose(q, plan.head_slots))
+            length = torch.minimum(choice.length, plan.cost.cut(q))
             G = int(length.max())  # one host sync: the verify forward's width
             choice = PathChoice(choice.path[:, :G], length, q[:, :G], proposal)
         return choice

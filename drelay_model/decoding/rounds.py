@@ -4,7 +4,7 @@ RoundPlan    plan → draft/select: how many path tokens the round may verify, w
 PathChoice   select → verify/commit: the path each row submits, and its drafts' probabilities q
 Verified     verify → commit: what the target accepted, and what the caches keep
 RoundResult  what the round returns to the decoding loop
-RoundTimer   wall-clock marks of the phases → `DecodeStats` times and the policy's time scales
+RoundTimer   wall-clock marks of the phases → `DecodeStats` times and the cost policy's `RoundTimes`
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drelay_model.decoding.length_bandit import CostAwareLength
+from drelay_model.decoding.cost_policy import PolicyRound, RoundTimes
 from drelay_model.decoding.logprobs import RowLogprobs
 from drelay_model.decoding.stats import DecodeStats
 from drelay_model.selectors.base import Selector
@@ -25,13 +25,15 @@ class RoundPlan:
     """verify_slots: path tokens the round may verify (0 = an AR round); head_slots: slots drafted
     with an LM head (= verify_slots, or all H for a selector that reads the whole pool); selector:
     what picks the path (the engine's selector, or the native path on a native-arm round); rows:
-    the batch size the round was planned for."""
+    the batch size the round was planned for; cost: the cost policy's plan of this round, which
+    cuts its paths and learns from it (None: every round verifies the whole path)."""
 
     verify_slots: int
     head_slots: int
     selector: Selector | None
     runs_selector: bool
     rows: int = 1
+    cost: PolicyRound | None = None
 
     @property
     def drafts(self) -> bool:
@@ -112,17 +114,13 @@ class RoundTimer:
             stats.time_select += self.selected - self.drafted
         stats.time_verify += self.verified - self.verify_start
 
-    def feed(self, policy: CostAwareLength, plan: RoundPlan, verify_width: int) -> None:
-        """Tell the policy what this round's phases cost (ms). The policy prices a drafted round's
-        own context extension (its curve's extend_ms), not the catch-up over the AR rounds before
-        it: those positions are extended whenever drafting resumes, and charging them to this round
-        would make drafting look dearer the longer it paused."""
-        catch_up_ms = drafting_ms = 0.0
+    def times(self, verify_width: int) -> RoundTimes:
+        """This round's phases for the cost policy (ms, the whole round up to now); `verify_width`:
+        the tokens per row the target verified."""
+        drafting = catch_up = 0.0
         if self.drafting:
-            catch_up_ms = 1e3 * (self.synced - self.draft_start) - policy.costs.extend(plan.rows)
-            drafting_ms = 1e3 * (self.selected - self.draft_start) - catch_up_ms
-        policy.observe_times(
-            verify_width=verify_width, verify_ms=1e3 * (self.verified - self.verify_start), head_slots=plan.head_slots if plan.drafts else 0,
-            decided=plan.verify_slots if plan.runs_selector else 0, draft_ms=drafting_ms,
-            round_ms=1e3 * (time.perf_counter() - self.start) - catch_up_ms, batch=plan.rows,
+            drafting, catch_up = 1e3 * (self.selected - self.draft_start), 1e3 * (self.synced - self.draft_start)
+        return RoundTimes(
+            verify_width=verify_width, verify_ms=1e3 * (self.verified - self.verify_start),
+            total_ms=1e3 * (time.perf_counter() - self.start), drafting_ms=drafting, catch_up_ms=catch_up,
         )  # fmt: skip

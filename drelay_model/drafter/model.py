@@ -15,6 +15,7 @@ K pool size, V (draft) vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -55,21 +56,22 @@ class RMSNorm(nn.Module):
 class _Layer(nn.Module):
     """Pre-norm attention (q/k RMSNorm, RoPE) + SwiGLU MLP."""
 
-    def __init__(self, cfg: DrafterConfig) -> None:
+    def __init__(self, cfg: DrafterConfig, kernels: cpu_linear.CpuKernels) -> None:
         super().__init__()
         D, hd = cfg.hidden_size, cfg.head_dim
         self.cfg = cfg
+        lin = partial(cpu_linear.PackedLinear, bias=False, cpu_kernels=kernels)
         self.in_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.q_proj = cpu_linear.PackedLinear(D, cfg.num_heads * hd, bias=False, few_rows_int8=True)
-        self.k_proj = cpu_linear.PackedLinear(D, cfg.num_kv_heads * hd, bias=False)
-        self.v_proj = cpu_linear.PackedLinear(D, cfg.num_kv_heads * hd, bias=False)
-        self.o_proj = cpu_linear.PackedLinear(cfg.num_heads * hd, D, bias=False, few_rows_int8=True)
+        self.q_proj = lin(D, cfg.num_heads * hd, few_rows_int8=True)
+        self.k_proj = lin(D, cfg.num_kv_heads * hd)
+        self.v_proj = lin(D, cfg.num_kv_heads * hd)
+        self.o_proj = lin(cfg.num_heads * hd, D, few_rows_int8=True)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.post_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.gate_proj = cpu_linear.PackedLinear(D, cfg.intermediate_size, bias=False, few_rows_int8=True)
-        self.up_proj = cpu_linear.PackedLinear(D, cfg.intermediate_size, bias=False, few_rows_int8=True)
-        self.down_proj = cpu_linear.PackedLinear(cfg.intermediate_size, D, bias=False, few_rows_int8=True)
+        self.gate_proj = lin(D, cfg.intermediate_size, few_rows_int8=True)
+        self.up_proj = lin(D, cfg.intermediate_size, few_rows_int8=True)
+        self.down_proj = lin(cfg.intermediate_size, D, few_rows_int8=True)
 
     def kv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [B, T, D] (already normalised) → k, v [B, n_kv, T, hd] with RoPE on k."""
@@ -107,17 +109,31 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class BlockDrafter(nn.Module):
-    """Trainable block drafter bound to a frozen target's embedding and LM head."""
+    """Trainable block drafter bound to a frozen target's embedding and LM head.
 
-    def __init__(self, config: DrafterConfig, target, draft_to_target: torch.Tensor | None = None) -> None:
+    cpu_kernels: the CPU kernel settings its linears and head run with (default: its target's,
+    `TargetModel.cpu_kernels`, else `CpuKernels.from_env()`); a selector built for it takes them too.
+    """
+
+    def __init__(
+        self,
+        config: DrafterConfig,
+        target,
+        draft_to_target: torch.Tensor | None = None,
+        *,
+        cpu_kernels: cpu_linear.CpuKernels | None = None,
+    ) -> None:
         super().__init__()
         config.check_target(target)
         D = config.hidden_size
         self.config = config
-        self.fc = cpu_linear.PackedLinear(len(config.target_layer_ids) * D, D, bias=False)
+        if cpu_kernels is None:
+            cpu_kernels = getattr(target, "cpu_kernels", None) or cpu_linear.CpuKernels.from_env()
+        self.cpu_kernels = cpu_kernels
+        self.fc = cpu_linear.PackedLinear(len(config.target_layer_ids) * D, D, bias=False, cpu_kernels=cpu_kernels)
         self.ctx_norm = RMSNorm(D, config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.randn(D) * 0.02)
-        self.layers = nn.ModuleList(_Layer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(_Layer(config, cpu_kernels) for _ in range(config.num_layers))
         self.norm = RMSNorm(D, config.rms_norm_eps, init=target.final_norm_weight)
         inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -232,7 +248,7 @@ class BlockDrafter(nn.Module):
         w = self.head_weight
         if hidden.dtype != w.dtype:
             return F.linear(hidden, w.to(hidden.dtype)).float()
-        return cpu_linear.linear(hidden, w, None, self._head_pack.get(w)).float()
+        return cpu_linear.linear(hidden, w, None, self._head_pack.get(w, self.cpu_kernels)).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.draft_to_target is None else self.draft_to_target[draft_ids]
@@ -259,8 +275,8 @@ class BlockDrafter(nn.Module):
     def pool(self, hidden: torch.Tensor) -> DraftBlock:
         """Slot hidden states [B, H, D] → the top-K pool under the drafter's softmax.
 
-        Where the CPU can (`cpu_linear.rank_dtype`: bfloat16 where native, else int8 weights, for at
-        most `INT8_MAX_ROWS` rows), the head is read once in that precision to rank the draft
+        Where its settings and the CPU allow (`CpuKernels.rank_dtype`: bfloat16 where native, else
+        int8 weights, for at most `INT8_MAX_ROWS` rows), the head is read once in that precision to rank the draft
         vocabulary, and only the K members get float32 logits:
             members  = top-K of the coarse logits                                 [B, H, K]
             z_v      = h · w_v in float32 for members, the coarse logit otherwise
@@ -272,7 +288,7 @@ class BlockDrafter(nn.Module):
         w = self.head_weight
         coarse = None
         if hidden.dtype == w.dtype == torch.float32:
-            packed = self._rank_pack.get(w)  # None under autograd or where no coarse precision runs
+            packed = self._rank_pack.get(w, self.cpu_kernels)  # None under autograd or where no coarse precision runs
             if cpu_linear.ranks_faster(packed, hidden[..., 0].numel()):
                 coarse = cpu_linear.linear(hidden, w, None, packed)  # [B, H, V] bf16 logits, as float32
         if coarse is None:

@@ -8,6 +8,7 @@ answered with the list of registered ones.
 from __future__ import annotations
 
 from drelay_model.errors import DRelayError
+from drelay_model.kernels.cpu_linear import CpuKernels, use_cpu_kernels
 from drelay_model.selectors.base import Selector
 
 SelectorFactory = type[Selector]
@@ -34,7 +35,7 @@ class SelectorRegistry:
 
     def create(self, name: str, *, drafter=None, config: dict | None = None) -> Selector:
         """A fresh (untrained) selector; load trained weights with `load_state_dict`."""
-        return self.factory(name).build(drafter=drafter, config=config)
+        return _with_kernels(self.factory(name).build(drafter=drafter, config=config), drafter)
 
     def from_checkpoint(self, name: str, *, drafter, tensors: dict, meta: dict) -> Selector:
         """The selector `name` for a loaded drafter checkpoint.
@@ -45,11 +46,11 @@ class SelectorRegistry:
         """
         cls = self.factory(name)
         if not cls.capabilities.trainable:
-            return cls.build(drafter=drafter)
+            return _with_kernels(cls.build(drafter=drafter), drafter)
         saved = meta.get("selector") or {}
         if saved.get("name") != name:
             raise DRelayError(f"the checkpoint holds no trained '{name}' selector (it has: {saved.get('name') or 'none'})")
-        selector = cls.build(drafter=drafter, config=cls.saved_config(saved.get("config")))
+        selector = _with_kernels(cls.build(drafter=drafter, config=cls.saved_config(saved.get("config"))), drafter)
         state = {k.removeprefix("selector."): v for k, v in tensors.items() if k.startswith("selector.")}
         try:
             selector.load_state_dict(state)
@@ -64,6 +65,14 @@ class SelectorRegistry:
         out = SelectorRegistry()
         out._factories = dict(self._factories)
         return out
+
+
+def _with_kernels(selector: Selector, drafter) -> Selector:
+    """A selector runs with the CPU kernel settings of the drafter it is built for (a drafter view
+    without them: `CpuKernels.from_env()`)."""
+    kernels = getattr(drafter, "cpu_kernels", None)
+    use_cpu_kernels(selector, kernels if kernels is not None else CpuKernels.from_env())
+    return selector
 
 
 def default_registry() -> SelectorRegistry:

@@ -21,6 +21,7 @@ import torch
 from drelay_model.atomic import atomic_directory
 from drelay_model.device import resolve_device, resolve_dtype
 from drelay_model.errors import DRelayError
+from drelay_model.kernels.cpu_linear import CpuKernels
 from drelay_model.target.model import TargetModel
 
 SMOLLM2 = "smollm2-135m"
@@ -36,42 +37,49 @@ def cache_root() -> Path:
 
 
 def load_target(
-    spec: str, *, device: str | torch.device = "cpu", dtype: str | torch.dtype = torch.float32, pack: bool = True
+    spec: str,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = torch.float32,
+    pack: bool = True,
+    cpu_kernels: CpuKernels | None = None,
 ) -> TargetModel:
     """Load a frozen target from a spec (see the module docstring) onto `device` in `dtype`.
 
     device: auto | cpu | cuda | cuda:N (`resolve_device`); dtype: float32 | bfloat16 | float16.
     pack: on CPU in float32, pre-pack the linears for oneDNN (`TargetModel.pack_linears`; a no-op
-    elsewhere).
+    elsewhere). cpu_kernels: the target's CPU kernel settings, which its drafter takes too
+    (default: `CpuKernels.from_env()`).
     """
     dev, dt = resolve_device(device), resolve_dtype(dtype)
-    target = _load(spec, dt).to(device=dev, dtype=dt)
+    target = _load(spec, dt, cpu_kernels).to(device=dev, dtype=dt)
     if pack:
         target.pack_linears()
     return target
 
 
-def _load(spec: str, dtype: torch.dtype) -> TargetModel:
+def _load(spec: str, dtype: torch.dtype, cpu_kernels: CpuKernels | None) -> TargetModel:
     base, _, options = spec.partition(":")
     if base == SMOLLM2:
-        return _load_hf_dir(_smollm2_dir(), name=SMOLLM2, dtype=dtype)
+        return _load_hf_dir(_smollm2_dir(), name=SMOLLM2, dtype=dtype, cpu_kernels=cpu_kernels)
     if base in TINY_SPECS:
-        return tiny_target(base, **_parse_options(spec, options))
+        return tiny_target(base, cpu_kernels=cpu_kernels, **_parse_options(spec, options))
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise DRelayError(f"target directory '{spec}' has no config.json")
-        return _load_hf_dir(path, name=path.name, dtype=dtype)
+        return _load_hf_dir(path, name=path.name, dtype=dtype, cpu_kernels=cpu_kernels)
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
-        return _load_hf_dir(spec, name=spec, dtype=dtype)
+        return _load_hf_dir(spec, name=spec, dtype=dtype, cpu_kernels=cpu_kernels)
     raise DRelayError(
         f"unknown target '{spec}': expected {SMOLLM2}, {', '.join(TINY_SPECS)}, "
         "a Hugging Face model directory, or a hub id 'org/name'"
     )
 
 
-def tiny_target(arch: str = "tiny-llama", **options: int) -> TargetModel:
-    """A deterministic random target for tests (2 layers, width 64 by default; GQA with 4/2 heads)."""
+def tiny_target(arch: str = "tiny-llama", *, cpu_kernels: CpuKernels | None = None, **options: int) -> TargetModel:
+    """A deterministic random target for tests (2 layers, width 64 by default; GQA with 4/2 heads),
+    with `cpu_kernels` (default: `CpuKernels.from_env()`)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
     o = {**_TINY_DEFAULTS, **options}
@@ -97,7 +105,8 @@ def tiny_target(arch: str = "tiny-llama", **options: int) -> TargetModel:
         config = LlamaConfig(**common)
     torch.manual_seed(o["seed"])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return TargetModel(model, name=f"{arch}:" + ",".join(f"{k}={v}" for k, v in sorted(options.items())))
+    name = f"{arch}:" + ",".join(f"{k}={v}" for k, v in sorted(options.items()))
+    return TargetModel(model, name=name, cpu_kernels=cpu_kernels)
 
 
 def _parse_options(spec: str, options: str) -> dict[str, int]:
@@ -112,7 +121,7 @@ def _parse_options(spec: str, options: str) -> dict[str, int]:
     return out
 
 
-def _load_hf_dir(path_or_id, *, name: str, dtype: torch.dtype) -> TargetModel:
+def _load_hf_dir(path_or_id, *, name: str, dtype: torch.dtype, cpu_kernels: CpuKernels | None) -> TargetModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -121,7 +130,7 @@ def _load_hf_dir(path_or_id, *, name: str, dtype: torch.dtype) -> TargetModel:
     except (OSError, ValueError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DRelayError(f"cannot load target '{name}': {first_line}") from exc
-    return TargetModel(model, name=name, tokenizer=tokenizer)
+    return TargetModel(model, name=name, tokenizer=tokenizer, cpu_kernels=cpu_kernels)
 
 
 def _smollm2_dir() -> Path:

@@ -5,8 +5,9 @@ the forward ourselves so that (a) every batch row keeps its own cache length (`K
 hidden states of the drafter's context layers come out of the same pass, and (c) single-token decode
 pays as little Python overhead as possible: q/k/v and gate/up projections are fused into one matmul
 each, RoPE tables are precomputed, and no attention-mask machinery runs when none is needed. On CPU
-in float32 `pack_linears()` (done by `load_target`) pre-packs every matrix for oneDNN, which makes a
-verify of 16 tokens cost little more than one decode step (kernels/cpu_linear.py).
+in float32 `pack_linears()` (done by `load_target`) pre-packs every matrix for oneDNN under the
+target's `cpu_kernels`, which makes a verify of 16 tokens cost little more than one decode step
+(kernels/cpu_linear.py).
 
 Per decoder layer (pre-norm):
     h = x + W_o · Attn(RoPE(norm_q(W_q · n(x))), RoPE(norm_k(W_k · n(x))), W_v · n(x))     n = RMSNorm
@@ -94,10 +95,17 @@ class _FusedLayer(nn.Module):
 
 
 class TargetModel(nn.Module):
-    """Frozen target LM with per-row KV caching and context-feature extraction."""
+    """Frozen target LM with per-row KV caching and context-feature extraction.
 
-    def __init__(self, hf_model: nn.Module, *, name: str, tokenizer=None) -> None:
+    cpu_kernels: the CPU kernel settings this target packs with (`pack_linears`) and that a drafter
+    bound to it takes unless given its own (default: `CpuKernels.from_env()`).
+    """
+
+    def __init__(
+        self, hf_model: nn.Module, *, name: str, tokenizer=None, cpu_kernels: cpu_linear.CpuKernels | None = None
+    ) -> None:
         super().__init__()
+        self.cpu_kernels = cpu_kernels if cpu_kernels is not None else cpu_linear.CpuKernels.from_env()
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             from drelay_model.errors import DRelayError
@@ -135,14 +143,15 @@ class TargetModel(nn.Module):
 
     # ---- CPU: pre-packed linears ---------------------------------------------------------------
     def pack_linears(self) -> bool:
-        """Pre-pack every matrix for oneDNN (float32 on CPU only; see kernels/cpu_linear.py). Costs
-        one more copy of the weights in memory; returns whether anything was packed."""
-        head = cpu_linear.pack(self.lm_head_weight)
+        """Pre-pack every matrix for oneDNN under `cpu_kernels` (float32 on CPU only; see
+        kernels/cpu_linear.py). Costs one more copy of the weights in memory; returns whether
+        anything was packed."""
+        head = cpu_linear.pack(self.lm_head_weight, self.cpu_kernels)
         if head is None:
             return False
         self._head_packed = head
         for w in self._layers:
-            w.packed = {name: cpu_linear.pack(getattr(w, name)) for name in ("qkv", "o", "gate_up", "down")}
+            w.packed = {name: cpu_linear.pack(getattr(w, name), self.cpu_kernels) for name in ("qkv", "o", "gate_up", "down")}
         return True
 
     def __getstate__(self):

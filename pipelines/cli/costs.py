@@ -9,10 +9,9 @@ import argparse
 import dataclasses
 import json
 
-from drelay_model.decoding.verify_costs import VerifyCosts
+from drelay_model.decoding.cost_policy import DEFAULT_MAX_BATCH, RoundCosts, cached_costs, costs_path
 from drelay_model.errors import DRelayError
 from pipelines.cli.options import add_target
-from pipelines.common.costs import DEFAULT_MAX_BATCH, costs_path, verify_costs
 from pipelines.common.methods import NATIVE, load_method, load_target_spec, method_names, resolve_method
 
 
@@ -43,12 +42,13 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.max_batch <= 1024 or any(not 1 <= b <= 1024 for b in args.batch or ()):
         raise DRelayError("--max-batch and --batch must be in [1, 1024]")
     target = load_target_spec(args.target, device=args.device, dtype=args.dtype)
-    if args.show and not costs_path(args.target, spec, target.embed_weight.device.type, packed=target.packed).exists():
-        raise DRelayError(f"no cached costs for {args.target}/{args.method}; run without --show to measure them")
     drafter, selector = load_method(spec, target)
+    key = dict(target_spec=args.target, method=spec.name, checkpoint=spec.checkpoint)
+    if args.show and not costs_path(target, drafter, **key).exists():
+        raise DRelayError(f"no cached costs for {args.target}/{args.method}; run without --show to measure them")
     max_batch = max([args.max_batch, *(args.batch or ())])
-    costs = verify_costs(
-        target, drafter, selector, target_spec=args.target, spec=spec, remeasure=not args.show, reps=args.reps,
+    costs = cached_costs(
+        target, drafter, selector, **key, remeasure=not args.show, reps=args.reps,
         max_batch=1 if args.show else max_batch,
     )  # fmt: skip
     if args.json:
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def surface_table(costs: VerifyCosts, batches) -> list[str]:
+def surface_table(costs: RoundCosts, batches) -> list[str]:
     """Lines of the table: per batch size b, the AR step (ms, and ms per row) and a round verifying h
     drafts per row (drafting h slots, the selector deciding them, verifying 1 + h) ÷ the AR step."""
     H = costs.max_slots

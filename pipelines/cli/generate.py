@@ -37,6 +37,9 @@ def add_parser(sub) -> None:
                         "speedup is the median of the paired ratios")  # fmt: skip
     p.add_argument("--repeats", type=int, default=3, help="paired repetitions for --compare-ar (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print the engine's settings to stderr: the CPU kernels it runs with "
+                        "(set by DRELAY_PACKED_LINEARS, DRELAY_BF16_POOL, DRELAY_INT8_DRAFT)")  # fmt: skip
     p.set_defaults(run=run)
 
 
@@ -67,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     messages, prompt_ids = _read_prompts(args, target.tokenizer)
     # the batch never holds more rows than prompts: the cost surface need not reach further
     engine = build_engine(target, spec, args.verify_length, target_spec=args.target, max_batch=len(prompt_ids))
+    if args.verbose:
+        print(engine.describe_kernels(), file=sys.stderr)
     if args.compare_ar and not spec.is_ar:
         ar_engine = build_engine(target, MethodSpec(AR), target_spec=args.target)
         result, ar, speedup, speedups = paired_with_ar(engine, ar_engine, prompt_ids, config, args.repeats)

@@ -9,7 +9,7 @@ costs → engine and the default verification length are written once.
 Verification lengths:
     cost   each round verifies as many drafts as pay off on this machine at the batch's current size
            (0 = an AR round), from the cost surface over batch sizes measured once per machine and
-           cached (`pipelines.common.costs`, `drelay costs`)
+           cached (`drelay_model.decoding.cost_policy`, `drelay costs`)
     fixed  every round verifies the selector's whole path (the paper's setting)
 AR decodes the same either way.
 """
@@ -21,7 +21,7 @@ from drelay_model.drafter import BlockDrafter
 from drelay_model.errors import DRelayError
 from drelay_model.selectors import Selector
 from drelay_model.target import TargetModel
-from pipelines.common.costs import DEFAULT_MAX_BATCH, verify_costs
+from drelay_model.decoding.cost_policy import DEFAULT_MAX_BATCH, cached_costs
 from pipelines.common.methods import MethodSpec, load_method
 
 VERIFY_LENGTHS = ("cost", "fixed")
@@ -54,7 +54,6 @@ def build_engine(
     drafter, selector = load_method(spec, target) if method is None else method
     costs = None
     if verify_length == "cost" and drafter is not None:
-        costs = verify_costs(
-            target, drafter, selector, target_spec=target_spec, spec=spec, remeasure=remeasure, max_batch=max_batch
-        )
+        costs = cached_costs(target, drafter, selector, target_spec=target_spec, method=spec.name, checkpoint=spec.checkpoint,
+                             remeasure=remeasure, max_batch=max_batch)  # fmt: skip
     return SpeculativeEngine(target, drafter, selector, costs=costs)

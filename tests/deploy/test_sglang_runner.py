@@ -19,7 +19,7 @@ from deploy.sglang.model import drafter_config_from_hf
 from deploy.sglang.runner import DRelayRunnerModel
 from deploy.sglang.runner_math import DraftRunner, reference_block_attention
 from drelay_model.errors import DRelayError
-from drelay_model.kernels import cpu_linear
+from drelay_model.kernels.cpu_linear import CpuKernels
 from drelay_model.selectors import SelectionContext
 from drelay_model.target import tiny_target
 from tests.deploy.test_sglang_export import trained_checkpoint
@@ -31,16 +31,13 @@ needs_sglang = pytest.mark.skipif(
 ATOL = 1e-5  # float32; our drafter batches rows under one masked SDPA, the reference loops them
 
 
+PLAIN = CpuKernels(packed=False)  # both sides on F.linear: differences are then the attention's only
+
+
 @pytest.fixture(scope="module")
 def target():
-    return tiny_target("tiny-qwen3", layers=4)  # features from layers 1, 2: never the last (SGLang cannot capture it)
-
-
-@pytest.fixture(autouse=True)
-def plain_linears():
-    cpu_linear.set_enabled(False)  # both sides on F.linear: differences are then the attention's only
-    yield
-    cpu_linear.set_enabled(True)
+    # features from layers 1, 2: never the last (SGLang cannot capture it); its drafter and selector take PLAIN
+    return tiny_target("tiny-qwen3", layers=4, cpu_kernels=PLAIN)
 
 
 def exported(target, tmp_path, draft_vocab=None):
@@ -208,7 +205,7 @@ def test_runner_model_draft_side_gives_the_engine_selector_path(target, tmp_path
     hs = hidden.view(3, S, -1)[:, 1:]  # as _SelectorDraftSampler slices it
     cand, logq = model.compute_candidates(hs.reshape(-1, hs.shape[-1]))
     assert torch.equal(cand.view_as(block.cand_ids), block.cand_ids)
-    model.bind_selector(target.embed_weight)
+    model.bind_selector(target.embed_weight, cpu_kernels=PLAIN)
     seam = model.selector_seam(max_requests=5, max_bs=4)
     slots = torch.tensor([4, 0, 2])
     seam.history.append(slots, feats, lens)

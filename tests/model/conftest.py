@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drelay_model.decoding.verify_costs import VerifyCosts, surface_batches
+from drelay_model.decoding.cost_policy import RoundCosts, surface_batches
 from drelay_model.drafter import BlockDrafter, DrafterConfig
 from drelay_model.selectors import Selection, SelectionContext, Selector
 from drelay_model.target import tiny_target
@@ -49,10 +49,11 @@ def target(request):
 
 @pytest.fixture(scope="session")
 def make_drafter():
-    def build(target, seed: int = 0, **overrides) -> BlockDrafter:
+    def build(target, seed: int = 0, cpu_kernels=None, **overrides) -> BlockDrafter:
+        """An untrained drafter (the same weights for the same seed) with `cpu_kernels` (default: the target's)."""
         torch.manual_seed(seed)
         cfg = DrafterConfig.for_target(target, **{"num_layers": 1, **overrides})
-        return BlockDrafter(cfg, target).eval()
+        return BlockDrafter(cfg, target, cpu_kernels=cpu_kernels).eval()
 
     return build
 
@@ -62,12 +63,12 @@ def scripted_selector():
     return ScriptedSelector
 
 
-def _steep_batch_surface(H: int) -> VerifyCosts:
+def _steep_batch_surface(H: int) -> RoundCosts:
     """A cost surface over batch sizes 1, 2, 4 where drafting pays for one row and not for four: each
     verified draft adds 0.1 ms to a round alone, 8 ms at two rows and 60 ms at four."""
     slope = {1: 0.1, 2: 8.0, 4: 60.0}
     batches = surface_batches(4)
-    return VerifyCosts(
+    return RoundCosts(
         verify_ms=[[10.0 * b + slope[b] * (t - 1) for t in range(1, H + 2)] for b in batches],
         draft_slots_ms=[[0.5 * b] * H for b in batches], select_ms=0.1, batch_sizes=batches,
     )  # fmt: skip

@@ -1,5 +1,6 @@
-"""The measured cost surface over batch sizes (`verify_costs.py`) and the batch-aware plan it prices
-(`length_bandit.py`): interpolation, monotone fits, files and their versions, and the plan at b rows."""
+"""The cost policy's measured round costs over batch sizes (`cost_policy/surface.py`, `measure.py`) and
+the batch-aware plan they price (`policy.py`): interpolation, monotone fits, files and their versions,
+and the plan at b rows."""
 
 from __future__ import annotations
 
@@ -9,16 +10,16 @@ import pytest
 import torch
 
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine
-from drelay_model.decoding.length_bandit import CostAwareLength
-from drelay_model.decoding.stats import DecodeStats
-from drelay_model.decoding.verify_costs import (
+from drelay_model.decoding.cost_policy import (
     COSTS_VERSION,
+    CostPolicy,
+    RoundCosts,
     StaleCosts,
-    VerifyCosts,
     isotonic_2d,
     measure_costs,
     surface_batches,
 )
+from drelay_model.decoding.stats import DecodeStats
 from drelay_model.errors import DRelayError
 from drelay_model.selectors import default_registry
 from tests.model.test_verify_length import set_counts
@@ -26,10 +27,10 @@ from tests.model.test_verify_length import set_counts
 H = 4
 
 
-def surface(per_draft: dict[int, float], ar_per_row: float = 10.0, draft_ms: float = 1.0) -> VerifyCosts:
+def surface(per_draft: dict[int, float], ar_per_row: float = 10.0, draft_ms: float = 1.0) -> RoundCosts:
     """verify(b, t) = ar_per_row·b + per_draft[b]·(t − 1): the cost of each verified draft per round at b rows."""
     sizes = tuple(sorted(per_draft))
-    return VerifyCosts(
+    return RoundCosts(
         verify_ms=[[ar_per_row * b + per_draft[b] * (t - 1) for t in range(1, H + 2)] for b in sizes],
         draft_slots_ms=[[draft_ms * b] * H for b in sizes],
         select_ms=0.1,
@@ -59,7 +60,7 @@ def test_terms_are_linear_in_b_between_grid_points_and_extrapolate_the_last_slop
 
 
 def test_a_one_point_surface_prices_every_batch_size_as_one_row():
-    c = VerifyCosts(verify_ms=(10.0, 12.0), draft_slots_ms=(1.0,), select_ms=0.5)
+    c = RoundCosts(verify_ms=(10.0, 12.0), draft_slots_ms=(1.0,), select_ms=0.5)
     assert c.batch_sizes == (1,) and c.verify(2, 16) == 12.0 and c.draft_ms(1, batch=16) == 1.5
 
 
@@ -75,11 +76,11 @@ def test_isotonic_2d_is_monotone_in_both_axes():
 def test_surfaces_save_load_and_stale_or_bad_files_are_one_line_errors(tmp_path):
     c = surface({1: 1.0, 2: 2.0, 4: 8.0})
     c.save(tmp_path / "c.json")
-    assert VerifyCosts.load(tmp_path / "c.json") == c
+    assert RoundCosts.load(tmp_path / "c.json") == c
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"verify_ms": [10.0, 11.0], "block_ms": 2.0, "head_ms": 0.5, "select_ms": 3.0}))
     with pytest.raises(StaleCosts, match=f"version 1 < {COSTS_VERSION}"):
-        VerifyCosts.load(old)
+        RoundCosts.load(old)
     raw = json.loads((tmp_path / "c.json").read_text())
     bad_files = {
         "garbage": "{not json",
@@ -93,14 +94,14 @@ def test_surfaces_save_load_and_stale_or_bad_files_are_one_line_errors(tmp_path)
         path = tmp_path / f"{name}.json"
         path.write_text(text)
         with pytest.raises(DRelayError) as info:
-            VerifyCosts.load(path)
+            RoundCosts.load(path)
         assert "\n" not in str(info.value), name
     with pytest.raises(DRelayError, match="batch_sizes"):
-        VerifyCosts(verify_ms=((10.0,), (11.0,)), draft_slots_ms=((), ()), select_ms=0.0, batch_sizes=(2, 4))
+        RoundCosts(verify_ms=((10.0,), (11.0,)), draft_slots_ms=((), ()), select_ms=0.0, batch_sizes=(2, 4))
 
 
 def test_timed_widths_and_the_line_between_them():
-    from drelay_model.decoding.verify_costs import draft_widths, fill_linear, verify_widths
+    from drelay_model.decoding.cost_policy.surface import draft_widths, fill_linear, verify_widths
 
     assert verify_widths(15) == (1, 2, 3, 5, 9, 16) and draft_widths(15) == (1, 2, 4, 8, 15)
     assert verify_widths(0) == (1,) and draft_widths(0) == () and draft_widths(1) == (1,)
@@ -132,11 +133,11 @@ def test_the_plan_drafts_alone_and_runs_ar_rounds_when_verify_grows_steeply_with
     forward is compute-bound there): at â = 0.5 a drafted round pays at b = 1 and not at b = 16
     (where the plan returns 0, an AR round for the batch)."""
     c = surface({1: 0.5, 4: 10.0, 16: 160.0})
-    policy = CostAwareLength(c, H)
+    policy = CostPolicy(c, H)
     set_counts(policy, [100.0] * H, [50.0] * H)
     assert policy.plan(batch=1) > 0
     assert policy.plan(batch=16) == 0
-    flat = CostAwareLength(surface({1: 0.5, 4: 2.0, 16: 40.0}), H)  # a quarter of an AR step at 16: drafting pays
+    flat = CostPolicy(surface({1: 0.5, 4: 2.0, 16: 40.0}), H)  # a quarter of an AR step at 16: drafting pays
     set_counts(flat, [100.0] * H, [50.0] * H)
     assert flat.plan(batch=16) > 0
 
@@ -144,7 +145,7 @@ def test_the_plan_drafts_alone_and_runs_ar_rounds_when_verify_grows_steeply_with
 def test_choose_returns_one_length_for_the_batch():
     """The verify forward is as wide as the longest row: the batch verifies one length G, the best for
     the sum of its rows' expected tokens; sure rows carry a hopeless one along."""
-    policy = CostAwareLength(surface({1: 0.5, 2: 1.0}), H)
+    policy = CostPolicy(surface({1: 0.5, 2: 1.0}), H)
     q = torch.stack([torch.full((H,), 0.999), torch.full((H,), 0.01)])
     lengths = policy.choose(q, H)
     assert lengths.tolist() == [H, H]
@@ -155,7 +156,7 @@ def test_time_scales_compare_a_round_with_the_surface_at_its_batch_size():
     """A 4-row verify measured at what the surface says for 4 rows leaves the scale at 1 (it is not
     read as 4× slower than one row)."""
     c = surface({1: 1.0, 4: 4.0})
-    policy = CostAwareLength(c, H)
+    policy = CostPolicy(c, H)
     for _ in range(30):
         policy.observe_times(
             verify_width=3, verify_ms=c.verify(3, 4), head_slots=H, decided=H, draft_ms=c.draft_ms(H, H, 4), batch=4
@@ -168,7 +169,7 @@ def test_time_scales_compare_a_round_with_the_surface_at_its_batch_size():
 def test_stats_count_drafted_rounds_and_verified_drafts(target, make_drafter, prompts_of):
     drafter = make_drafter(target, top_k=16)
     Hd = drafter.config.num_slots
-    c = VerifyCosts(verify_ms=tuple(10.0 + 0.1 * i for i in range(Hd + 1)), draft_slots_ms=(0.1,) * Hd, select_ms=0.01)
+    c = RoundCosts(verify_ms=tuple(10.0 + 0.1 * i for i in range(Hd + 1)), draft_slots_ms=(0.1,) * Hd, select_ms=0.01)
     out = SpeculativeEngine(target, drafter, costs=c).generate(
         prompts_of(target.vocab_size, (5, 8, 3)), GenerationConfig(max_new_tokens=12)
     )

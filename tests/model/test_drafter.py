@@ -17,6 +17,7 @@ from drelay_model.drafter import (
 )
 from drelay_model.errors import DRelayError
 from drelay_model.kernels import cpu_linear
+from drelay_model.kernels.cpu_linear import CpuKernels
 from drelay_model.target import tiny_target
 
 
@@ -151,29 +152,26 @@ def test_a_short_block_drafts_only_its_slots(target, make_drafter):
     """draft(slots=h) runs a block of the anchor and h masked positions (the cost-aware round's
     partial draft): h slots in the pool, equal to block_hidden over a block of that size; h = H is
     the whole block."""
-    drafter = make_drafter(target)
+    drafter = make_drafter(target, cpu_kernels=CpuKernels(int8_draft=False))  # float32 throughout (int8: below)
     ids, feats = _context(target, drafter, 20)
     cache = drafter.new_context_cache(1, 48)
     drafter.extend_context(feats, cache)
     H = drafter.config.num_slots
     ctx = drafter.context_kv(feats, torch.arange(20)[None])
-    cpu_linear.set_int8_enabled(False)  # float32 throughout (int8 short blocks: below)
-    try:
-        for h in (1, 3):
-            block = drafter.draft(ids[:, -1], cache, slots=h)
-            assert block.cand_ids.shape == (1, h, drafter.config.top_k)
-            short = drafter.block_hidden(ids[:, -1:], torch.tensor([[20]]), ctx, size=1 + h)
-            torch.testing.assert_close(block.hidden, short[:, 0, 1:], atol=1e-5, rtol=1e-5)
-        whole = drafter.draft(ids[:, -1], cache, slots=H)
-        torch.testing.assert_close(whole.hidden, drafter.draft(ids[:, -1], cache).hidden)
-    finally:
-        cpu_linear.set_int8_enabled(True)
-    if cpu_linear.int8_available():  # a block of ≤ INT8_MAX_ROWS positions: int8 layer weights, close to float32
-        quantized = drafter.draft(ids[:, -1], cache, slots=1).hidden
+    for h in (1, 3):
+        block = drafter.draft(ids[:, -1], cache, slots=h)
+        assert block.cand_ids.shape == (1, h, drafter.config.top_k)
+        short = drafter.block_hidden(ids[:, -1:], torch.tensor([[20]]), ctx, size=1 + h)
+        torch.testing.assert_close(block.hidden, short[:, 0, 1:], atol=1e-5, rtol=1e-5)
+    whole = drafter.draft(ids[:, -1], cache, slots=H)
+    torch.testing.assert_close(whole.hidden, drafter.draft(ids[:, -1], cache).hidden)
+    int8 = make_drafter(target, cpu_kernels=CpuKernels())  # the same weights, int8 short blocks allowed
+    if int8.cpu_kernels.active("cpu", torch.float32).int8_draft:  # ≤ INT8_MAX_ROWS positions: int8 layer weights
+        quantized = int8.draft(ids[:, -1], cache, slots=1).hidden
         exact = drafter.block_hidden(ids[:, -1:], torch.tensor([[20]]), ctx, size=2)[:, 0, 1:]
         assert not torch.equal(quantized, exact)
         torch.testing.assert_close(quantized, exact, atol=0.05, rtol=0.05)
-        assert torch.equal(whole.hidden, drafter.draft(ids[:, -1], cache).hidden)  # 16 positions: float32
+        assert torch.equal(whole.hidden, int8.draft(ids[:, -1], cache).hidden)  # 16 positions: float32
 
 
 @pytest.mark.parametrize("precision", ["bfloat16", "int8"])
@@ -182,26 +180,20 @@ def test_the_coarsely_ranked_pool_keeps_float32_logits(target, make_drafter, pre
     and its members get float32 logits: the same argmax wherever the float32 top two are not within
     the coarse rounding, log q within the normaliser's coarse error, sorted; with both switched off
     the pool is float32."""
-    if precision == "bfloat16" and not cpu_linear.bf16_available():
+    if precision == "bfloat16" and not cpu_linear.bf16_native():
         pytest.skip("no native bf16 oneDNN linear on this CPU")
-    if precision == "int8" and not cpu_linear.int8_available():
+    if precision == "int8" and not (cpu_linear.available() and cpu_linear.int8_kernel()):
         pytest.skip("this torch build has no weight-only int8 matmul")
-    drafter = make_drafter(target)
+    coarse = make_drafter(target, cpu_kernels=CpuKernels(bf16_pool=precision == "bfloat16"))  # int8 ranks where bf16 is off
+    plain = make_drafter(target, cpu_kernels=CpuKernels(bf16_pool=False, int8_draft=False))  # the same weights
+    assert coarse.cpu_kernels.active("cpu", torch.float32).rank_dtype() == getattr(torch, precision)
+    assert plain.cpu_kernels.active("cpu", torch.float32).rank_dtype() is None
     hidden = torch.randn(3, 2, target.hidden_size, generator=torch.Generator().manual_seed(0)) * 4
     few = hidden[:2]  # 4 rows: within INT8_MAX_ROWS
     with torch.inference_mode():
-        try:
-            cpu_linear.set_bf16_enabled(precision == "bfloat16")  # int8 ranks where bf16 is off
-            assert cpu_linear.rank_dtype() == getattr(torch, precision)
-            ranked, many = drafter.pool(few), drafter.pool(hidden)
-            cpu_linear.set_bf16_enabled(False)
-            cpu_linear.set_int8_enabled(False)
-            assert cpu_linear.rank_dtype() is None
-            exact, exact_many = drafter.pool(few), drafter.pool(hidden)
-        finally:
-            cpu_linear.set_bf16_enabled(True)
-            cpu_linear.set_int8_enabled(True)
-        top2 = torch.log_softmax(drafter.logits(few), -1).topk(2, dim=-1).values
+        ranked, many = coarse.pool(few), coarse.pool(hidden)
+        exact, exact_many = plain.pool(few), plain.pool(hidden)
+        top2 = torch.log_softmax(plain.logits(few), -1).topk(2, dim=-1).values
     if precision == "int8":  # more rows than INT8_MAX_ROWS: the float32 head is the faster ranking
         assert torch.equal(many.cand_ids, exact_many.cand_ids) and torch.equal(many.cand_logq, exact_many.cand_logq)
     clear = (top2[..., 0] - top2[..., 1]) > 0.1

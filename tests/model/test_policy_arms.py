@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine
-from drelay_model.decoding.length_bandit import BanditSettings, CostAwareLength
-from drelay_model.decoding.verify_costs import VerifyCosts
+from drelay_model.decoding.cost_policy import CostPolicy, PolicySettings, RoundCosts
 from drelay_model.errors import DRelayError
 from drelay_model.selectors import SelectionContext, default_registry
 from tests.model.test_verify_length import one_row, set_counts
@@ -18,7 +17,7 @@ from tests.model.test_verify_length import one_row, set_counts
 H = 4
 
 
-def costs(select: float = 1.0) -> VerifyCosts:
+def costs(select: float = 1.0) -> RoundCosts:
     return one_row(verify_ms=(30.0, 30.5, 31.0, 31.5, 32.0), block_ms=1.0, head_ms=0.1, select_ms=select)
 
 
@@ -28,28 +27,28 @@ def test_the_native_path_costs_no_selection():
 
 
 def test_the_plan_runs_the_selector_only_where_its_repairs_pay():
-    equal = CostAwareLength(costs(select=8.0), H, native_arm=True)
+    equal = CostPolicy(costs(select=8.0), H, native_arm=True)
     set_counts(equal, [100.0] * H, [80.0] * H, 0)
     set_counts(equal, [100.0] * H, [80.0] * H, 1)
     assert equal.plan() > 0 and not equal.use_selector  # the same acceptance, cheaper without it
-    better = CostAwareLength(costs(select=0.5), H, native_arm=True)
+    better = CostPolicy(costs(select=0.5), H, native_arm=True)
     set_counts(better, [100.0] * H, [90.0] * H, 0)
     set_counts(better, [100.0] * H, [40.0] * H, 1)
     assert better.plan() > 0 and better.use_selector  # its repairs accept more than they cost
-    single = CostAwareLength(costs(), H)
+    single = CostPolicy(costs(), H)
     assert len(single.arms) == 1 and single.use_selector
 
 
 def test_the_selector_arm_starts_from_the_native_arms_rates():
     """An arm with no evidence of its own read ½ per slot (and ran in a third of the demo's drafted
     rounds); the selector keeps the native path unless it repairs it, so it starts from that path's."""
-    policy = CostAwareLength(costs(select=0.5), H, native_arm=True)
+    policy = CostPolicy(costs(select=0.5), H, native_arm=True)
     set_counts(policy, [100.0] * H, [10.0] * H, 1)
     assert (
         policy.slot_rates(0) == pytest.approx(policy.arms[1].base_rates(policy.settings.base_prior))
         and policy.slot_rates(0)[0] < 0.12
     )
-    priced = CostAwareLength(
+    priced = CostPolicy(
         one_row(verify_ms=(30.0, 30.5, 31.0, 31.5, 32.0), block_ms=8.0, head_ms=0.1, select_ms=0.5), H, native_arm=True
     )
     set_counts(priced, [100.0] * H, [10.0] * H, 1)
@@ -58,7 +57,7 @@ def test_the_selector_arm_starts_from_the_native_arms_rates():
 
 
 def test_observations_go_to_the_arm_that_ran_and_probes_take_the_best_upper_estimate():
-    policy = CostAwareLength(costs(select=0.5), H, BanditSettings(probe=1), native_arm=True)
+    policy = CostPolicy(costs(select=0.5), H, PolicySettings(probe=1), native_arm=True)
     set_counts(policy, [200.0] * H, [2.0] * H, 1)  # the native arm: well known and hopeless
     set_counts(policy, [2.0] * H, [0.0] * H, 0)  # the selector's: two misses, little evidence
     assert policy.plan() > 0 and policy._probing and policy.arm == 0  # AR wins; the probe goes where â⁺ is highest
@@ -132,10 +131,10 @@ def test_drelay_selects_on_a_short_block(target, make_drafter, prompts_of, tiny_
         selector.select(bad, sctx)
 
 
-class _ArThenDraft(CostAwareLength):
+class _ArThenDraft(CostPolicy):
     """AR rounds for `ar_rounds` rounds, then one-draft rounds; records what `observe_times` is told."""
 
-    def __init__(self, c: VerifyCosts, num_slots: int, ar_rounds: int):
+    def __init__(self, c: RoundCosts, num_slots: int, ar_rounds: int):
         super().__init__(c, num_slots)
         self.ar_rounds, self.rounds, self.told = ar_rounds, 0, []
 

@@ -1,4 +1,4 @@
-"""The cost-aware plan's optimism (`BanditSettings.optimism`, `SlotRates.upper_rates`): drafting is
+"""The cost-aware plan's optimism (`PolicySettings.optimism`, `SlotRates.upper_rates`): drafting is
 priced at â⁺ = â + z standard errors of a first-slot rate seen N times, so a cold policy is not
 talked out of drafting by a few early misses, and a policy that has seen enough still stops."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks.bench_policy import simulate
-from drelay_model.decoding.length_bandit import BanditSettings, CostAwareLength
+from drelay_model.decoding.cost_policy import CostPolicy, PolicySettings
 from drelay_model.errors import DRelayError
 from tests.model.test_verify_length import costs
 
@@ -16,12 +16,12 @@ H = 4
 BREAK_EVEN_COSTS = dict(verify=(30.0, 30.5, 31.0, 31.5, 32.0), block=8.0, head=0.1, select=0.1)  # first draft ≈ 29%
 
 
-def cold(optimism: float | None = None) -> CostAwareLength:
+def cold(optimism: float | None = None) -> CostPolicy:
     z = {} if optimism is None else {"optimism": optimism}  # None: the default
-    return CostAwareLength(costs(**BREAK_EVEN_COSTS), H, BanditSettings(probe=10_000, max_probe=10_000, **z))
+    return CostPolicy(costs(**BREAK_EVEN_COSTS), H, PolicySettings(probe=10_000, max_probe=10_000, **z))
 
 
-def miss(policy: CostAwareLength, rounds: int) -> None:
+def miss(policy: CostPolicy, rounds: int) -> None:
     for _ in range(rounds):
         policy.observe(torch.full((1, H), 0.5), torch.tensor([H]), torch.tensor([0]))
 

@@ -119,7 +119,7 @@ def packed_target():
         pytest.skip("this PyTorch build has no oneDNN packed linear")
     from drelay_model.target import load_target
 
-    return load_target("tiny-llama")  # load_target packs on CPU in float32
+    return load_target("tiny-llama", cpu_kernels=cpu_linear.CpuKernels())  # load_target packs on CPU in float32
 
 
 def test_packed_linears_match_the_eager_forward(packed_target, prompts_of):
@@ -141,7 +141,7 @@ def test_a_packed_row_does_not_depend_on_the_rows_beside_it(packed_target):
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
     x = torch.randn(16, 64, generator=g)
-    packed = cpu_linear.pack(w)
+    packed = cpu_linear.pack(w, cpu_linear.CpuKernels())
     with torch.no_grad():
         alone, batch = cpu_linear.linear(x[:1], w, b, packed), cpu_linear.linear(x, w, b, packed)
     assert torch.equal(alone[0], batch[0])
@@ -153,7 +153,7 @@ def test_packing_steps_aside_off_its_path(packed_target):
     import copy
 
     w = torch.randn(8, 4)
-    packed = cpu_linear.pack(w)
+    packed = cpu_linear.pack(w, cpu_linear.CpuKernels())
     x = torch.randn(3, 4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert cpu_linear.linear(x, w, None, packed).dtype == torch.bfloat16  # autocast: F.linear
@@ -162,7 +162,7 @@ def test_packing_steps_aside_off_its_path(packed_target):
     assert xg.grad is not None
     moved = copy.deepcopy(packed_target).to(torch.float64)
     assert not moved.packed
-    assert cpu_linear.pack(w.double()) is None
+    assert cpu_linear.pack(w.double(), cpu_linear.CpuKernels()) is None
 
 
 def test_speculative_decoding_on_a_packed_target_is_lossless(packed_target, prompts_of, make_drafter, scripted_selector):

@@ -9,28 +9,27 @@ import pytest
 import torch
 
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine
-from drelay_model.decoding.length_bandit import BanditSettings, CostAwareLength, expected_committed
-from drelay_model.decoding.verify_costs import VerifyCosts
+from drelay_model.decoding.cost_policy import CostPolicy, PolicySettings, RoundCosts, expected_committed
 from drelay_model.errors import DRelayError
 from drelay_model.selectors import default_registry
 
 H = 4
 
 
-def set_counts(policy: CostAwareLength, seen: list[float], hits: list[float], arm: int = 0) -> None:
+def set_counts(policy: CostPolicy, seen: list[float], hits: list[float], arm: int = 0) -> None:
     """Give an arm these recent and long-run counts (and as many first drafts verified in all)."""
     rates = policy.arms[arm]
     rates.seen, rates.hits, rates.base_seen, rates.base_hits = list(seen), list(hits), list(seen), list(hits)
     rates.first_verified = int(seen[0])
 
 
-def one_row(*, verify_ms, block_ms: float, head_ms: float, select_ms: float, **more) -> VerifyCosts:
+def one_row(*, verify_ms, block_ms: float, head_ms: float, select_ms: float, **more) -> RoundCosts:
     """A one-point (b = 1) surface whose drafting of h slots costs block_ms + h·head_ms."""
     slots = tuple(block_ms + h * head_ms for h in range(1, len(verify_ms)))
-    return VerifyCosts(verify_ms=tuple(verify_ms), draft_slots_ms=slots, select_ms=select_ms, **more)
+    return RoundCosts(verify_ms=tuple(verify_ms), draft_slots_ms=slots, select_ms=select_ms, **more)
 
 
-def costs(verify=(30.0, 32.0, 34.0, 36.0, 38.0), block=5.0, head=1.0, select=1.0) -> VerifyCosts:
+def costs(verify=(30.0, 32.0, 34.0, 36.0, 38.0), block=5.0, head=1.0, select=1.0) -> RoundCosts:
     return one_row(verify_ms=verify, block_ms=block, head_ms=head, select_ms=select)
 
 
@@ -49,24 +48,24 @@ def test_expected_committed_is_the_mean_of_1_plus_accepted():
 
 
 def test_choices_follow_the_costs():
-    policy = CostAwareLength(costs(), H)
+    policy = CostPolicy(costs(), H)
     sure = torch.ones(2, H)
     assert policy.choose(sure * 0.999, H).tolist() == [H, H]  # cheap verification, sure drafts: all of them
     assert policy.choose(torch.full((2, H), 0.01), H).tolist() == [0, 0]  # hopeless drafts: verify none
-    expensive = CostAwareLength(costs(verify=(10.0, 100.0, 200.0, 300.0, 400.0)), H)
+    expensive = CostPolicy(costs(verify=(10.0, 100.0, 200.0, 300.0, 400.0)), H)
     assert expensive.choose(sure * 0.6, H).tolist() == [0, 0]
     # plan: with low running acceptance an AR round wins, but every `probe` rounds it drafts anyway
-    slow = CostAwareLength(costs(block=200.0), H, BanditSettings(probe=3))
+    slow = CostPolicy(costs(block=200.0), H, PolicySettings(probe=3))
     set_counts(slow, [100.0] * H, [5.0] * H)
     plans = [slow.plan() for _ in range(9)]
     assert plans.count(0) == 7 and plans[2] > 0  # probes at rounds 3 and 3 + 6 (the interval doubles)
-    fast = CostAwareLength(costs(block=1.0), H)
+    fast = CostPolicy(costs(block=1.0), H)
     set_counts(fast, [100.0] * H, [95.0] * H)
     assert fast.plan() == H
 
 
 def test_observe_learns_acceptance_and_calibration():
-    policy = CostAwareLength(costs(), H, BanditSettings(prior=1.0))
+    policy = CostPolicy(costs(), H, PolicySettings(prior=1.0))
     q = torch.full((4, H), 0.95)
     for _ in range(30):  # confident drafts that are always rejected at the first slot
         policy.observe(q, torch.full((4,), H), torch.zeros(4, dtype=torch.long))
@@ -77,21 +76,21 @@ def test_observe_learns_acceptance_and_calibration():
 
 def test_bad_costs_are_clear_errors(tmp_path):
     with pytest.raises(DRelayError, match="verify_ms"):
-        VerifyCosts(verify_ms=(10.0, -1.0), draft_slots_ms=(1.0,), select_ms=1.0)
+        RoundCosts(verify_ms=(10.0, -1.0), draft_slots_ms=(1.0,), select_ms=1.0)
     with pytest.raises(DRelayError, match="draft_slots_ms"):
-        VerifyCosts(verify_ms=(10.0, 11.0), draft_slots_ms=(float("nan"),), select_ms=1.0)
+        RoundCosts(verify_ms=(10.0, 11.0), draft_slots_ms=(float("nan"),), select_ms=1.0)
     bad = tmp_path / "costs.json"
     bad.write_text("{not json")
     with pytest.raises(DRelayError, match="cannot read"):
-        VerifyCosts.load(bad)
+        RoundCosts.load(bad)
     with pytest.raises(DRelayError, match="re-measure"):
-        CostAwareLength(costs(), num_slots=H + 3)
+        CostPolicy(costs(), num_slots=H + 3)
     good = costs()
     good.save(tmp_path / "c.json")
-    assert VerifyCosts.load(tmp_path / "c.json") == good
+    assert RoundCosts.load(tmp_path / "c.json") == good
 
 
-class _Forced(CostAwareLength):
+class _Forced(CostPolicy):
     """Verifies exactly `length` path tokens every round (0: an AR round), for the lossless test."""
 
     def __init__(self, length: int, num_slots: int, arm: int = 0):
@@ -184,7 +183,7 @@ def test_rounds_extend_the_drafter_context_lazily_and_exactly(target, make_draft
 
 
 def test_isotonic_fit_is_non_decreasing_and_pools_outliers():
-    from drelay_model.decoding.verify_costs import isotonic
+    from drelay_model.decoding.cost_policy import isotonic
 
     assert isotonic([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
     assert isotonic([3.0, 1.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])
@@ -200,14 +199,14 @@ def test_measured_times_rescale_the_curve_and_move_the_plan():
     the plan to AR rounds; measured in line with the model, the scales stay at 1. One spike moves a
     scale by at most 2× (log-ratio clipped), and `time_decay` is range-checked."""
     base = costs(verify=(30.0, 30.5, 31.0, 31.5, 32.0), block=1.0, head=0.1, select=0.1)
-    steady = CostAwareLength(base, H)
+    steady = CostPolicy(base, H)
     set_counts(steady, [100.0] * H, [30.0] * H)
     for _ in range(20):
         steady.observe_times(verify_width=3, verify_ms=31.0, head_slots=H, decided=H, draft_ms=base.draft_ms(H))
     assert steady.draft_ms(H) == pytest.approx(base.draft_ms(H)) and steady.verify_ms(3) == pytest.approx(31.0)
     assert steady.plan() > 0  # cheap drafting: worth it at â = 0.3
 
-    slow = CostAwareLength(base, H)
+    slow = CostPolicy(base, H)
     set_counts(slow, [100.0] * H, [30.0] * H)
     slow.observe_times(verify_width=1, verify_ms=30.0, head_slots=H, decided=H, draft_ms=1e6)  # one spike
     assert slow.draft_ms(H) <= base.draft_ms(H) * 2 ** (1 - slow.settings.time_decay) + 1e-9
@@ -216,10 +215,10 @@ def test_measured_times_rescale_the_curve_and_move_the_plan():
     assert slow.draft_ms(H) == pytest.approx(12 * base.draft_ms(H), rel=0.05)
     assert slow.plan() == 0
     with pytest.raises(DRelayError, match="time_decay"):
-        CostAwareLength(base, H, BanditSettings(time_decay=1.0))
+        CostPolicy(base, H, PolicySettings(time_decay=1.0))
     for bad in ({"probe": 0}, {"probe": 8, "max_probe": 4}):  # the probe interval halves and doubles
         with pytest.raises(DRelayError, match="probe and max_probe"):
-            CostAwareLength(base, H, BanditSettings(**bad))
+            CostPolicy(base, H, PolicySettings(**bad))
 
 
 def test_rarely_reached_slots_borrow_the_rate_below_and_wide_verifies_learn_their_own_scale():
@@ -228,7 +227,7 @@ def test_rarely_reached_slots_borrow_the_rate_below_and_wide_verifies_learn_thei
     running scales (the curve's slope, not only its level)."""
     # E(L) / t(L) with â = (0.2, ½, ½, ½) would draft 4 slots: 1.375 / 40.4 ms > 1 / 30 ms
     c = costs(verify=(30.0, 30.5, 31.0, 31.5, 32.0), block=8.0, head=0.1, select=0.1)
-    policy = CostAwareLength(c, H)
+    policy = CostPolicy(c, H)
     q = torch.full((1, H), 0.5)
     for _ in range(40):  # slot 1 accepted in 1 round of 5, never further
         for acc in (1, 0, 0, 0, 0):
@@ -241,7 +240,7 @@ def test_rarely_reached_slots_borrow_the_rate_below_and_wide_verifies_learn_thei
         policy.observe_times(verify_width=5, verify_ms=48.0, head_slots=H, decided=H, draft_ms=c.draft_ms(H))
     assert policy.verify_ms(1) == pytest.approx(30.0) and policy.verify_ms(5) == pytest.approx(48.0, rel=0.02)
     with pytest.raises(DRelayError, match="rate_prior"):
-        CostAwareLength(c, H, BanditSettings(rate_prior=0.0))
+        CostPolicy(c, H, PolicySettings(rate_prior=0.0))
 
 
 def test_the_policy_carries_what_it_learned_across_generate_calls(target, make_drafter, prompts_of):
@@ -264,13 +263,13 @@ def test_evidence_fades_towards_the_long_run_rate_not_an_optimistic_prior():
     look worth a losing drafted round), while a short bad stretch of text that usually accepts
     gives way to drafting again before any probe."""
     c = costs(verify=(30.0, 30.5, 31.0, 31.5, 32.0), block=8.0, head=0.1, select=0.1)  # break-even ≈ 0.29
-    policy = CostAwareLength(c, H, BanditSettings(max_probe=10_000, probe=10_000, idle_decay=0.9))
+    policy = CostPolicy(c, H, PolicySettings(max_probe=10_000, probe=10_000, idle_decay=0.9))
     q = torch.full((1, H), 0.5)
     for _ in range(60):  # κ = 16 pseudo-counts: it takes a few dozen rejecting rounds to be sure
         policy.observe(q, torch.tensor([H]), torch.tensor([0]))
     plans = [policy.plan() for _ in range(200)]
     assert plans == [0] * 200 and policy.slot_rates()[0] < 0.2
-    usual = CostAwareLength(c, H, BanditSettings(max_probe=10_000, probe=10_000, idle_decay=0.9))
+    usual = CostPolicy(c, H, PolicySettings(max_probe=10_000, probe=10_000, idle_decay=0.9))
     rates = usual.arms[0]
     rates.base_seen, rates.base_hits = [50.0] * H, [45.0] * H  # the long run: 90% accepted
     rates.seen, rates.hits = [60.0] * H, [0.0] * H  # the last few dozen rounds: nothing accepted
@@ -278,14 +277,14 @@ def test_evidence_fades_towards_the_long_run_rate_not_an_optimistic_prior():
     plans = [usual.plan() for _ in range(200)]
     assert plans[0] == 0 and any(p > 0 for p in plans)
     with pytest.raises(DRelayError, match="idle_decay"):
-        CostAwareLength(c, H, BanditSettings(idle_decay=1.0))
+        CostPolicy(c, H, PolicySettings(idle_decay=1.0))
     with pytest.raises(DRelayError, match="base_decay"):
-        CostAwareLength(c, H, BanditSettings(base_decay=-0.1))
+        CostPolicy(c, H, PolicySettings(base_decay=-0.1))
 
 
 def test_a_probe_verifies_at_least_one_draft_and_a_hit_moves_the_estimate_at_once():
     c = costs(verify=(30.0, 30.5, 31.0, 31.5, 32.0), block=8.0, head=0.1, select=0.1)
-    policy = CostAwareLength(c, H, BanditSettings(probe=2))
+    policy = CostPolicy(c, H, PolicySettings(probe=2))
     set_counts(policy, [40.0] * H, [4.0] * H)
     assert [policy.plan(), policy.plan()][0] == 0 and policy._probing  # the second plan is a probe
     hopeless = torch.full((1, 1), 0.01)
@@ -303,7 +302,7 @@ def test_the_rest_of_a_drafted_round_counts_against_drafting():
     """Drafted rounds whose whole time exceeds their drafting + verify phases (acceptance, crops,
     the policy's own work) carry that rest o into the plan; with it drafting stops paying."""
     c = costs(verify=(30.0, 30.5, 31.0, 31.5, 32.0), block=1.0, head=0.1, select=0.1)
-    policy = CostAwareLength(c, H)
+    policy = CostPolicy(c, H)
     set_counts(policy, [100.0] * H, [30.0] * H)
     assert policy.plan() > 0
     for _ in range(60):

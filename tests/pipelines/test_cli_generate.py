@@ -41,16 +41,18 @@ def _run(capsys, *argv):
 
 
 def test_ar_generation_on_the_bundled_target(capsys):
-    rc, out, err = _run(capsys, "--chat", "What is 2+3?", "--method", "ar", "--max-new-tokens", "8", "--json")
+    rc, out, err = _run(capsys, "--chat", "What is 2+3?", "--method", "ar", "--max-new-tokens", "8", "--json", "--verbose")
     assert rc == 0, err
     report = json.loads(out)
     assert 1 <= report["generated_tokens"] <= 8  # EOS may end it early
     assert report["tau"] == 1.0 and report["outputs"][0].strip()
+    kernels = [line for line in err.splitlines() if line.startswith("cpu kernels:")]  # --verbose: one line
+    assert len(kernels) == 1 and "DRELAY_PACKED_LINEARS=" in kernels[0] and "→" in kernels[0], err
 
 
 @pytest.mark.parametrize("length", ["cost", "fixed"])
 def test_speculative_generation_reports_speedup_and_matches_ar(capsys, tmp_path, monkeypatch, length):
-    from pipelines.common import costs
+    from drelay_model.decoding.cost_policy import cache as costs
 
     monkeypatch.setattr(costs, "cache_root", lambda: tmp_path)
     # One timed repetition of the cost surface instead of up to nine: the test checks that the surface
@@ -171,7 +173,7 @@ def test_costs_command_measures_caches_and_shows(capsys, tmp_path, monkeypatch):
     """The command's measuring, caching and showing, on the tiny target: timing only, so the model's size
     does not matter, and its rounds take milliseconds where SmolLM2's take tens (a drafter's block is
     16 positions on either)."""
-    monkeypatch.setattr("pipelines.common.costs.cache_root", lambda: tmp_path)
+    monkeypatch.setattr("drelay_model.decoding.cost_policy.cache.cache_root", lambda: tmp_path)
     small = ["--max-batch", "2", "--reps", "1"]  # the surface at b = 1, 2: seconds
     assert main(["costs", *TINY, "--random-drafter", "--show"]) == 2 and "run without --show" in capsys.readouterr().err
     assert main(["costs", *TINY, "--random-drafter", "--json", *small]) == 0
@@ -192,29 +194,29 @@ def test_costs_command_measures_caches_and_shows(capsys, tmp_path, monkeypatch):
     assert main(["costs", *TINY, "--random-drafter", "--reps", "0"]) == 2 and "--reps" in capsys.readouterr().err
     assert main(["costs", *TINY, "--random-drafter", "--max-batch", "0"]) == 2 and "--max-batch" in capsys.readouterr().err
     # another CPU model (a home directory shared by cluster nodes) gets its own surface
-    monkeypatch.setattr("pipelines.common.costs.processor_model", lambda device: "Another CPU")
+    monkeypatch.setattr("drelay_model.decoding.cost_policy.cache.processor_model", lambda device: "Another CPU")
     assert main(["costs", *TINY, "--random-drafter", "--show"]) == 2 and "run without --show" in capsys.readouterr().err
     assert main(["costs", *TINY, "--random-drafter", "--json", "--max-batch", "1", "--reps", "1"]) == 0
     assert len(list(tmp_path.glob("costs/*.json"))) == 2
     capsys.readouterr()
 
 
-def test_cost_curves_are_kept_apart_by_what_the_drafter_runs_below_float32():
-    """Turning the int8 short blocks off (DRELAY_INT8_DRAFT=0) changes drafting costs: another file."""
-    from drelay_model.kernels import cpu_linear
-    from pipelines.common.costs import costs_path
-    from pipelines.common.methods import resolve_method
+def test_cost_curves_are_kept_apart_by_the_cpu_kernels_that_take_effect():
+    """A drafter without int8 short blocks, or a target without packed linears, drafts and verifies at
+    other costs: another file. The settings come from the models; nothing else in the process changes."""
+    from drelay_model.kernels.cpu_linear import CpuKernels, available, int8_kernel
+    from drelay_model.decoding.cost_policy import costs_path
 
-    if not cpu_linear.int8_available():
-        pytest.skip("this torch build has no weight-only int8 matmul")
-    spec = resolve_method("native", target_spec="smollm2-135m", random_drafter=True)
-    on = costs_path("smollm2-135m", spec)
-    cpu_linear.set_int8_enabled(False)
-    try:
-        off = costs_path("smollm2-135m", spec)
-    finally:
-        cpu_linear.set_int8_enabled(True)
-    assert "int8-blocks" in on.name and "int8-blocks" not in off.name and on.parent == off.parent
+    if not (available() and int8_kernel()):
+        pytest.skip("this torch build has no packed linears or no weight-only int8 matmul")
+    names = {}
+    for label, kernels in {"on": CpuKernels(), "no-int8": CpuKernels(int8_draft=False), "off": CpuKernels(packed=False)}.items():
+        target = tiny_target("tiny-llama", cpu_kernels=kernels)
+        drafter = BlockDrafter(DrafterConfig.for_target(target), target)
+        names[label] = costs_path(target, drafter, target_spec="tiny-llama", method="native", checkpoint=None).name
+    assert "-packed" in names["on"] and "int8-blocks" in names["on"]
+    assert "-packed" in names["no-int8"] and "int8-blocks" not in names["no-int8"]
+    assert "-packed" not in names["off"] and "rank" not in names["off"] and len(set(names.values())) == 3
 
 
 def test_device_flag_cuda_without_cuda_is_one_line(capsys):

@@ -1,4 +1,4 @@
-"""Running per-slot acceptance rates of one kind of drafted round (`length_bandit.py`).
+"""Running per-slot acceptance rates of one kind of drafted round (`policy.py`).
 
 Two sets of decayed counts of the drafts verified at slot i (`seen_i`) and accepted (`hits_i`):
 
@@ -19,10 +19,10 @@ Two sets of decayed counts of the drafts verified at slot i (`seen_i`) and accep
                                                                         first drafts this kind has
                                                                         had verified, ever
 
-κ_b is small (2) and κ large (16) by default (`BanditSettings.base_prior`, `.rate_prior`); while
+κ_b is small (2) and κ large (16) by default (`PolicySettings.base_prior`, `.rate_prior`); while
 other rounds run, â returns to the long-run rate. â⁺ is optimism in the face of uncertainty (as in
 UCB bandits), on the first slot only (whether to draft at all is decided there), with an undecayed N
-so the bonus is a cold start's and vanishes as the engine runs (z = `BanditSettings.optimism`).
+so the bonus is a cold start's and vanishes as the engine runs (z = `PolicySettings.optimism`).
 Why these choices, with measurements: docs/verification-length.md. Plain Python floats: a round asks
 a few dozen questions of it.
 """

@@ -1,7 +1,8 @@
-"""The measured round cost surface for cost-aware verification length, cached per machine.
+"""The cost policy's round costs, cached per machine: measured once (`measure.py`), then read.
 
-One JSON file per (target, checkpoint, method, torch threads, device and its processor model,
-packed linears or not, and on CPU what the drafter runs below float32: `cpu_linear.draft_precisions`)
+One JSON file per (target, checkpoint, method, torch threads, device and its processor model, and
+the CPU kernels that take effect: packed linears or not and what the drafter runs below float32,
+`CpuKernels.active(...).cache_tag()`)
 under $DRELAY_CACHE_DIR/costs/ (default ~/.cache/drelay/costs/), holding the surface over the batch
 sizes 1 … max_batch (`surface_batches`): measuring takes about `MEASURE_BUDGET_S` + one repetition
 (docs/verification-length.md has today's figure on the CPU default), and the costs belong to the
@@ -20,10 +21,9 @@ from pathlib import Path
 
 import torch
 
-from drelay_model.decoding.verify_costs import StaleCosts, VerifyCosts, measure_costs, surface_batches
-from drelay_model.kernels import cpu_linear
+from drelay_model.decoding.cost_policy.measure import measure_costs
+from drelay_model.decoding.cost_policy.surface import RoundCosts, StaleCosts, surface_batches
 from drelay_model.target.loading import cache_root
-from pipelines.common.methods import MethodSpec
 
 
 def processor_model(device: str) -> str:
@@ -39,12 +39,18 @@ def processor_model(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
-def costs_path(target_spec: str, spec: MethodSpec, device: str = "cpu", *, packed: bool = False) -> Path:
-    ckpt = str(Path(spec.checkpoint).resolve()) if spec.checkpoint else "random-drafter"
+def costs_path(target, drafter, *, target_spec: str, method: str, checkpoint: str | None) -> Path:
+    """The cache file of the surface of `target` (loaded from `target_spec`) with `drafter` (loaded
+    from `checkpoint`; None: a random drafter) and the selector `method`. The CPU kernel settings
+    enter the name as they take effect there (the drafter's, which it takes from the target unless
+    given its own: `CpuKernels.active(...).cache_tag()`), since drafting and verification costs
+    differ by them."""
+    device = str(target.embed_weight.device.type)
+    kernels = drafter.cpu_kernels.active(device, target.dtype)
+    ckpt = str(Path(checkpoint).resolve()) if checkpoint else "random-drafter"
     digest = hashlib.sha1(ckpt.encode()).hexdigest()[:10]
     chip = hashlib.sha1(processor_model(device).encode()).hexdigest()[:6]
-    low = "".join(f"-{p}" for p in cpu_linear.draft_precisions()) if device == "cpu" else ""  # drafting costs differ by it
-    name = f"{target_spec}__{digest}__{spec.name}__t{torch.get_num_threads()}__{device}-{chip}{'-packed' if packed else ''}{low}.json"
+    name = f"{target_spec}__{digest}__{method}__t{torch.get_num_threads()}__{device}-{chip}{kernels.cache_tag()}.json"
     return cache_root() / "costs" / name.replace("/", "_")
 
 
@@ -52,25 +58,25 @@ MEASURE_BUDGET_S = 20.0  # measuring stops after the first repetition that ends 
 DEFAULT_MAX_BATCH = 16  # the batch sizes measured when the caller names none (the serve default)
 
 
-def verify_costs(
+def cached_costs(
     target,
     drafter,
     selector,
     *,
     target_spec: str,
-    spec: MethodSpec,
+    method: str,
+    checkpoint: str | None,
     remeasure: bool = False,
     reps: int = 9,
     max_batch: int = DEFAULT_MAX_BATCH,
-) -> VerifyCosts:
+) -> RoundCosts:
     """The cached cost surface over batch sizes 1 … max_batch, measured (and cached) on first use,
     when stale or too narrow, or when `remeasure` (the median of up to `reps` interleaved
-    repetitions per term, within `MEASURE_BUDGET_S`)."""
-    device = str(target.embed_weight.device.type)
-    path = costs_path(target_spec, spec, device, packed=getattr(target, "packed", False))
+    repetitions per term, within `MEASURE_BUDGET_S`). The key: `costs_path`."""
+    path = costs_path(target, drafter, target_spec=target_spec, method=method, checkpoint=checkpoint)
     if path.exists() and not remeasure:
         try:
-            costs = VerifyCosts.load(path)
+            costs = RoundCosts.load(path)
             if costs.max_batch >= max_batch:
                 return costs
             print(f"the cached costs at {path} stop at batch {costs.max_batch} < {max_batch}: re-measuring", file=sys.stderr)
@@ -78,7 +84,7 @@ def verify_costs(
             print(f"{exc}: re-measuring", file=sys.stderr)
     batches = surface_batches(max_batch)
     print(
-        f"measuring verification costs once for {target_spec}/{spec.name} at batch sizes {', '.join(map(str, batches))}"
+        f"measuring verification costs once for {target_spec}/{method} at batch sizes {', '.join(map(str, batches))}"
         f" (≤ {MEASURE_BUDGET_S:.0f} s + one repetition; cached at {path})",
         file=sys.stderr,
     )

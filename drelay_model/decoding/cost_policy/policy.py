@@ -1,14 +1,16 @@
-"""The cost-aware verification length: a bandit that picks, each round, how many drafts to verify.
+"""The cost policy's decision: a bandit that picks, each round, how many drafts to verify.
 
-Why it is built this way, and what it measures: docs/verification-length.md. The spec:
+Why it is built this way, and what it measures: docs/verification-length.md. A round consults the
+policy once, before drafting (`CostPolicy.round` → a `PolicyRound`); that round's object then cuts
+the drafted paths and hands the round's outcome and phase times back. The spec:
 
     E(L) = 1 + Σ_{i=1..L} Π_{j≤i} p_j                 expected tokens one row verifying L drafts commits
     t_b(L) = s_d·draft(b, L) + s_v·verify(b, 1 + L) + o_D    a round over b rows, its modelled time
                                                       (t_b(0) = s_v·verify(b, 1) + o_AR), from the
-                                                      measured surface (`verify_costs.py`)
+                                                      measured surface (`surface.py`)
 
     plan     before drafting: the (arm, L ≥ 1) maximising b·E(L) / t_b(L) at the arm's upper per-slot
-             rates â⁺ (`slot_rates.py`); it drafts when that beats an AR round (b / t_b(0)) by
+             rates â⁺ (`rates.py`); it drafts when that beats an AR round (b / t_b(0)) by
              `min_gain`, else returns 0 (an AR round for the whole batch) except every `probe`-th
              round, which drafts anyway and verifies ≥ 1 draft (the interval doubles while probes
              lose, up to `max_probe`, and halves when the plan drafts)
@@ -21,8 +23,8 @@ Why it is built this way, and what it measures: docs/verification-length.md. The
     observe_times  measured phase times update s_d, s_v (one token / wider verifies) and o (AR / drafted)
 
 Arms: with a selector other than `native`, arm 0 runs the selector and arm 1 keeps the native path
-without calling it. The settings (`BanditSettings`) are frozen; `CostAwareLength` holds the running
-state of one engine or continuous batcher. Verifying fewer drafts never changes what is committed
+without calling it. The settings (`PolicySettings`) are frozen; `CostPolicy` holds the running
+state of one engine or continuous batcher; a `PolicyRound` is one round's plan and its feedback. Verifying fewer drafts never changes what is committed
 (verification accepts only the target's own tokens), so every choice is lossless. The state is plain
 Python numbers on the host. Shapes: B rows, H slots.
 """
@@ -34,18 +36,18 @@ from dataclasses import dataclass
 
 import torch
 
-from drelay_model.decoding.slot_rates import SlotRates
-from drelay_model.decoding.verify_costs import VerifyCosts
+from drelay_model.decoding.cost_policy.rates import SlotRates
+from drelay_model.decoding.cost_policy.surface import RoundCosts
 from drelay_model.errors import DRelayError
 
-__all__ = ["BanditSettings", "CostAwareLength", "expected_committed"]
+__all__ = ["CostPolicy", "PolicyRound", "PolicySettings", "RoundTimes", "expected_committed"]
 
 _BINS = 10  # calibration bins over q ∈ [0, 1]
 _MAX_LOG_RATIO = math.log(2.0)  # one round's measured ÷ modelled counts as at most 2× the running scale
 
 
 @dataclass(frozen=True)
-class BanditSettings:
+class PolicySettings:
     """The policy's settings (decays are per round; κ are pseudo-counts)."""
 
     probe: int = 4  # while AR wins, a drafted round every `probe` rounds ...
@@ -94,7 +96,7 @@ def _best(e: list[float], t: list[float], start: int = 0) -> int:
     return max(range(start, len(t)), key=lambda L: (e[L] / t[L], -L))
 
 
-class CostAwareLength:
+class CostPolicy:
     """The running state of the policy for one engine or continuous batcher; it persists across
     generate() calls (assign a fresh one to start cold).
 
@@ -106,7 +108,7 @@ class CostAwareLength:
     """
 
     def __init__(
-        self, costs: VerifyCosts, num_slots: int, settings: BanditSettings = BanditSettings(), *, native_arm: bool = False
+        self, costs: RoundCosts, num_slots: int, settings: PolicySettings = PolicySettings(), *, native_arm: bool = False
     ) -> None:
         if num_slots > costs.max_slots:
             raise DRelayError(f"costs cover {costs.max_slots} slots, the drafter has {num_slots}: re-measure them")
@@ -141,13 +143,24 @@ class CostAwareLength:
         return self.arms[arm].rates(s.rate_prior, s.base_prior, prior)
 
     def upper_rates(self, arm: int = 0) -> list[float]:
-        """[H] â⁺_i of an arm, what the plan prices drafting at (`slot_rates.py`)."""
+        """[H] â⁺_i of an arm, what the plan prices drafting at (`rates.py`)."""
         return self.arms[arm].upper_rates(self.slot_rates(arm), self.settings.optimism)
 
     @property
     def use_selector(self) -> bool:
         """Whether the round just planned runs the selector (arm 0) or keeps the native path."""
         return self.arm == 0
+
+    # ---- the round's one consultation ------------------------------------------------------------
+    def round(self, *, rows: int, partial: bool = True) -> "PolicyRound":
+        """Plan a round over `rows` rows (`plan`) → the round's `PolicyRound`: how many drafts it
+        may verify, how many slots get an LM head (all H when the selector runs and reads the whole
+        pool: partial=False), and whether the selector runs; it then cuts the drafted paths
+        (`PolicyRound.cut`) and hands back what the round showed (`PolicyRound.learn`)."""
+        L = self.plan(partial=partial, batch=rows)
+        runs_selector = self.use_selector
+        head = 0 if L == 0 else (L if partial or not runs_selector else self.num_slots)
+        return PolicyRound(self, verify_slots=L, head_slots=head, runs_selector=runs_selector, rows=rows)
 
     # ---- before drafting -------------------------------------------------------------------------
     def plan(self, *, partial: bool = True, batch: int = 1) -> int:
@@ -253,3 +266,59 @@ class CostAwareLength:
             rest = max(round_ms - verify_ms - (draft_ms if head_slots > 0 else 0.0), 0.0)
             kind = int(head_slots > 0)
             self.other_ms[kind] = decay * self.other_ms[kind] + (1 - decay) * min(rest, verify_ms)
+
+
+@dataclass(frozen=True)
+class RoundTimes:
+    """One round's measured phases, in ms: `verify_ms` the target forward over `verify_width`
+    tokens per row; `drafting_ms` from the start of drafting to the cut paths (the drafter's
+    context catch-up, the block, the selector; 0 in an AR round), of which `catch_up_ms` was the
+    catch-up; `total_ms` the whole round."""
+
+    verify_width: int
+    verify_ms: float
+    total_ms: float
+    drafting_ms: float = 0.0
+    catch_up_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class PolicyRound:
+    """One round as the policy planned it (`CostPolicy.round`).
+
+    verify_slots   L: path tokens the round may verify (0: an AR round)
+    head_slots     slots drafted with an LM head (L, or H when the selector runs and needs all of them)
+    runs_selector  whether the round runs the selector (arm 0) or keeps the native path
+    rows           the batch size it was planned for
+    """
+
+    policy: CostPolicy
+    verify_slots: int
+    head_slots: int
+    runs_selector: bool
+    rows: int
+
+    @property
+    def drafts(self) -> bool:
+        return self.verify_slots > 0
+
+    def cut(self, q: torch.Tensor) -> torch.Tensor:
+        """The batch's verification length from the chosen candidates' q [B, L] → [B] int64
+        (`CostPolicy.choose`)."""
+        return self.policy.choose(q, self.head_slots)
+
+    def learn(self, times: RoundTimes, q: torch.Tensor | None = None, length: torch.Tensor | None = None, accepted=None) -> None:
+        """What the round showed: the verified outcomes of its cut paths (q [B, G], length and
+        accepted [B]; None in an AR round) update the arm and calibration; its phase times update
+        the cost scales. The policy prices a drafted round's own context extension (its surface's
+        extend_ms), not the catch-up over the AR rounds before it: those positions are extended
+        whenever drafting resumes, and charging them to this round would make drafting look dearer
+        the longer it paused."""
+        if q is not None:
+            self.policy.observe(q, length, accepted)
+        backlog = times.catch_up_ms - self.policy.costs.extend(self.rows) if self.drafts else 0.0
+        self.policy.observe_times(
+            verify_width=times.verify_width, verify_ms=times.verify_ms, head_slots=self.head_slots,
+            decided=self.verify_slots if self.runs_selector else 0, draft_ms=times.drafting_ms - backlog,
+            round_ms=times.total_ms - backlog, batch=self.rows,
+        )  # fmt: skip
