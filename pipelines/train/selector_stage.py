@@ -12,7 +12,7 @@
    (`drelay_model.training.selector_step`); with several workers gradients are averaged with one
    all-reduce per parameter.
 3. Validation is held-out greedy replay τ, as in a joint run, on `validation_prompts` held-out
-   sequences drawn across sources (`spread`); native and oracle τ depend only on the frozen drafter,
+   sequences drawn across sources (`worker.spread`); native and oracle τ depend only on the frozen drafter,
    so they are measured once. With `train.early_stop_patience: N` the run stops when
    `val/tau` has not risen for N validations in a row and exports the best validated head.
 """
@@ -60,12 +60,6 @@ def open_cache(cfg: RunConfig, target, module, train_seqs, device, rank: int, wo
     return blocks, manifest
 
 
-def spread(val_seqs: list, seed: int) -> list:
-    """The held-out sequences in a seeded random order, so the first `validation_prompts` sample every
-    source (in file order they are the first source's, which can repeat training answers verbatim)."""
-    return block_cache.cache_order(val_seqs, seed + 1)
-
-
 class BestHead:
     """Early stopping on `val/tau`: the best value, its weights and the validations since."""
 
@@ -105,7 +99,7 @@ def selector_stage_loop(cfg_dict: dict) -> None:
             start, clock.spent = restore_training_checkpoint(Path(d), module, optimizer, target)
             if (Path(d) / STAGE_STATE).is_file():
                 best.load(torch.load(Path(d) / STAGE_STATE, weights_only=True))
-    val = validation_set(cfg, target, spread(val_seqs, cfg.train.seed)) if rank == 0 else ([], [])
+    val = validation_set(cfg, target, val_seqs) if rank == 0 else ([], [])
     fixed = _fixed_validation(target, module, *val) if rank == 0 else {}
     logger = _metric_logger(cfg_dict) if rank == 0 else None
     if logger is not None:

@@ -42,10 +42,19 @@ def load_data(cfg: RunConfig, target):
     return split_validation(seqs, cfg.data.validation_fraction)
 
 
+def spread(val_seqs: list, seed: int) -> list:
+    """The held-out sequences in a seeded random order, so the first `validation_prompts` sample every
+    source (in file order they are the first source's, which can repeat training answers verbatim)."""
+    from pipelines.train.block_cache import cache_order
+
+    return cache_order(val_seqs, seed + 1)
+
+
 def validation_set(cfg: RunConfig, target, val_seqs) -> tuple[list[list[int]], list[list[int]]]:
     """Prompts and the target's greedy continuations for replay (regenerated data already holds
-    them; reference answers do not, so the fallback decodes them once)."""
-    seqs = val_seqs[: cfg.train.validation_prompts]
+    them; reference answers do not, so the fallback decodes them once), of the first
+    `validation_prompts` held-out sequences in a seeded random order (`spread`)."""
+    seqs = spread(val_seqs, cfg.train.seed)[: cfg.train.validation_prompts]
     prompts = [list(s.input_ids[: s.response_start]) for s in seqs]
     if not cfg.data.fallback_reference_answers:
         return prompts, [list(s.input_ids[s.response_start :]) for s in seqs]

@@ -54,3 +54,15 @@ def test_frozen_backbone_trains_only_a_fresh_selector(tmp_path):
             assert all(torch.count_nonzero(p) == 0 for p in module.selector.residual_heads())
     kept = build_module(load_config(None, [*base, "selector.name=drelay"]), target, [])
     assert all(torch.equal(a, b) for a, b in zip(kept.selector.residual_heads(), trained.residual_heads()))
+
+
+def test_validation_prompts_are_drawn_across_the_held_out_set():
+    """Both stages validate on a seeded draw of the held-out sequences, not on its first (file-order) ones."""
+    from pipelines.train.data import TrainSequence
+    from pipelines.train.worker import spread
+
+    held_out = [TrainSequence(f"s{i}", (1, 2, 3, i), 3) for i in range(40)]
+    first = [s.seq_id for s in spread(held_out, seed=0)[:8]]
+    assert first != [s.seq_id for s in held_out[:8]] and len(set(first)) == 8
+    assert first == [s.seq_id for s in spread(held_out, seed=0)[:8]]  # seeded: the same draw every time
+    assert {s.seq_id for s in spread(held_out, seed=0)} == {s.seq_id for s in held_out}
