@@ -32,6 +32,7 @@ COMMANDS = (
     "serve_bench",
     "export",
     "import",
+    "heads",
     "submit",
     "jobs",
 )

@@ -18,6 +18,7 @@ import torch
 
 from drelay_model.drafter import BlockDrafter, DrafterConfig, load_drafter
 from drelay_model.drafter.checkpoint import read_checkpoint
+from drelay_model.drafter.heads import read_head
 from drelay_model.errors import DRelayError
 from drelay_model.selectors import Selector, default_registry, trainable_selectors
 from drelay_model.target import TargetModel, load_target
@@ -102,6 +103,8 @@ def load_method(spec: MethodSpec, target: TargetModel) -> tuple[BlockDrafter | N
         drafter = BlockDrafter(DrafterConfig.for_target(target), target).to(target.device).eval()
         return drafter, registry.create(spec.name, drafter=drafter).to(target.device).eval()
     drafter, extra, meta = load_drafter(spec.checkpoint, target)
+    if registry.factory(spec.name).capabilities.trainable and (meta.get("selector") or {}).get("name") != spec.name:
+        extra, meta = read_head(spec.checkpoint, spec.name)  # a head beside the checkpoint's own (`drelay heads add`)
     return drafter, registry.from_checkpoint(spec.name, drafter=drafter, tensors=extra, meta=meta).to(target.device)
 
 

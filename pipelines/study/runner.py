@@ -7,6 +7,7 @@ import json
 import shutil
 
 from drelay_model.atomic import atomic_directory
+from drelay_model.drafter.heads import carry_heads
 from drelay_model.errors import DRelayError
 from pipelines.common.outputs import rooted, shipped_checkpoints_dir
 from pipelines.common import paths
@@ -112,4 +113,5 @@ def _ship(cfg: RunConfig, checkpoint) -> None:
     dest = (shipped_checkpoints_dir() or paths.BUNDLED_CHECKPOINTS) / cfg.target.spec  # read at call time
     with atomic_directory(dest) as tmp:
         shutil.copytree(checkpoint, tmp, dirs_exist_ok=True)
-    print(f"[study] shipped {checkpoint} → {dest}")
+        carried = carry_heads(dest, tmp) if dest.is_dir() else []  # heads that still fit the shipped drafter
+    print(f"[study] shipped {checkpoint} → {dest}" + (f" (kept heads: {', '.join(carried)})" if carried else ""))
