@@ -4,7 +4,8 @@ Components (bytes, per worker):
     target      frozen target weights + the fused q/k/v and gate/up copies of `TargetModel`
     trainable   drafter + selector parameters, gradients and AdamW moments: 16 B per parameter
                 (fp32 master weights 4 + grads 4 + two moments 8; autocast keeps params fp32)
-    frozen      drafter buffers that are copies (the draft-vocabulary head rows)
+    frozen      drafter buffers that are copies (the draft-vocabulary head rows), and with a frozen
+                drafter its weights (4 B per parameter; they train nothing)
     ddp         DistributedDataParallel's gradient buckets with more than one worker: a second copy
                 of the trainable gradients (4 B per parameter), allocated when DDP wraps the module
                 and kept for the run (`gradient_as_bucket_view` off, torch's default)
@@ -188,21 +189,30 @@ def _feature_forward(t: TargetShape, st: StepShape, feature_layers: int, attenti
 
 
 def estimate(
-    t: TargetShape, d: DrafterShape, s: SelectorShape | None, st: StepShape, *, attention: str = SDPA_GQA, ddp: bool = False
+    t: TargetShape,
+    d: DrafterShape,
+    s: SelectorShape | None,
+    st: StepShape,
+    *,
+    attention: str = SDPA_GQA,
+    ddp: bool = False,
+    frozen_drafter: bool = False,
 ) -> MemoryPlan:
     """Peak memory per worker by component and the FLOPs of one training step, with attention on
     `attention` (`drelay_model.attention.attention_path(device)` for the device that will run);
-    `ddp`: the module is wrapped in DistributedDataParallel (more than one worker)."""
+    `ddp`: the module is wrapped in DistributedDataParallel (more than one worker); `frozen_drafter`
+    (`drafter.freeze`): the drafter's parameters are weights only (4 B each), no gradients or moments."""
     attention = _check_path(attention)
-    trainable = d.params() + (s.params if s is not None else 0)
+    trainable = (0 if frozen_drafter else d.params()) + (s.params if s is not None else 0)
     F = d.feature_layers * t.hidden
     stages = _drafter_step_activations(t, d, s, st, attention)
     step = step_peak(stages)
     feat = _feature_forward(t, st, d.feature_layers, attention)
     components = {
         "target weights": (t.params() + t.fused_copies()) * t.bytes_per_param,
-        "drafter+selector params, grads, AdamW": 16 * trainable,
-        "frozen drafter buffers": (d.draft_vocab or 0) * d.hidden * t.bytes_per_param,
+        "trainable params, grads, AdamW": 16 * trainable,
+        "frozen drafter weights, buffers": (d.draft_vocab or 0) * d.hidden * t.bytes_per_param
+        + (4 * d.params() if frozen_drafter else 0),
         "DDP gradient buckets": 4 * trainable if ddp else 0,
         "features": 4 * st.seqs_per_step * st.seq_len * F,
         "activations": max(step, feat),

@@ -140,7 +140,7 @@ def plan_from_config(
     if device not in ("cpu", "cuda"):
         raise DRelayError(f"--device must be cpu or cuda, got '{device}'")
     ddp = cfg.ray.num_workers > 1 and cfg.ray.strategy == "ddp"  # as pipelines.train.worker wraps the module
-    plan = mp.estimate(t, d, s, st, attention=attention_path(device), ddp=ddp)
+    plan = mp.estimate(t, d, s, st, attention=attention_path(device), ddp=ddp, frozen_drafter=cfg.drafter.freeze)
     report = PlanReport(config_name, plan, gpu_memory_gib, s.params if s else 0, d.params(), device, (t, d, s, st), ddp)
     if tr.stage == "selector":
         report.cache_sequences, report.workers = cfg.data.block_cache_sequences or 0, cfg.ray.num_workers
