@@ -159,8 +159,6 @@ def test_sampling_is_seeded(target, make_drafter, prompts_of):
         ([[999999]], {}, "token ids outside"),
         ([[1]], {"max_new_tokens": 0}, "max_new_tokens must be"),
         ([[1]], {"temperature": -1.0}, "temperature must be"),
-        ([[1]], {"temperature": 1.0, "top_p": 0.5}, "top_p applies to the continuous batcher"),
-        ([[1]], {"stop": lambda ids: False}, "stop applies to the continuous batcher"),
     ],
 )
 def test_bad_requests_are_clear_errors(target, prompts, kwargs, message):
