@@ -166,8 +166,8 @@ class SpeculativeEngine:
               logprobs: Sequence[int | None] | None = None) -> RoundResult:  # fmt: skip
         """One batched round over every row of `state`: plan → draft → select → verify → commit.
 
-        `accept_rule` is the acceptance rule (`accept` at the call's temperature; the continuous
-        batcher passes per-row settings); `sampler` replaces the choice of a selector that samples
+        `accept_rule` is the acceptance rule (the continuous batcher's `sampling.accept_rows` with
+        each row's settings); `sampler` replaces the choice of a selector that samples
         its path (`capabilities.samples_path`) with a sampled one, whose proposal then goes to
         `accept_rule`. With a policy, the round consults it once (`plan`) and its plan learns from the
         round's outcome and phase times (`PolicyRound.learn`). `logprobs`
