@@ -7,13 +7,16 @@
                      when long requests leave, `BatchState.set_capacity`)
              round   one engine round (`SpeculativeEngine.round`: plan → draft → select → verify →
                      commit) over every running row, with each row's own acceptance rule
-                     (`sampling.accept_rows`)
+                     (`sampling.accept_rows`) and, at T > 0 with `draft_sampling`, a path drawn at
+                     the row's temperature from its own proposal numbers (`_sampler`)
              commit  per row: append tokens up to EOS / the stop predicate / the budget, update the
                      request's statistics, call its `on_update` with the newly committed ids
              leave   drop finished and cancelled rows from every per-row state
 
 Every row's computation is independent of the other rows (per-row cache lengths and masks), so a
-request's greedy output is the one it gets decoded alone, whoever shares the batch.
+request's greedy output is the one it gets decoded alone, whoever shares the batch. This is the one
+decoding loop: `SpeculativeEngine.generate` submits a static batch here (all admitted by the first
+step, one prefill) and runs it to completion, so evaluation, the CLI and the endpoint decode alike.
 """
 
 from __future__ import annotations
@@ -23,17 +26,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
 from drelay_model.decoding.batch_state import BatchState
-from drelay_model.decoding.engine import SpeculativeEngine
 from drelay_model.decoding.generation import GenerationConfig
 from drelay_model.decoding.logprobs import TokenLogprob, first_token_logprobs
 from drelay_model.decoding.draws import RowDraws, commit_rows
 from drelay_model.decoding.sampling import accept_rows, pick_row
 from drelay_model.decoding.stats import DecodeStats, tau_of
 from drelay_model.errors import DRelayError
+from drelay_model.selectors.base import Selection
+
+if TYPE_CHECKING:
+    from drelay_model.decoding.engine import SpeculativeEngine
 
 
 @dataclass
@@ -124,14 +131,17 @@ class _Request:
 class ContinuousBatcher:
     """Runs an engine over a changing set of requests; `step` is called by one driving thread."""
 
-    def __init__(self, engine: SpeculativeEngine, *, max_batch: int = 16) -> None:
+    def __init__(self, engine: "SpeculativeEngine", *, max_batch: int = 16, engine_policy: bool = False) -> None:
+        """engine_policy: the rounds consult the engine's cost policy (`SpeculativeEngine.policy`, read
+        at each round; what it learns carries over the engine's calls) instead of a fresh one of
+        this batcher's own (`engine.new_policy()`; None without measured costs)."""
         if max_batch < 1:
             raise DRelayError(f"max_batch must be ≥ 1, got {max_batch}")
         self.engine = engine
         self.max_batch = max_batch
         self.stats = DecodeStats(num_slots=engine.num_slots)  # batch-level phase times and totals
-        # Cost-aware verification length when the engine has measured costs (cost_policy/).
-        self.policy = engine.new_policy()
+        self._policy = None if engine_policy else engine.new_policy()
+        self._engine_policy = engine_policy
         self._lock = threading.Lock()
         self._pending: list[_Request] = []
         self._cancelled: set[int] = set()
@@ -147,12 +157,14 @@ class ContinuousBatcher:
         on_update: UpdateCallback | None = None,
         *,
         logprobs: int | None = None,
+        what: str = "prompt",
     ) -> int:
-        """Queue a request; returns its id. Raises DRelayError for a prompt the target cannot take.
-        logprobs = k ≥ 0: each update carries its tokens' log-probabilities and k alternatives."""
+        """Queue a request; returns its id. Raises DRelayError for a prompt the target cannot take
+        (the message names it `what`). logprobs = k ≥ 0: each update carries its tokens'
+        log-probabilities and k alternatives."""
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise DRelayError(f"logprobs must be an integer ≥ 0 or None, got {logprobs!r}")
-        need = self.engine.check_prompt(prompt, settings)
+        need = self.engine.check_prompt(prompt, settings, what=what)
         stats = RequestStats(num_slots=self.engine.num_slots, prompt_tokens=len(prompt))
         draws = None if settings.greedy else RowDraws(settings.seed, self.engine.device)
         with self._lock:
@@ -165,6 +177,11 @@ class ContinuousBatcher:
         """Finish a request at the next step (thread-safe; unknown or finished ids are ignored)."""
         with self._lock:
             self._cancelled.add(request_id)
+
+    @property
+    def policy(self):
+        """The cost-aware verification length's policy the rounds consult (cost_policy/), or None."""
+        return self.engine.policy if self._engine_policy else self._policy
 
     @property
     def num_running(self) -> int:
@@ -212,13 +229,16 @@ class ContinuousBatcher:
         t0 = time.perf_counter()
         capacity = max(r.need for r in requests)
         state, last_logits = self.engine.prefill([r.prompt for r in requests], [r.id for r in requests], capacity)
-        first = [pick_row(last_logits[i : i + 1], r.settings, r.draws) for i, r in enumerate(requests)]
+        if all(r.settings.greedy for r in requests):
+            state.anchor = last_logits.argmax(dim=-1)  # [B]
+        else:
+            state.anchor = torch.cat([pick_row(last_logits[i : i + 1], r.settings, r.draws) for i, r in enumerate(requests)])
         commit_rows([r.draws for r in requests], [1] * len(requests))
-        state.anchor = torch.cat(first)  # [B]
         lps = first_token_logprobs(last_logits, state.anchor, [r.logprobs for r in requests])
         self.stats.time_prefill += time.perf_counter() - t0
         self.stats.time_total += time.perf_counter() - t0
         self.stats.generated += len(requests)
+        self.stats.requests += len(requests)
         if self._state is not None:
             self._state.sync_context(self.engine.drafter)  # the rows joining have no pending features
         self._state = state if self._state is None else self._state.merge(state)
@@ -234,7 +254,9 @@ class ContinuousBatcher:
         reqs = [self._running[i] for i in state.rows]
         accept_rule = partial(accept_rows, settings=[r.settings for r in reqs], draws=[r.draws for r in reqs])
         t0 = time.perf_counter()
-        result = self.engine.round(state, accept_rule, self.stats, self.policy, logprobs=[r.logprobs for r in reqs])
+        result = self.engine.round(
+            state, accept_rule, self.stats, self.policy, self._sampler(reqs), logprobs=[r.logprobs for r in reqs]
+        )
         n_list, x_list, p_list = result.accepted.tolist(), result.next_token.tolist(), result.path.tolist()  # one host copy
         v_list = result.length.tolist() if result.drafted else None
         updates, committed = [], []
@@ -249,6 +271,33 @@ class ContinuousBatcher:
         self.stats.generated += sum(committed)
         self.stats.time_total += time.perf_counter() - t0
         return updates
+
+    def _sampler(self, reqs: list[_Request]):
+        """The round's path sampler when some row `samples_paths` (T > 0 with `draft_sampling`), else
+        None: those rows draw their path at their own temperature from their own proposal numbers
+        (`Selector.sample`); the other rows of a mixed batch keep the selector's deterministic path
+        (`accept_rows` tests each row by the rule that matches how its path was chosen)."""
+        flags = [r.settings.samples_paths for r in reqs]
+        if not any(flags):
+            return None
+        temps = [r.settings.temperature if f else 1.0 for r, f in zip(reqs, flags)]
+        T = temps[0] if all(flags) and len(set(temps)) == 1 else torch.tensor(temps, device=self.engine.device)
+        spare = None if all(flags) else torch.Generator(device=self.engine.device)  # the unused draws of other rows
+        generators = [r.draws.proposals if f else spare for r, f in zip(reqs, flags)]
+
+        def sample(selector, block, ctx) -> Selection:
+            drawn = selector.sample(block, ctx, temperature=T, generators=generators)
+            if spare is None:
+                return drawn
+            chosen, keep = selector.select(block, ctx), torch.tensor(flags, device=self.engine.device)  # keep [R]
+            return Selection(
+                pool_index=torch.where(keep[:, None], drawn.pool_index, chosen.pool_index),
+                path_ids=torch.where(keep[:, None], drawn.path_ids, chosen.path_ids),
+                length=torch.where(keep, drawn.length, chosen.length),
+                proposal_q=drawn.proposal_q,
+            )
+
+        return sample
 
     def _leave(self) -> None:
         """Drop finished rows; shrink the caches when the longest remaining need is under half."""

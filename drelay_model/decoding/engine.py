@@ -11,9 +11,12 @@
 Autoregressive decoding (no drafter) is the same loop with an empty path, so AR and speculative
 timings come from one code path. With measured `costs`, each round consults the cost policy once,
 when it plans (`cost_policy/`: the number of path tokens that maximises expected tokens per second;
-0 = an AR round); that round's plan then cuts the paths and learns from the round. The
-continuous batcher drives the same public phases (`prefill`, `round`) over a changing batch. The
-engine knows nothing about tokenization: token ids in and out.
+0 = an AR round); that round's plan then cuts the paths and learns from the round.
+
+One loop drives the phases: the continuous batcher (`batcher.py`) admits requests (`prefill`), runs
+`round` over its rows with each row's own acceptance rule and path sampler, and commits per row
+(EOS, stop, budget, statistics). `generate` is a static batch submitted to it at once. The engine
+knows nothing about tokenization: token ids in and out.
 """
 
 from __future__ import annotations
@@ -25,14 +28,13 @@ from dataclasses import dataclass
 import torch
 
 from drelay_model.decoding.batch_state import BatchState
-from drelay_model.decoding.generation import GenerationConfig, SettingsError
+from drelay_model.decoding.batcher import ContinuousBatcher
+from drelay_model.decoding.generation import GenerationConfig
 from drelay_model.decoding.history import VerifiedHistory
 from drelay_model.decoding.cost_policy import CostPolicy, RoundCosts
 from drelay_model.decoding.logprobs import round_logprobs
 from drelay_model.decoding.rounds import PathChoice, RoundPlan, RoundResult, RoundTimer, Verified
 from drelay_model.decoding.stats import DecodeStats
-from drelay_model.decoding.draws import RowDraws, commit_rows
-from drelay_model.decoding.verify import accept, accept_sampled, pick_tokens
 from drelay_model.drafter.model import BlockDrafter
 from drelay_model.errors import DRelayError
 from drelay_model.kernels.cpu_linear import CpuKernels
@@ -113,63 +115,27 @@ class SpeculativeEngine:
     def generate(
         self, prompts: list[list[int]], config: GenerationConfig = GenerationConfig(), *, seeds: list[int] | None = None
     ) -> GenerationResult:
-        """Generate for a batch of tokenized prompts (lengths may differ).
+        """Generate for a batch of tokenized prompts (lengths may differ): submit them all to a
+        continuous batcher (the loop the endpoint serves from; admitted together, one prefill, one
+        batch from the first round) and run it until every row has finished.
 
-        Sampling (T > 0) draws request b's tokens from its own numbers, seeded with seeds[b]
-        (default config.seed + b; `draws.py`): a request's output depends on its prompt and seed
-        only — not on the other requests of the batch, the drafts or the verification lengths.
+        Every `config` field means what it means for one of the batcher's requests (sampling
+        knobs, stop, draft sampling). Sampling (T > 0) draws request b's tokens from its own
+        numbers, seeded with seeds[b] (default config.seed + b; `draws.py`): a request's output
+        depends on its prompt and seed only, not on the other requests of the batch.
         """
-        self._check_prompts(prompts, config)
+        if not prompts:
+            raise DRelayError("no prompts given")
         if seeds is not None and len(seeds) != len(prompts):
             raise DRelayError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
-        stats = DecodeStats(num_slots=self.num_slots, requests=len(prompts))
-        draws = None
-        if config.temperature > 0:
-            seeds = seeds if seeds is not None else [config.seed + b for b in range(len(prompts))]
-            draws = [RowDraws(int(s), self.device) for s in seeds]
-        eos = set(self.target.eos_token_ids) if config.stop_on_eos else set()
+        seeds = seeds if seeds is not None else [config.seed + b for b in range(len(prompts))]
+        batcher = ContinuousBatcher(self, max_batch=len(prompts), engine_policy=True)
+        ids = [batcher.submit(p, config.with_seed(int(s)), what=f"prompt {b}") for b, (p, s) in enumerate(zip(prompts, seeds))]
         t_start = time.perf_counter()
-
-        capacity = config.kv_positions(max(len(p) for p in prompts), self.num_slots)
-        state, last_logits = self.prefill(prompts, list(range(len(prompts))), capacity)
-        state.anchor = pick_tokens(last_logits, config.temperature, draws)  # [B]
-        commit_rows(draws, [1] * len(prompts))
-        state.draws = draws
-        stats.time_prefill = time.perf_counter() - t_start
-        out: list[list[int]] = [[t] for t in state.anchor.tolist()]
-        state.keep([b for b in state.rows if not self._finished(out[b], config, eos)])
-        accept_rule, sampler = self._rules(config, state)
-        while state.rows:
-            result = self.round(state, accept_rule, stats, self.policy, sampler)
-            committed = []
-            n_list, x_list, p_list = result.accepted.tolist(), result.next_token.tolist(), result.path.tolist()  # one host copy
-            for i, b in enumerate(state.rows):
-                committed.append(self._commit(out[b], p_list[i][: n_list[i]] + [x_list[i]], config, eos))
-            stats.record_round(n_list, committed, result.length.tolist() if result.drafted else None)
-            stats.steps += 1
-            state.keep([b for b in state.rows if not self._finished(out[b], config, eos)])
-        stats.generated = sum(len(o) for o in out)
-        stats.time_total = time.perf_counter() - t_start
-        return GenerationResult(tokens=out, stats=stats)
-
-    @staticmethod
-    def _rules(config: GenerationConfig, state: BatchState) -> tuple[AcceptRule, Sampler | None]:
-        """The acceptance rule at the call's temperature, and at T > 0 the sampler of a selector that
-        samples its path (capabilities; `config.draft_sampling`). Per-row draws are read at call
-        time: rows leave the batch."""
-        T = config.temperature
-
-        def accept_rule(path, logits, length, proposal=None):
-            if proposal is None:
-                return accept(path, logits, length, temperature=T, draws=state.draws)
-            return accept_sampled(path, logits, length, *proposal, temperature=T, draws=state.draws)
-
-        sampler = None
-        if T > 0 and config.draft_sampling:
-            sampler = lambda sel, block, ctx: sel.sample(  # noqa: E731
-                block, ctx, temperature=T, generators=[d.proposals for d in state.draws]
-            )
-        return accept_rule, sampler
+        out = batcher.run()
+        stats = batcher.stats
+        stats.time_total = time.perf_counter() - t_start  # the whole call's wall time, bookkeeping included
+        return GenerationResult(tokens=[out[i] for i in ids], stats=stats)
 
     # ---- the phases ----------------------------------------------------------------------------
     def prefill(self, prompts: list[list[int]], rows: list[int], capacity: int) -> tuple[BatchState, torch.Tensor]:
@@ -200,8 +166,8 @@ class SpeculativeEngine:
               logprobs: Sequence[int | None] | None = None) -> RoundResult:  # fmt: skip
         """One batched round over every row of `state`: plan → draft → select → verify → commit.
 
-        `accept_rule` is the acceptance rule (`accept` at the call's temperature; the continuous
-        batcher passes per-row settings); `sampler` replaces the choice of a selector that samples
+        `accept_rule` is the acceptance rule (the continuous batcher's `sampling.accept_rows` with
+        each row's settings); `sampler` replaces the choice of a selector that samples
         its path (`capabilities.samples_path`) with a sampled one, whose proposal then goes to
         `accept_rule`. With a policy, the round consults it once (`plan`) and its plan learns from the
         round's outcome and phase times (`PolicyRound.learn`). `logprobs`
@@ -294,22 +260,7 @@ class SpeculativeEngine:
             state.defer(verified.features, None if choice.path.shape[1] == 0 else verified.accepted + 1)
         state.anchor = verified.next_token
 
-    # ---- host-side bookkeeping -----------------------------------------------------------------
-    @staticmethod
-    def _commit(row: list[int], new_tokens: list[int], config: GenerationConfig, eos: set[int]) -> int:
-        """Append tokens until EOS or the budget; returns how many were appended."""
-        n = 0
-        for t in new_tokens:
-            if len(row) >= config.max_new_tokens or (row and row[-1] in eos):
-                break
-            row.append(t)
-            n += 1
-        return n
-
-    @staticmethod
-    def _finished(row: list[int], config: GenerationConfig, eos: set[int]) -> bool:
-        return len(row) >= config.max_new_tokens or (bool(row) and row[-1] in eos)
-
+    # ---- validation ----------------------------------------------------------------------------
     def check_prompt(self, prompt: list[int], config: GenerationConfig, what: str = "prompt") -> int:
         """Validate one tokenized prompt for this target under `config`'s token budget; returns the KV
         positions its row needs (`GenerationConfig.kv_positions`). One-line DRelayErrors."""
@@ -318,13 +269,3 @@ class SpeculativeEngine:
         if min(prompt) < 0 or max(prompt) >= self.target.vocab_size:
             raise DRelayError(f"{what} has token ids outside [0, {self.target.vocab_size})")
         return config.check_prompt(len(prompt), max_positions=self.target.max_positions, num_slots=self.num_slots, what=what)
-
-    def _check_prompts(self, prompts: list[list[int]], config: GenerationConfig) -> None:
-        if not prompts:
-            raise DRelayError("no prompts given")
-        if config.filtered and not config.greedy:
-            raise SettingsError("top_p" if config.top_p < 1.0 else "top_k", "applies to the continuous batcher's requests only")
-        if config.stop is not None:
-            raise SettingsError("stop", "applies to the continuous batcher's requests only")
-        for b, p in enumerate(prompts):
-            self.check_prompt(p, config, what=f"prompt {b}")

@@ -7,11 +7,17 @@ names the setting: a caller maps it to its own spelling (a flag, an API paramete
 
     greedy          temperature == 0: argmax verification, deterministic
     filters         top_k / top_p restrict sampling to the target's filtered conditional
-                    (`sampling.filtered_logits`; the continuous batcher applies them)
-    draft_sampling  at T > 0, a selector that can sample its path (native) draws it from the drafter's
-                    tempered pool and verification accepts with min(1, p/q) (verify.accept_sampled);
-                    False, or a deterministic selector: the path is chosen as at T = 0 and a draft is
-                    accepted while it equals the target's own sample (verify.accept). Both lossless.
+                    (`sampling.filtered_logits`)
+    draft_sampling  at T > 0, a selector that can sample its path (native, and the native arm of a
+                    cost-aware policy) draws it from the drafter's tempered pool and verification
+                    accepts with min(1, p̃/q) (verify.accept_sampled): an exact draw from p̃, but not
+                    autoregressive sampling's. False (the default), or a deterministic selector: the
+                    path is chosen as at T = 0 and a draft is accepted while it equals the target's
+                    own sample (verify.accept), so a seeded request commits what autoregressive
+                    sampling with its seed commits. Both lossless.
+
+Every field means the same wherever it is decoded: `SpeculativeEngine.generate` submits its prompts
+to the continuous batcher, which applies each request's settings per row.
     context budget  a prompt of P tokens needs P + max_new_tokens + H + 2 KV positions
                     (H draft slots + the anchor verified in the last round, + the bonus token), so
                     P ≤ max_positions − max_new_tokens − H − 2
@@ -57,7 +63,7 @@ class GenerationConfig:
     top_p           nucleus mass in (0, 1] (1 = off); top_k ≥ 0 (0 = off).
     seed            seeds the sampling generator(s) (T > 0).
     stop_on_eos     stop after the target's EOS token.
-    draft_sampling  see the module docstring (`generate` at T > 0).
+    draft_sampling  see the module docstring (T > 0).
     stop            optional predicate on the generated ids so far: True ends the request after the
                     token that made it true (how a caller implements stop strings: it detokenises;
                     the engine knows nothing about text).
@@ -69,7 +75,7 @@ class GenerationConfig:
     top_k: int = 0
     seed: int = 0
     stop_on_eos: bool = True
-    draft_sampling: bool = True
+    draft_sampling: bool = False
     stop: StopPredicate | None = None
 
     def __post_init__(self) -> None:
@@ -92,6 +98,11 @@ class GenerationConfig:
     def filtered(self) -> bool:
         """Whether sampling is restricted by top-k or top-p."""
         return self.top_p < 1.0 or self.top_k > 0
+
+    @property
+    def samples_paths(self) -> bool:
+        """Whether a selector that can sample its path draws it (T > 0 with `draft_sampling`)."""
+        return self.temperature > 0.0 and self.draft_sampling
 
     def with_seed(self, seed: int) -> "GenerationConfig":
         return replace(self, seed=seed)

@@ -22,7 +22,8 @@ def tau_of(committed: int, rounds: int) -> float:
 
 @dataclass
 class DecodeStats:
-    """Counters accumulated over every row and round of one generate() call — or, merged with `+`,
+    """Counters accumulated over every row and round of one continuous batcher (one generate() call
+    is one batcher's whole run) — or, merged with `+`,
     over many calls (an evaluation pass, a cell, a benchmark); `to_dict`/`from_dict` round-trip JSON.
 
     accept_hist  [H+1] int64: accept_hist[n] = number of row-rounds that accepted exactly n drafts.
@@ -34,7 +35,7 @@ class DecodeStats:
                     verification (mean_verify_length = verified_drafts / drafted_rounds);
     selector_steps  drafted steps that ran the selector (the rest kept the native path: a
                     two-armed cost-aware policy's native arm).
-    requests     generate() rows, i.e. prefills.
+    requests     requests admitted (generate() rows), i.e. prefilled rows.
     Times are wall seconds of the whole batch, by phase.
     """
 

@@ -121,14 +121,26 @@ def accept_sampled(
     Returns:
         accepted [B] int64 in [0, length], next_token [B] int64.
     """
-    B, G = path.shape
-    V = target_logits.shape[-1]
     p = torch.softmax(target_logits.float() / temperature, dim=-1)  # [B, G+1, V]
+    return accept_sampled_probs(path, p, length, proposal_ids, proposal_q, _row_draws(draws, path.shape[0], path.device))
+
+
+def accept_sampled_probs(
+    path: torch.Tensor,
+    p: torch.Tensor,
+    length: torch.Tensor,
+    proposal_ids: torch.Tensor,
+    proposal_q: torch.Tensor,
+    draws: Sequence[RowDraws],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule of `accept_sampled` on the target's distributions p [B, G+1, V] (however each row
+    tempered and filtered them: `sampling.target_probs`); draws: one RowDraws per row."""
+    B, G = path.shape
+    V = p.shape[-1]
     q = torch.zeros(B, G, V, dtype=p.dtype, device=p.device).scatter_add_(2, proposal_ids[:, :G], proposal_q[:, :G].to(p.dtype))
     p_d = p[:, :G].gather(2, path[:, :, None])[:, :, 0]  # [B, G]
     q_d = q.gather(2, path[:, :, None])[:, :, 0].clamp(min=torch.finfo(p.dtype).tiny)
-    rows_draws = _row_draws(draws, B, path.device)
-    u = torch.stack([d.test_uniforms(G) for d in rows_draws]).to(p.dtype) if G else p_d.new_zeros(B, 0)
+    u = torch.stack([d.test_uniforms(G) for d in draws]).to(p.dtype) if G else p_d.new_zeros(B, 0)
     ok = (u < p_d / q_d) & (torch.arange(G, device=path.device)[None, :] < length[:, None])
     accepted = accepted_prefix(ok)  # [B]
     rows = torch.arange(B, device=path.device)
@@ -138,8 +150,6 @@ def accept_sampled(
     residual = torch.where(rejected, (at - q_at).clamp(min=0.0), at)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, at)  # p = q exactly: never rejected
     stop = accepted.tolist()
-    next_token = torch.stack(
-        [inverse_cdf(r[None], d.token_uniforms(n + 1)[n:])[0] for r, d, n in zip(residual, rows_draws, stop)]
-    )
-    commit_rows(rows_draws, [n + 1 for n in stop])
+    next_token = torch.stack([inverse_cdf(r[None], d.token_uniforms(n + 1)[n:])[0] for r, d, n in zip(residual, draws, stop)])
+    commit_rows(draws, [n + 1 for n in stop])
     return accepted, next_token

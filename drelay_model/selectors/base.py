@@ -170,9 +170,11 @@ class Selector(nn.Module):
     def select(self, block: DraftBlock, ctx: SelectionContext) -> Selection:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def sample(self, block: DraftBlock, ctx: SelectionContext, *, temperature: float, generators: list) -> Selection:
-        """A path drawn at temperature T > 0 with its proposal (`capabilities.samples_path`); row b
-        draws only from generators[b]."""
+    def sample(
+        self, block: DraftBlock, ctx: SelectionContext, *, temperature: float | torch.Tensor, generators: list
+    ) -> Selection:
+        """A path drawn at temperature T > 0 (one for the batch, or [B] float32: one per row) with its
+        proposal (`capabilities.samples_path`); row b draws only from generators[b]."""
         raise NotImplementedError(f"selector {type(self).__name__} does not sample its path")
 
     def training_loss(self, inputs: SelectorTrainInputs) -> SelectorTrainLoss:

@@ -20,9 +20,12 @@ class NativeSelector(Selector):
         B, H, _ = block.cand_ids.shape
         return self.gather(block, torch.zeros(B, H, dtype=torch.long, device=block.cand_ids.device))
 
-    def sample(self, block: DraftBlock, ctx: SelectionContext, *, temperature: float, generators: list) -> Selection:
+    def sample(
+        self, block: DraftBlock, ctx: SelectionContext, *, temperature: float | torch.Tensor, generators: list
+    ) -> Selection:
         B, H, K = block.cand_ids.shape
-        q = torch.softmax(block.cand_logq.float() / temperature, dim=-1)  # [B, H, K]
+        T = temperature if isinstance(temperature, int | float) else temperature.view(B, 1, 1)  # one T, or one per row [B]
+        q = torch.softmax(block.cand_logq.float() / T, dim=-1)  # [B, H, K]
         pick = torch.stack([torch.multinomial(q[b], 1, generator=g)[:, 0] for b, g in enumerate(generators)])  # [B, H]
         chosen = self.gather(block, pick)
         return Selection(pool_index=chosen.pool_index, path_ids=chosen.path_ids, length=chosen.length, proposal_q=q)

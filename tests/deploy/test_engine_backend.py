@@ -107,3 +107,41 @@ def test_a_closed_event_loop_does_not_end_the_batcher_thread(backend):
         threading.excepthook = previous_hook
     assert not raised and backend._thread.is_alive()
     assert sum(len(c.token_ids) for c in chunks) == 3 and chunks[-1].finish_reason == "length"
+
+
+def _drained(backend) -> None:
+    """Wait until the requests earlier tests left behind have finished (their loops are closed)."""
+    import time
+
+    for _ in range(1200):
+        if not backend._queues and backend.batcher.idle:
+            return
+        time.sleep(0.05)
+
+
+def test_the_endpoint_path_decodes_as_generate(backend):
+    """The endpoint's loop and `generate` are one loop: a seeded T > 0 request with top-p, top-k and a
+    stop predicate, and a greedy one with the same predicate, stream what `SpeculativeEngine.generate`
+    returns for the same prompt and settings (and a seeded sample is AR's)."""
+    from drelay_model.decoding import SpeculativeEngine
+
+    stop = lambda ids: len(ids) >= 2 and ids[-1] % 5 == 0  # noqa: E731
+    cases = [
+        ([3, 1, 4, 1, 5], GenerationConfig(max_new_tokens=12, temperature=0.9, top_p=0.9, top_k=20, seed=8, stop=stop)),
+        ([2, 7, 1, 8], GenerationConfig(max_new_tokens=10, stop=stop)),
+    ]
+
+    async def serve(prompt, settings):
+        return [c async for c in backend.submit(GenRequest(prompt_ids=prompt, settings=settings))]
+
+    _drained(backend)
+    reasons = []
+    for prompt, settings in cases:
+        chunks = asyncio.run(asyncio.wait_for(serve(prompt, settings), 120))
+        served = [t for c in chunks for t in c.token_ids]
+        _drained(backend)  # the engine is idle: generate runs on this thread
+        assert served == backend.engine.generate([prompt], settings).tokens[0]
+        assert served == SpeculativeEngine(backend.engine.target).generate([prompt], settings).tokens[0]
+        assert chunks[-1].finish_reason == ("stop" if stop(served) else "length")
+        reasons.append(chunks[-1].finish_reason)
+    assert "stop" in reasons

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from drelay_model.decoding import GenerationConfig, RowDraws, SpeculativeEngine
+from drelay_model.decoding.sampling import filtered_logits
 from drelay_model.errors import DRelayError
 from drelay_model.selectors import default_registry
 from drelay_model.target import tiny_target
@@ -77,29 +78,34 @@ def test_ar_and_speculative_agree_at_the_budget_edge(hf_greedy, target, make_dra
         assert spec.tokens == [r[4:] for r in reference]
 
 
-def _exact_joint(target, prompt: list[int], depth: int) -> dict[tuple[int, ...], float]:
-    """P(first `depth` sampled tokens) under the target at T = 1, by enumeration."""
+def _exact_joint(target, prompt: list[int], depth: int, cfg: GenerationConfig) -> dict[tuple[int, ...], float]:
+    """P(first `depth` sampled tokens) under the target's filtered conditional at cfg's T, by enumeration."""
     probs = {(): 1.0}
     for _ in range(depth):
         prefixes = list(probs)
         seqs = torch.tensor([prompt + list(pre) for pre in prefixes])
-        p_next = torch.softmax(target.hf(seqs).logits[:, -1].double(), dim=-1)
+        p_next = torch.softmax(filtered_logits(target.hf(seqs).logits[:, -1].double(), cfg), dim=-1)
         probs = {pre + (v,): probs[pre] * p_next[i, v].item() for i, pre in enumerate(prefixes) for v in range(target.vocab_size)}
     return probs
 
 
-@pytest.mark.parametrize("draft_sampling", [True, False], ids=["sampled-path+min(1,p/q)", "argmax-path+match"])
-def test_sampling_is_lossless_chi_square(make_drafter, draft_sampling):
+@pytest.mark.parametrize(
+    "draft_sampling, filters",
+    [(True, {}), (False, {}), (True, {"top_k": 4, "top_p": 0.9})],
+    ids=["sampled-path+min(1,p/q)", "argmax-path+match", "sampled-path+top-k+top-p"],
+)
+def test_sampling_is_lossless_chi_square(make_drafter, draft_sampling, filters):
     """T = 1: the first three tokens of speculative sampling follow the target's exact distribution,
     with the sampled path and the min(1, p/q) rule (pool of 4 of 6 tokens: the residual must also
-    cover tokens outside the pool) and with the argmax path and the match rule."""
+    cover tokens outside the pool), with the argmax path and the match rule, and with the sampled
+    path tested against the top-k / top-p filtered conditional p̃."""
     target = tiny_target("tiny-llama", vocab=6, hidden=32, seed=5)
     prompt, depth, n = [1, 2, 3], 3, 12000
     drafter = make_drafter(target, top_k=4)
-    cfg = GenerationConfig(max_new_tokens=depth, temperature=1.0, seed=7, draft_sampling=draft_sampling)
+    cfg = GenerationConfig(max_new_tokens=depth, temperature=1.0, seed=7, draft_sampling=draft_sampling, **filters)
     result = SpeculativeEngine(target, drafter).generate([prompt] * n, cfg)
     assert result.stats.accept_hist[1:].sum() > 0.05 * result.stats.rounds  # drafts do get accepted
-    exact = _exact_joint(target, prompt, depth)
+    exact = _exact_joint(target, prompt, depth, cfg)
     counts: dict[tuple[int, ...], int] = {}
     for toks in result.tokens:
         counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
@@ -159,8 +165,6 @@ def test_sampling_is_seeded(target, make_drafter, prompts_of):
         ([[999999]], {}, "token ids outside"),
         ([[1]], {"max_new_tokens": 0}, "max_new_tokens must be"),
         ([[1]], {"temperature": -1.0}, "temperature must be"),
-        ([[1]], {"temperature": 1.0, "top_p": 0.5}, "top_p applies to the continuous batcher"),
-        ([[1]], {"stop": lambda ids: False}, "stop applies to the continuous batcher"),
     ],
 )
 def test_bad_requests_are_clear_errors(target, prompts, kwargs, message):
