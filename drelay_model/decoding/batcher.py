@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
@@ -39,8 +39,21 @@ from drelay_model.decoding.stats import DecodeStats, tau_of
 from drelay_model.errors import DRelayError
 from drelay_model.selectors.base import Selection
 
-if TYPE_CHECKING:
-    from drelay_model.decoding.engine import SpeculativeEngine
+
+class RoundEngine(Protocol):
+    """What the batcher drives (`SpeculativeEngine`, engine.py, which in turn runs its `generate` on
+    a batcher: the batcher names the interface, not the class, so neither module imports the other's)."""
+
+    device: torch.device
+    target: Any
+    drafter: Any
+    num_slots: int
+    policy: Any
+
+    def check_prompt(self, prompt: list[int], config: GenerationConfig, what: str = "prompt") -> int: ...
+    def prefill(self, prompts: list[list[int]], rows: list[int], capacity: int) -> tuple[BatchState, torch.Tensor]: ...
+    def round(self, state: BatchState, accept_rule, stats: DecodeStats, policy=None, sampler=None, logprobs=None): ...
+    def new_policy(self): ...
 
 
 @dataclass
@@ -131,7 +144,7 @@ class _Request:
 class ContinuousBatcher:
     """Runs an engine over a changing set of requests; `step` is called by one driving thread."""
 
-    def __init__(self, engine: "SpeculativeEngine", *, max_batch: int = 16, engine_policy: bool = False) -> None:
+    def __init__(self, engine: RoundEngine, *, max_batch: int = 16, engine_policy: bool = False) -> None:
         """engine_policy: the rounds consult the engine's cost policy (`SpeculativeEngine.policy`, read
         at each round; what it learns carries over the engine's calls) instead of a fresh one of
         this batcher's own (`engine.new_policy()`; None without measured costs)."""
