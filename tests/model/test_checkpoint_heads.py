@@ -7,8 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine
 from drelay_model.drafter import load_drafter, save_drafter
 from drelay_model.drafter.heads import head_names, head_path

@@ -18,16 +18,6 @@ from pipelines.train.config import load_config
 from pipelines.train.data import TrainSequence, collate
 from pipelines.train.features import FeatureSource
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture()
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
