@@ -142,6 +142,9 @@ class TrainSection(StrictConfig):
     # Stop when held-out val/tau has not risen for this many validations in a row (None: never);
     # the exported head is then the best validated one (selector stage only).
     early_stop_patience: int | None = Field(None, ge=1)
+    # End the run at this step while every schedule still runs to max_steps (selector stage only):
+    # an ablation stopped at the step where a longer run peaked sees that run's lr and credit ramps.
+    stop_at_step: int | None = Field(None, ge=1)
 
 
 class RaySection(StrictConfig):
@@ -190,8 +193,12 @@ class RunConfig(StrictConfig):
                 raise ValueError(
                     "train.stage: 'selector' caches anchors traced once by the argmax; it needs train.scout_policy=native"
                 )
-        elif self.train.early_stop_patience is not None:
-            raise ValueError("train.early_stop_patience: only the selector stage (train.stage=selector) stops early")
+            if self.train.stop_at_step is not None and self.train.stop_at_step > self.train.max_steps:
+                raise ValueError("train.stop_at_step must be ≤ train.max_steps")
+        elif self.train.early_stop_patience is not None or self.train.stop_at_step is not None:
+            raise ValueError(
+                "train.early_stop_patience / train.stop_at_step: only the selector stage (train.stage=selector) stops early"
+            )
         return self
 
 

@@ -127,7 +127,7 @@ def selector_stage_loop(cfg_dict: dict) -> None:
         optimizer.step()
         metrics = {**out.metrics, "loss/total": float(out.loss), "lr": lr, "grad_norm": grad_norm, "step": step + 1}
         clock.tick(world)
-        last = step + 1 == cfg.train.max_steps or clock.spent_all(world)
+        last = step + 1 in (cfg.train.max_steps, cfg.train.stop_at_step) or clock.spent_all(world)
         validating = (step + 1) % cfg.train.validate_every == 0 or last
         if validating:
             started = time.perf_counter()
