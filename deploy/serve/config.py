@@ -30,10 +30,10 @@ class EngineSection(StrictConfig):
     device: Literal["cpu", "cuda", "auto"] = "cpu"  # auto: CUDA when present
     dtype: Literal["float32", "bfloat16"] = "float32"
     max_batch: int = Field(16, ge=1, le=1024)  # rows decoded together (continuous batching)
-    # torch's intra-op threads in each replica, set before the model loads. Default: every core the
-    # replica's process may run on, not Ray's OMP_NUM_THREADS = the replica's `num_cpus` (1 in the shipped
-    # configs: one thread); `num_cpus` stays Ray's scheduling reservation. When several replicas share a
-    # node, give each its share (cores ÷ replicas).
+    # torch's intra-op threads in each replica. Default (None): the engine's auto policy, the cores of the
+    # replica's CPU affinity that other processes leave free, re-measured as it decodes
+    # (drelay_model/kernels/threads.py), never Ray's OMP_NUM_THREADS = the replica's `num_cpus` (1 in
+    # the shipped configs); `num_cpus` stays Ray's scheduling reservation. A count fixes it.
     threads: int | None = Field(None, ge=1, le=1024)
     # cost (default): each round verifies as many drafts as pay off on this machine at the batch's
     # current size (0: an AR round for the whole batch; the cost surface over batch sizes 1 … max_batch

@@ -49,6 +49,7 @@ class RoundEngine(Protocol):
     drafter: Any
     num_slots: int
     policy: Any
+    threads: Any  # a ThreadPolicy (kernels/threads.py) or None: consulted once per step
 
     def check_prompt(self, prompt: list[int], config: GenerationConfig, what: str = "prompt") -> int: ...
     def prefill(self, prompts: list[list[int]], rows: list[int], capacity: int) -> tuple[BatchState, torch.Tensor]: ...
@@ -220,6 +221,8 @@ class ContinuousBatcher:
             admit, self._pending = kept[:room], kept[room:]
         updates = [self._finish(r, [], "cancelled") for r in dropped]
         updates += [self._finish(self._running[i], [], "cancelled") for i in cancelled if i in self._running]
+        if self.engine.threads is not None and (admit or self._running):
+            self.engine.threads.update()  # from the thread that runs the rounds (OpenMP's count is per thread)
         if admit:
             updates += self._admit(admit)
         self._leave()  # cancelled rows, and requests that finished on their prefill token

@@ -38,6 +38,7 @@ from drelay_model.decoding.stats import DecodeStats
 from drelay_model.drafter.model import BlockDrafter
 from drelay_model.errors import DRelayError
 from drelay_model.kernels.cpu_linear import CpuKernels
+from drelay_model.kernels.threads import ThreadPolicy
 from drelay_model.selectors.base import Selector
 from drelay_model.selectors.native import NativeSelector
 from drelay_model.target.model import TargetModel
@@ -66,9 +67,12 @@ class SpeculativeEngine:
         selector: Selector | None = None,
         *,
         costs: RoundCosts | None = None,
+        threads: ThreadPolicy | None = None,
     ):
         """costs: measured round costs; given, the verification length is cost-aware (see
-        `cost_policy/`); None: every round verifies the selector's whole path (the paper's setting)."""
+        `cost_policy/`); None: every round verifies the selector's whole path (the paper's setting).
+        threads: the CPU thread policy its rounds consult (`kernels/threads.py`: the cores other
+        processes leave free); None: torch's thread count as the caller set it."""
         if drafter is not None:
             drafter.config.check_target(target)
             selector = selector if selector is not None else NativeSelector()
@@ -79,6 +83,7 @@ class SpeculativeEngine:
         self.num_slots = drafter.config.num_slots if drafter is not None else 0
         self.history_len = self.selector.capabilities.history_len if self.selector is not None else 0
         self.costs = costs if drafter is not None else None
+        self.threads = threads
         # The cost-aware policy learns acceptance rates, calibration and cost scales as it decodes;
         # it carries them from one generate() call to the next (as a server's traffic would), so a
         # short request does not pay for learning from scratch. Outputs never depend on it (lossless);

@@ -15,8 +15,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from drelay_model.errors import DRelayError
-from pipelines.cli.options import (add_benchmark_set, add_max_new_tokens, add_run_outputs, add_target, add_verify_length, check_limit,
-                                   decode_config, parse_ints, split_list)  # fmt: skip
+from pipelines.cli.options import (add_benchmark_set, add_max_new_tokens, add_run_outputs, add_target, add_threads, add_verify_length,
+                                   check_limit, decode_config, parse_ints, split_list, thread_policy)  # fmt: skip
 from pipelines.common.methods import AR, NATIVE, MethodSpec, check_method, load_target_spec, method_names, resolve_method
 from pipelines.common.outputs import ensure_writable_dir, local_dir, resolve_path
 from pipelines.common.signals import sigterm_as_exit
@@ -43,6 +43,7 @@ def add_parser(sub) -> None:
                         "(the match rule), not sample the path and accept with min(1, p/q)")  # fmt: skip
     add_max_new_tokens(p)
     add_verify_length(p)
+    add_threads(p)
     p.add_argument("--concurrency", default="1", help="comma list of simultaneous requests; the first gives τ and S")
     p.add_argument("--no-diagnostics", action="store_true", help="skip greedy replay (replay τ, oracle τ, coverage)")
     p.add_argument("--timing", choices=TIMINGS, default="paired",
@@ -90,6 +91,7 @@ def build_config(args: argparse.Namespace) -> EvalConfig:
         benchmarks=parse_benchmarks(args.benchmarks), decode=decode, seeds=parse_ints(args.seeds, "--seeds", minimum=0),
         concurrency=parse_ints(args.concurrency, "--concurrency", minimum=1), limit=args.limit, subset_seed=args.subset_seed,
         data_dir=args.data_dir, diagnostics=not args.no_diagnostics, timing=args.timing, verify_length=args.verify_length,
+        threads=thread_policy(args.threads).describe_setting(),
     )  # fmt: skip
 
 

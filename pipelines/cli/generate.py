@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from drelay_model.errors import DRelayError
-from pipelines.cli.options import add_max_new_tokens, add_target, add_verify_length, decode_config
+from pipelines.cli.options import add_max_new_tokens, add_target, add_threads, add_verify_length, decode_config, thread_policy
 from pipelines.common.chat import user_prompt
 from pipelines.common.engines import build_engine
 from pipelines.common.methods import AR, NATIVE, MethodSpec, load_target_spec, method_names, resolve_method
@@ -31,6 +31,7 @@ def add_parser(sub) -> None:
     add_max_new_tokens(p)
     p.add_argument("--seed", type=int, default=0)
     add_verify_length(p)
+    add_threads(p)
     p.add_argument("--compare-ar", action="store_true",
                    help="also decode autoregressively on the same engine and print the speedup: after a short "
                         "warm-up of both, --repeats pairs alternate (AR first, then the method first, ...); the "
@@ -39,7 +40,7 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--verbose", action="store_true",
                    help="also print the engine's settings to stderr: the CPU kernels it runs with "
-                        "(set by DRELAY_PACKED_LINEARS, DRELAY_BF16_POOL, DRELAY_INT8_DRAFT)")  # fmt: skip
+                        "(set by DRELAY_PACKED_LINEARS, DRELAY_BF16_POOL, DRELAY_INT8_DRAFT) and its threads")  # fmt: skip
     p.set_defaults(run=run)
 
 
@@ -65,15 +66,17 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise DRelayError(f"--repeats must be ≥ 1, got {args.repeats}")
     config = decode_config(args.max_new_tokens, args.temperature, args.seed)
+    threads = thread_policy(args.threads)
     target = load_target_spec(args.target, device=args.device, dtype=args.dtype)
     spec = resolve_method(args.method, target_spec=args.target, checkpoint=args.checkpoint, random_drafter=args.random_drafter)
     messages, prompt_ids = _read_prompts(args, target.tokenizer)
     # the batch never holds more rows than prompts: the cost surface need not reach further
-    engine = build_engine(target, spec, args.verify_length, target_spec=args.target, max_batch=len(prompt_ids))
+    engine = build_engine(target, spec, args.verify_length, target_spec=args.target, max_batch=len(prompt_ids), threads=threads)
     if args.verbose:
         print(engine.describe_kernels(), file=sys.stderr)
+        print(threads.describe(), file=sys.stderr)
     if args.compare_ar and not spec.is_ar:
-        ar_engine = build_engine(target, MethodSpec(AR), target_spec=args.target)
+        ar_engine = build_engine(target, MethodSpec(AR), target_spec=args.target, threads=threads)
         result, ar, speedup, speedups = paired_with_ar(engine, ar_engine, prompt_ids, config, args.repeats)
     else:
         result = engine.generate(prompt_ids, config)

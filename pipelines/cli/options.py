@@ -43,6 +43,23 @@ def add_verify_length(p: argparse.ArgumentParser) -> None:
                         f"setting). Default: {DEFAULT_VERIFY_LENGTH}")  # fmt: skip
 
 
+def add_threads(p: argparse.ArgumentParser) -> None:
+    """--threads (generate, eval, compare): the engine's CPU thread policy (`drelay_model.kernels.threads`)."""
+    p.add_argument("--threads", default="auto", metavar="auto|N",
+                   help="torch threads for decoding: auto (default) runs on the cores other processes leave "
+                        "free, re-measured as it decodes; N: a fixed count")  # fmt: skip
+
+
+def thread_policy(value: str):
+    """A ThreadPolicy from --threads; a bad value is one line naming the flag."""
+    from drelay_model.kernels.threads import ThreadPolicy
+
+    try:
+        return ThreadPolicy.parse(value)
+    except DRelayError as exc:
+        raise DRelayError(f"--{exc}") from None
+
+
 def add_benchmark_set(p: argparse.ArgumentParser) -> None:
     """--benchmarks, --limit, --subset-seed, --data-dir (eval, compare)."""
     p.add_argument("--benchmarks", default="all", help=f"'all' or a comma list of {', '.join(BENCHMARKS)}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 from drelay_model.decoding import SpeculativeEngine
 from drelay_model.drafter import BlockDrafter
 from drelay_model.errors import DRelayError
+from drelay_model.kernels.threads import ThreadPolicy
 from drelay_model.selectors import Selector
 from drelay_model.target import TargetModel
 from drelay_model.decoding.cost_policy import DEFAULT_MAX_BATCH, cached_costs
@@ -43,17 +44,21 @@ def build_engine(
     method: tuple[BlockDrafter | None, Selector | None] | None = None,
     remeasure: bool = False,
     max_batch: int = DEFAULT_MAX_BATCH,
+    threads: ThreadPolicy | None = None,
 ) -> SpeculativeEngine:
     """The engine that decodes `spec` on `target` with `verify_length`.
 
     target_spec: the target's spec string (it keys the cached cost curve); method: the spec's
     (drafter, selector) when the caller has loaded them already (None: loaded here); remeasure:
     measure the cost surface again instead of reading the cache; max_batch: the largest batch the
-    engine decodes (the surface is measured up to it; larger batches are extrapolated)."""
+    engine decodes (the surface is measured up to it; larger batches are extrapolated); threads: the
+    CPU thread policy its rounds consult (`drelay_model.kernels.threads`; None: torch's count as set)."""
     check_verify_length(verify_length)
     drafter, selector = load_method(spec, target) if method is None else method
+    if threads is not None:
+        threads.update()  # the costs below are measured on the thread count the rounds will start with
     costs = None
     if verify_length == "cost" and drafter is not None:
         costs = cached_costs(target, drafter, selector, target_spec=target_spec, method=spec.name, checkpoint=spec.checkpoint,
                              remeasure=remeasure, max_batch=max_batch)  # fmt: skip
-    return SpeculativeEngine(target, drafter, selector, costs=costs)
+    return SpeculativeEngine(target, drafter, selector, costs=costs, threads=threads)

@@ -33,6 +33,7 @@ from drelay_model.decoding.stats import DecodeStats, tau_of
 from drelay_model.diagnostics import PoolDiagnostics, diagnose_rounds, pad_rounds
 from drelay_model.drafter import BlockDrafter
 from drelay_model.errors import DRelayError
+from drelay_model.kernels.threads import ThreadPolicy
 from drelay_model.selectors import Selector
 from drelay_model.target import TargetModel
 from pipelines.data.eval_sets import BenchmarkPrompt
@@ -64,9 +65,11 @@ class EvalConfig:
     diagnostics: bool = True
     timing: str = "paired"  # "paired": AR alternates with the method per batch; "phased": AR's cell only
     verify_length: str = DEFAULT_VERIFY_LENGTH  # of the speculative methods' engines (`pipelines.common.engines`)
+    threads: str = "auto"  # the engines' CPU thread policy: auto or a count (`drelay_model.kernels.threads`)
 
     def __post_init__(self) -> None:
         check_verify_length(self.verify_length)
+        ThreadPolicy.parse(self.threads)
         if self.timing not in TIMINGS:
             raise DRelayError(f"timing must be one of {', '.join(TIMINGS)}, got {self.timing!r}")
         if not self.specs or not self.specs[0].is_ar:
@@ -124,7 +127,7 @@ class EvalConfig:
              "seeds": self.seeds, "max_new_tokens": self.max_new_tokens, "concurrency": self.concurrency, "limit": self.limit,
              "subset_seed": self.subset_seed, "checkpoints": self.checkpoints, "random_drafter": self.random_drafter,
              "data_dir": self.data_dir, "diagnostics": self.diagnostics, "timing": self.timing,
-             "draft_sampling": self.decode.draft_sampling, "verify_length": self.verify_length}  # fmt: skip
+             "draft_sampling": self.decode.draft_sampling, "verify_length": self.verify_length, "threads": self.threads}  # fmt: skip
         return {k: ",".join(map(str, v)) if isinstance(v, tuple) else str(v) for k, v in d.items()}
 
 
@@ -141,12 +144,13 @@ class MethodUnderTest:
     def load(cls, spec: MethodSpec, target: TargetModel, label: str | None = None) -> "MethodUnderTest":
         return cls(label or spec.name, *load_method(spec, target), spec=spec)
 
-    def engine(self, target: TargetModel, verify_length: str, *, target_spec: str) -> SpeculativeEngine:
+    def engine(self, target: TargetModel, verify_length: str, *, target_spec: str, threads: str = "auto") -> SpeculativeEngine:
         """A fresh engine (the factory's), on this method's loaded drafter and selector."""
         spec = self.spec if self.spec is not None else MethodSpec(AR)
         if self.drafter is not None and spec.is_ar:
             raise DRelayError(f"method '{self.name}' has a drafter but no spec to key its costs")
-        return build_engine(target, spec, verify_length, target_spec=target_spec, method=(self.drafter, self.selector))
+        return build_engine(target, spec, verify_length, target_spec=target_spec, method=(self.drafter, self.selector),
+                            threads=ThreadPolicy.parse(threads))  # fmt: skip
 
 
 @dataclass
@@ -349,11 +353,11 @@ class Evaluation:
     def run_cell(self, bench: str, name: str, fp: str, *, ar_cell: CellResult | None) -> CellResult:
         c, method, prompts = self.config, self.methods[name], self.prompts[bench]
         t0, meter = time.perf_counter(), CpuMeter()
-        engine = method.engine(self.target, c.verify_length, target_spec=c.target)
+        engine = method.engine(self.target, c.verify_length, target_spec=c.target, threads=c.threads)
         self._warm_up(name, engine, prompts[0])
         reference = None
         if c.timing == "paired" and name != AR:
-            reference = self.methods[AR].engine(self.target, c.verify_length, target_spec=c.target)
+            reference = self.methods[AR].engine(self.target, c.verify_length, target_spec=c.target, threads=c.threads)
             self._warm_up(AR, reference, prompts[0])
         cell = CellResult(benchmark=bench, method=name, fingerprint=fp, passes=[], prompts=[])
         for seed in c.run_seeds:

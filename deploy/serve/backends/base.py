@@ -92,6 +92,12 @@ class Backend:
         """{'running': n, 'waiting': m} right now (admission control, metrics)."""
         return {"running": 0, "waiting": 0}
 
+    def threads(self) -> dict:
+        """What /health reports of the replica's CPU threads."""
+        import torch
+
+        return {"torch_threads": torch.get_num_threads()}
+
     def ready(self) -> bool:  # pragma: no cover - interface
         raise NotImplementedError
 

@@ -18,6 +18,7 @@ from deploy.serve.backends.base import Backend, GenChunk, GenRequest, Overloaded
 from deploy.serve.config import EngineSection, LimitsSection
 from drelay_model.decoding.batcher import ContinuousBatcher, RequestUpdate
 from drelay_model.errors import DRelayError
+from drelay_model.kernels.threads import ThreadPolicy
 from drelay_model.target import SMOLLM2, load_target
 from pipelines.common.engines import build_engine
 from pipelines.common.methods import resolve_method
@@ -66,7 +67,8 @@ class EngineBackend(Backend):
             cfg.method, target_spec=cfg.target, checkpoint=_repo_path(cfg.checkpoint), random_drafter=cfg.random_drafter
         )
         self.method = cfg.method
-        self.engine = build_engine(target, spec, cfg.verify_length, target_spec=cfg.target, max_batch=cfg.max_batch)
+        self.engine = build_engine(target, spec, cfg.verify_length, target_spec=cfg.target, max_batch=cfg.max_batch,
+                                   threads=ThreadPolicy.parse(cfg.threads))  # fmt: skip
         self.batcher = ContinuousBatcher(self.engine, max_batch=cfg.max_batch)
         self.tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else target.tokenizer
         if self.tokenizer is None:
@@ -101,6 +103,10 @@ class EngineBackend(Backend):
     # ---- the interface -------------------------------------------------------------------------
     def load(self) -> dict[str, int]:
         return {"running": self.batcher.num_running, "waiting": self.batcher.num_pending}
+
+    def threads(self) -> dict:
+        policy = self.engine.threads
+        return {"torch_threads": policy.current, "threads": policy.describe_setting()}
 
     def ready(self) -> bool:
         return self._thread.is_alive() and not self._stopping

@@ -1,0 +1,154 @@
+"""The engine's CPU thread policy: how many intra-op threads a decode round runs on.
+
+torch's OpenMP threads wait for each other at the end of every parallel region, and a decode round
+is hundreds of small regions. When another process holds one of the cores, the kernel deschedules a
+partner and every region waits for it: on the 2-core CPU machine, beside two busy training workers
+(at nice 19, which Linux's per-session autogroups make no nicer), two threads decode the demo prompt
+at 1.1–1.4 tok/s and one thread at 17–19 (quiet: about 43 with two, 40 with one). So the policy runs
+on the cores the rest of the machine leaves free, re-measured as it decodes:
+
+    others  = (busy CPU seconds of the allowed cores − this process's CPU seconds) / wall seconds
+              over the last interval, from /proc/stat and the process's own clock
+    taken   = ⌊others + 1 − slack⌋       cores another process keeps busy (a core counts as taken
+                                         from `slack` = 0.1 of it: daemons stay below that)
+    threads = max(1, allowed − taken)    allowed: this process's CPU affinity
+
+A fixed `threads` skips the measurement. Where /proc/stat is unreadable (not Linux) auto keeps every
+allowed core. The count changes between rounds only (torch.set_num_threads), so outputs do not
+depend on it; `benchmarks/bench_shared_cpu.py` measures it against fixed counts and vLLM-CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+SLACK = 0.1  # a core counts as taken from this share of it
+
+
+def allowed_cores() -> int:
+    """The cores this process may run on (its CPU affinity; the CPU count off Linux)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads_for(others: float, allowed: int, slack: float = SLACK) -> int:
+    """Threads to run beside `others` cores of other processes' demand on `allowed` cores."""
+    taken = math.floor(max(others, 0.0) + 1.0 - slack)
+    return max(1, allowed - taken)
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """Busy seconds of the allowed cores (every process), this process's CPU seconds, and when."""
+
+    wall: float
+    busy: float
+    own: float
+
+    @classmethod
+    def now(cls) -> "CpuSample | None":
+        try:
+            with open("/proc/stat") as f:
+                lines = [line.split() for line in f if line.startswith("cpu") and line[3:4].isdigit()]
+        except OSError:
+            return None
+        try:
+            cpus = os.sched_getaffinity(0)
+        except AttributeError:
+            return None
+        tick = os.sysconf("SC_CLK_TCK")
+        busy = 0
+        for fields in lines:  # cpuN user nice system idle iowait irq softirq steal …
+            if int(fields[0][3:]) in cpus:
+                ticks = [int(v) for v in fields[1:9]]
+                busy += sum(ticks) - ticks[3] - ticks[4]
+        return cls(time.monotonic(), busy / tick, time.process_time())
+
+    def others_since(self, earlier: "CpuSample") -> float:
+        """Cores' worth of CPU other processes used between `earlier` and this sample."""
+        wall = self.wall - earlier.wall
+        return ((self.busy - earlier.busy) - (self.own - earlier.own)) / wall if wall > 0 else 0.0
+
+
+@dataclass
+class ThreadPolicy:
+    """torch's intra-op thread count for an engine's rounds: fixed (`threads`) or auto (None).
+
+    Building one changes nothing; the decoding loop calls `update()` once per round, which applies
+    the count in the calling thread, and auto re-decides at most every `interval_s` (reading
+    /proc/stat costs microseconds), calling torch.set_num_threads again only on a change."""
+
+    threads: int | None = None
+    interval_s: float = 0.5
+    current: int = field(init=False, default=0)
+    _last: CpuSample | None = field(init=False, default=None, repr=False)
+    _applied_in: set[int] = field(init=False, default_factory=set, repr=False)  # OpenMP's count is per thread
+
+    def __post_init__(self) -> None:
+        from drelay_model.errors import DRelayError
+
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1):
+            raise DRelayError(f"threads must be a positive integer or auto, got {self.threads!r}")
+        if not self.interval_s > 0:
+            raise DRelayError(f"the thread policy's interval_s must be > 0, got {self.interval_s!r}")
+        self.current = self.threads if self.threads is not None else allowed_cores()
+        self._last = None if self.threads is not None else CpuSample.now()
+
+    @classmethod
+    def parse(cls, value: str | int | None) -> "ThreadPolicy":
+        """From a setting: 'auto' / None (measured) or a positive count."""
+        from drelay_model.errors import DRelayError
+
+        if value is None or value == "auto":
+            return cls()
+        if isinstance(value, bool):
+            raise DRelayError(f"threads must be a positive integer or auto, got {value!r}")
+        try:
+            return cls(int(value))
+        except (TypeError, ValueError):
+            raise DRelayError(f"threads must be a positive integer or auto, got {value!r}") from None
+
+    def describe_setting(self) -> str:
+        """The setting as `parse` reads it: 'auto' or the count."""
+        return "auto" if self.auto else str(self.threads)
+
+    @property
+    def auto(self) -> bool:
+        return self.threads is None
+
+    def update(self) -> int:
+        """The thread count for the next round (re-measured when the interval has passed). Call it
+        from the thread that runs the rounds: OpenMP keeps the count per calling thread."""
+        if threading.get_ident() not in self._applied_in:
+            self._apply(self.current)
+        if self.threads is not None or self._last is None:
+            return self.current
+        now = time.monotonic()
+        if now - self._last.wall < self.interval_s:
+            return self.current
+        sample = CpuSample.now()
+        if sample is None:
+            return self.current
+        wanted = threads_for(sample.others_since(self._last), allowed_cores())
+        self._last = sample
+        if wanted != self.current:
+            self._applied_in.clear()
+            self._apply(wanted)
+            self.current = wanted
+        return self.current
+
+    def _apply(self, n: int) -> None:
+        torch.set_num_threads(n)
+        self._applied_in.add(threading.get_ident())
+
+    def describe(self) -> str:
+        how = f"auto, {allowed_cores()} allowed, re-measured every {self.interval_s:g} s" if self.auto else "fixed"
+        return f"threads {self.current} ({how}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')})"

@@ -1,0 +1,77 @@
+"""The engine's CPU thread policy (drelay_model/kernels/threads.py): the rule, its settings, that it
+applies per thread, that a real busy process takes a core from it, and that outputs never depend on it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from drelay_model.decoding import GenerationConfig, SpeculativeEngine
+from drelay_model.errors import DRelayError
+from drelay_model.kernels.threads import CpuSample, ThreadPolicy, allowed_cores, threads_for
+from drelay_model.selectors import NativeSelector
+
+
+@pytest.mark.parametrize(
+    ("others", "allowed", "threads"),
+    [(0.0, 2, 2), (0.08, 2, 2), (0.15, 2, 1), (0.67, 2, 1), (1.05, 2, 1), (3.0, 2, 1), (0.95, 4, 3), (1.2, 4, 2), (-0.1, 1, 1)],
+)
+def test_threads_leave_every_core_another_process_keeps_busy(others, allowed, threads):
+    assert threads_for(others, allowed) == threads
+
+
+@pytest.mark.parametrize("bad", ["x", "0", 0, -2, "1.5", True])
+def test_a_bad_thread_setting_is_one_line(bad):
+    with pytest.raises(DRelayError, match="threads must be a positive integer or auto"):
+        ThreadPolicy.parse(bad)
+
+
+def test_settings_parse_and_building_a_policy_changes_nothing():
+    before = torch.get_num_threads()
+    fixed, auto = ThreadPolicy.parse("3"), ThreadPolicy.parse("auto")
+    assert (fixed.threads, fixed.describe_setting(), auto.auto, auto.describe_setting()) == (3, "3", True, "auto")
+    assert ThreadPolicy.parse(None).auto and auto.current == allowed_cores()
+    assert torch.get_num_threads() == before
+
+
+def test_update_applies_the_count_in_the_thread_that_runs_the_rounds():
+    """OpenMP keeps the count per thread: a serving batcher's thread must get it, not only its builder."""
+    target = 2 if torch.get_num_threads() != 2 else 3
+    policy = ThreadPolicy(target)
+    seen = []
+
+    def rounds():
+        policy.update()
+        seen.append(torch.get_num_threads())
+
+    worker = threading.Thread(target=rounds)
+    worker.start()
+    worker.join()
+    assert seen == [target]
+
+
+@pytest.mark.skipif(allowed_cores() < 2 or CpuSample.now() is None, reason="needs Linux /proc/stat and ≥ 2 allowed cores")
+def test_auto_gives_a_core_to_a_real_busy_process():
+    policy = ThreadPolicy(interval_s=0.2)
+    spin = subprocess.Popen([sys.executable, "-c", "while True:\n    pass\n"])
+    try:
+        time.sleep(1.0)  # this process sleeps: the busy seconds are the competitor's
+        policy.update()
+        assert policy.current <= allowed_cores() - 1, policy.describe()
+    finally:
+        spin.kill()
+        spin.wait()
+
+
+def test_outputs_do_not_depend_on_the_thread_count(target, make_drafter, prompts_of):
+    prompts = prompts_of(target.vocab_size, (5, 8))
+    drafter = make_drafter(target, top_k=8)
+    cfg = GenerationConfig(max_new_tokens=20)
+    one = SpeculativeEngine(target, drafter, NativeSelector(), threads=ThreadPolicy(1)).generate(prompts, cfg).tokens
+    auto = SpeculativeEngine(target, drafter, NativeSelector(), threads=ThreadPolicy(interval_s=1e-6)).generate(prompts, cfg)
+    assert auto.tokens == one == SpeculativeEngine(target).generate(prompts, cfg).tokens
