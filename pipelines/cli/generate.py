@@ -37,6 +37,9 @@ def add_parser(sub) -> None:
                         "warm-up of both, --repeats pairs alternate (AR first, then the method first, ...); the "
                         "speedup is the median of the paired ratios")  # fmt: skip
     p.add_argument("--repeats", type=int, default=3, help="paired repetitions for --compare-ar (default 3)")
+    p.add_argument("--warmup", action="store_true",
+                   help="decode 8 tokens first, untimed, so the figures leave out first-call set-up "
+                        "(allocations, kernel selection), as a server's warm engine does")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--verbose", action="store_true",
                    help="also print the engine's settings to stderr: the CPU kernels it runs with "
@@ -79,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
         ar_engine = build_engine(target, MethodSpec(AR), target_spec=args.target, threads=threads)
         result, ar, speedup, speedups = paired_with_ar(engine, ar_engine, prompt_ids, config, args.repeats)
     else:
+        if args.warmup:
+            engine.generate(prompt_ids, dataclasses.replace(config, max_new_tokens=min(8, config.max_new_tokens)))
         result = engine.generate(prompt_ids, config)
     report = {"method": args.method, "target": args.target, "verify_length": args.verify_length, **result.stats.summary()}
     if args.compare_ar and not spec.is_ar:
