@@ -35,7 +35,7 @@ from drelay_model.decoding.generation import GenerationConfig
 from drelay_model.decoding.logprobs import TokenLogprob, first_token_logprobs
 from drelay_model.decoding.draws import RowDraws, commit_rows
 from drelay_model.decoding.sampling import accept_rows, pick_row
-from drelay_model.decoding.stats import DecodeStats, tau_of
+from drelay_model.decoding.stats import DecodeStats, committed_drafts, tau_of
 from drelay_model.errors import DRelayError
 from drelay_model.selectors.base import Selection
 
@@ -90,7 +90,7 @@ class RequestStats:
         if verified is not None:
             self.drafted_rounds += 1
             self.verified_drafts += verified
-        n = min(accepted, committed - 1)  # as DecodeStats: only drafts actually committed count
+        n = committed_drafts(accepted, committed)  # DecodeStats' rule
         self.accept_hist[n] += 1
         self.accepted += n
         self.committed += committed

@@ -20,6 +20,13 @@ def tau_of(committed: int, rounds: int) -> float:
     return committed / rounds if rounds else 0.0
 
 
+def committed_drafts(accepted: int, committed: int) -> int:
+    """The drafts a row-round counts as accepted: those it committed. A round cut short by EOS or the
+    budget commits fewer than it accepted, so real decoding and replay (which cannot see past the
+    end) record the same histogram; `committed` includes the round's bonus token."""
+    return min(accepted, committed - 1)
+
+
 @dataclass
 class DecodeStats:
     """Counters accumulated over every row and round of one continuous batcher (one generate() call
@@ -106,9 +113,7 @@ class DecodeStats:
             self.drafted_rounds += len(verified)
             self.verified_drafts += sum(verified)
         for n, c in zip(accepted, committed):
-            # A round cut short by EOS or the budget counts only the drafts it actually committed,
-            # so real decoding and replay (which cannot see past the end) record the same histogram.
-            self.accept_hist[min(n, c - 1)] += 1
+            self.accept_hist[committed_drafts(n, c)] += 1
             self.committed += c
         self.rounds += len(accepted)
 
