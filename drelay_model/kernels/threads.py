@@ -20,6 +20,7 @@ depend on it; `benchmarks/bench_shared_cpu.py` measures it against fixed counts 
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 SLACK = 0.1  # a core counts as taken from this share of it
+log = logging.getLogger(__name__)
 
 
 def allowed_cores() -> int:
@@ -137,9 +139,11 @@ class ThreadPolicy:
         sample = CpuSample.now()
         if sample is None:
             return self.current
-        wanted = threads_for(sample.others_since(self._last), allowed_cores())
+        others = sample.others_since(self._last)
+        wanted = threads_for(others, allowed_cores())
         self._last = sample
         if wanted != self.current:
+            log.info("threads %d → %d: other processes use %.2f cores", self.current, wanted, others)
             self._applied_in.clear()
             self._apply(wanted)
             self.current = wanted

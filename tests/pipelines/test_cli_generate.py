@@ -179,6 +179,8 @@ def test_costs_command_measures_caches_and_shows(capsys, tmp_path, monkeypatch):
     does not matter, and its rounds take milliseconds where SmolLM2's take tens (a drafter's block is
     16 positions on either)."""
     monkeypatch.setattr("drelay_model.decoding.cost_policy.cache.cache_root", lambda: tmp_path)
+    # whatever else this machine runs meanwhile, a surface counts as quiet until the check below
+    monkeypatch.setattr("drelay_model.decoding.cost_policy.cache.BUSY_CORES", float("inf"))
     small = ["--max-batch", "2", "--reps", "1"]  # the surface at b = 1, 2: seconds
     assert main(["costs", *TINY, "--random-drafter", "--show"]) == 2 and "run without --show" in capsys.readouterr().err
     assert main(["costs", *TINY, "--random-drafter", "--json", *small]) == 0
@@ -195,6 +197,11 @@ def test_costs_command_measures_caches_and_shows(capsys, tmp_path, monkeypatch):
     assert main(["costs", *TINY, "--random-drafter", "--show", "--json", *small]) == 0
     out, err = capsys.readouterr()
     assert "predate" in err and json.loads(out)["batch_sizes"] == [1]  # --show asks for no batch size beyond 1
+    remeasured = json.loads(out)  # a surface measured on a busy machine is measured again
+    monkeypatch.setattr("drelay_model.decoding.cost_policy.cache.BUSY_CORES", 0.5)
+    cached.write_text(json.dumps({**remeasured, "busy_cores": 1.5}))
+    assert main(["costs", *TINY, "--random-drafter", "--show", "--json", *small]) == 0
+    assert "other processes used 1.5 cores: re-measuring" in capsys.readouterr().err
     assert main(["costs", *TINY, "--method", "ar"]) == 2 and "no drafting costs" in capsys.readouterr().err
     assert main(["costs", *TINY, "--random-drafter", "--reps", "0"]) == 2 and "--reps" in capsys.readouterr().err
     assert main(["costs", *TINY, "--random-drafter", "--max-batch", "0"]) == 2 and "--max-batch" in capsys.readouterr().err

@@ -8,11 +8,15 @@ sizes 1 … max_batch (`surface_batches`): measuring takes about `MEASURE_BUDGET
 (docs/verification-length.md has today's figure on the CPU default), and the costs belong to the
 machine, not to the repository (a home directory shared by cluster nodes of different CPU or GPU
 models keeps one file per model). A file of an older version, or one whose surface stops below the
-max_batch asked for, is measured again; `drelay costs` re-measures.
+max_batch asked for, is measured again; `drelay costs` re-measures. So is a file measured while
+other processes kept more than `BUSY_CORES` of the CPU busy (its `busy_cores`, from /proc/stat as the
+thread policy reads it): costs taken under contention can be ten times a quiet machine's and would
+steer every later round (one such file kept the bundled DRelay head from drafting on the demo prompt).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import platform
 import sys
@@ -23,6 +27,7 @@ import torch
 
 from drelay_model.decoding.cost_policy.measure import measure_costs
 from drelay_model.decoding.cost_policy.surface import RoundCosts, StaleCosts, surface_batches
+from drelay_model.kernels.threads import CpuSample
 from drelay_model.target.loading import cache_root
 
 
@@ -58,6 +63,9 @@ MEASURE_BUDGET_S = 20.0  # measuring stops after the first repetition that ends 
 DEFAULT_MAX_BATCH = 16  # the batch sizes measured when the caller names none (the serve default)
 
 
+BUSY_CORES = 0.5  # a surface measured beside more of other processes' CPU use than this is measured again
+
+
 def cached_costs(
     target,
     drafter,
@@ -77,9 +85,13 @@ def cached_costs(
     if path.exists() and not remeasure:
         try:
             costs = RoundCosts.load(path)
-            if costs.max_batch >= max_batch:
+            if costs.busy_cores > BUSY_CORES:
+                print(f"the cached costs at {path} were measured while other processes used {costs.busy_cores:.1f} cores:"
+                      " re-measuring", file=sys.stderr)  # fmt: skip
+            elif costs.max_batch >= max_batch:
                 return costs
-            print(f"the cached costs at {path} stop at batch {costs.max_batch} < {max_batch}: re-measuring", file=sys.stderr)
+            else:
+                print(f"the cached costs at {path} stop at batch {costs.max_batch} < {max_batch}: re-measuring", file=sys.stderr)
         except StaleCosts as exc:
             print(f"{exc}: re-measuring", file=sys.stderr)
     batches = surface_batches(max_batch)
@@ -88,8 +100,12 @@ def cached_costs(
         f" (≤ {MEASURE_BUDGET_S:.0f} s + one repetition; cached at {path})",
         file=sys.stderr,
     )
-    t0 = time.perf_counter()
+    t0, before = time.perf_counter(), CpuSample.now()
     costs = measure_costs(target, drafter, selector, batch_sizes=batches, reps=reps, budget_s=MEASURE_BUDGET_S)
+    after = CpuSample.now()
+    busy = round(max(after.others_since(before), 0.0), 3) if before is not None and after is not None else 0.0
+    costs = dataclasses.replace(costs, busy_cores=busy)
     costs.save(path)
-    print(f"measured in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    note = f"; other processes used {busy:.1f} cores meanwhile: measured again next time" if busy > BUSY_CORES else ""
+    print(f"measured in {time.perf_counter() - t0:.1f} s{note}", file=sys.stderr)
     return costs

@@ -34,9 +34,9 @@ from pathlib import Path
 from drelay_model.errors import DRelayError
 
 # What `measure_costs` measures, versioned: 2 = draft(h) per length, 3 = a partial-block selector's
-# select_ms on a one-slot block, 4 = every term over batch sizes. A cached file of an older version
-# is measured again.
-COSTS_VERSION = 4
+# select_ms on a one-slot block, 4 = every term over batch sizes, 5 = the other processes' CPU use
+# while measuring (`busy_cores`). A cached file of an older version is measured again.
+COSTS_VERSION = 5
 
 Table = tuple[tuple[float, ...], ...]
 
@@ -97,6 +97,8 @@ class RoundCosts:
     """Measured costs in milliseconds over batch sizes (the module docstring).
 
     batch_sizes     [N] ascending grid of batch sizes, starting at 1
+    busy_cores      cores' worth of CPU other processes used while these were measured (0 where
+                    unknown): the cache measures again a surface taken on a busy machine
     verify_ms       [N][H + 1] target forward over b rows × t = 1 .. H + 1 new tokens
     draft_slots_ms  [N][H] the drafter over b blocks of h = 1 .. H slots, LM heads included
     select_ms       [N] the selector deciding one slot per row (`SelectionContext.max_slots` = 1) on a
@@ -114,6 +116,7 @@ class RoundCosts:
     select_slot_ms: tuple[float, ...] = 0.0
     extend_ms: tuple[float, ...] = 0.0
     batch_sizes: tuple[int, ...] = (1,)
+    busy_cores: float = 0.0
     version: int = COSTS_VERSION  # of the measurement
 
     def __post_init__(self) -> None:
@@ -123,6 +126,9 @@ class RoundCosts:
             flat = not value or not isinstance(value[0], (list, tuple))
             table = (tuple(float(t) for t in value),) if flat else tuple(tuple(float(t) for t in row) for row in value)
             object.__setattr__(self, name, table)
+        object.__setattr__(self, "busy_cores", float(self.busy_cores))
+        if not (self.busy_cores >= 0 and math.isfinite(self.busy_cores)):
+            raise DRelayError(f"busy_cores must be ≥ 0 and finite, got {self.busy_cores}")
         for name in ("select_ms", "select_slot_ms", "extend_ms"):
             value = getattr(self, name)
             value = (value,) * n if isinstance(value, (int, float)) else tuple(value)
