@@ -71,6 +71,9 @@ def add_head(source: str | Path, checkpoint: str | Path) -> tuple[str, Path]:
     out.parent.mkdir(exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     save_file({k: v.contiguous() for k, v in head.items()}, str(tmp), metadata=meta)
+    umask = os.umask(0)  # safetensors writes 0600; a head file is read by whoever reads the checkpoint
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
     os.replace(tmp, out)
     return name, out
 

@@ -114,12 +114,12 @@ BUNDLED = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m"
 
 @pytest.mark.slow
 @pytest.mark.skipif(not BUNDLED.is_dir(), reason="no trained drafter bundled in checkpoints/smollm2-135m")
-@pytest.mark.parametrize("method", ["native", "drelay"])
+@pytest.mark.parametrize("method", ["native", "drelay", "domino"])
 def test_bundled_checkpoint_is_small_trained_and_lossless(capsys, method):
-    """The shipped CPU default: ≤ 50 MB of safetensors, holds the DRelay selector, and decodes
-    exactly the target's greedy output with either method (one timed pair with AR: the speedup's
-    median over pairs is another test's)."""
-    assert sum(f.stat().st_size for f in BUNDLED.iterdir()) <= 50 * 2**20
+    """The shipped CPU default: ≤ 50 MB of safetensors, holds the DRelay selector and the Domino head
+    beside it (heads/), and decodes exactly the target's greedy output with each (one timed pair
+    with AR: the speedup's median over pairs is another test's)."""
+    assert sum(f.stat().st_size for f in BUNDLED.rglob("*") if f.is_file()) <= 50 * 2**20
     rc, out, err = _run(capsys, "--chat", "What is 12 times 7? Explain briefly.", "--method", method, "--compare-ar",
                         "--max-new-tokens", "48", "--json", "--verify-length", "fixed", "--repeats", "1")  # fmt: skip
     assert rc == 0, err
