@@ -83,7 +83,9 @@ class Competitor:
 
 
 def thread_flag(threads: str) -> str:
-    return str(len(os.sched_getaffinity(0))) if threads == "all" else threads
+    from drelay_model.kernels.threads import allowed_cores
+
+    return str(allowed_cores()) if threads == "all" else threads
 
 
 def thread_env(wait_policy: str) -> dict:

@@ -3,8 +3,8 @@
 torch's OpenMP threads wait for each other at the end of every parallel region, and a decode round
 is hundreds of small regions. When another process holds one of the cores, the kernel deschedules a
 partner and every region waits for it: on the 2-core CPU machine, beside two busy training workers
-(at nice 19, which Linux's per-session autogroups make no nicer), two threads decode the demo prompt
-at 1.1–1.4 tok/s and one thread at 17–19 (quiet: about 43 with two, 40 with one). So the policy runs
+(at nice 19, which Linux's per-session autogroups make no nicer), two threads decoded the demo prompt
+at 1.1–1.4 tok/s and one thread at 17–19 (docs/benchmarks.md, "A shared CPU"). So the policy runs
 on the cores the rest of the machine leaves free, re-measured as it decodes:
 
     others  = (busy CPU seconds of the allowed cores − this process's CPU seconds) / wall seconds
@@ -106,17 +106,18 @@ class ThreadPolicy:
 
     @classmethod
     def parse(cls, value: str | int | None) -> "ThreadPolicy":
-        """From a setting: 'auto' / None (measured) or a positive count."""
+        """From a setting: 'auto' / None (measured) or a positive count (a string of digits from a
+        flag); the count itself is checked where every policy is, in `__post_init__`."""
         from drelay_model.errors import DRelayError
 
         if value is None or value == "auto":
             return cls()
-        if isinstance(value, bool):
-            raise DRelayError(f"threads must be a positive integer or auto, got {value!r}")
-        try:
-            return cls(int(value))
-        except (TypeError, ValueError):
-            raise DRelayError(f"threads must be a positive integer or auto, got {value!r}") from None
+        if isinstance(value, str):
+            try:
+                value = int(value)
+            except ValueError:
+                raise DRelayError(f"threads must be a positive integer or auto, got {value!r}") from None
+        return cls(value)
 
     def describe_setting(self) -> str:
         """The setting as `parse` reads it: 'auto' or the count."""
