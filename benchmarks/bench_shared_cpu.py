@@ -41,6 +41,12 @@ DEMO_MESSAGE = (
     "How many clips did she sell altogether?"
 )
 SPIN = "while True:\n    pass\n"
+# A competitor busy `duty` of every 10 ms (spin, then sleep): what a proxy or a client costs, below 1.
+DUTY = (
+    "import time\nbusy, idle = {busy}, {idle}\n"
+    "while True:\n    end = time.perf_counter() + busy\n    while time.perf_counter() < end:\n        pass\n"
+    "    time.sleep(idle)\n"
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", nargs="+", default=["auto", "all", "1"],
                    help="our engine's --threads: 'auto' (the shipped policy), 'all' (every core) or a number")  # fmt: skip
     p.add_argument("--wait-policy", nargs="+", default=["default", "passive"], choices=["default", "passive", "active"])
+    p.add_argument("--duty", nargs="+", type=float, default=[1.0],
+                   help="the competitor's busy share of each 10 ms (1: a spin loop); one busy run per value")  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="decodes per measurement (median)")
     p.add_argument("--rounds", type=int, default=1, help="quiet/busy pairs per configuration")
@@ -62,14 +70,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("max_new_tokens", "repeats", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be ≥ 1")
+    for d in args.duty:
+        if not 0 < d <= 1:
+            p.error(f"--duty: a share in (0, 1], got {d}")
     return args
 
 
 class Competitor:
-    """One busy process at normal priority for the length of a `with` block (stopped by pid)."""
+    """One busy process at normal priority for the length of a `with` block (stopped by pid), busy
+    `duty` of the time."""
+
+    def __init__(self, duty: float = 1.0):
+        self.code = SPIN if duty >= 1 else DUTY.format(busy=0.01 * duty, idle=0.01 * (1 - duty))
 
     def __enter__(self):
-        self.proc = subprocess.Popen([sys.executable, "-c", SPIN], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen([sys.executable, "-c", self.code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(0.5)  # let the scheduler see it before the measurement starts
         return self
 
@@ -117,18 +132,25 @@ def vllm_tok_s(python, model_dir: str, prompt: list[int], args) -> float:
     return run["generated"] / run["seconds"]
 
 
-def measure(label: str, fn, rounds: int) -> dict:
-    quiet, busy = [], []
+def measure(label: str, fn, rounds: int, duties: list[float]) -> dict:
+    """Quiet and busy (one competitor per duty) in alternating order; medians and busy ÷ quiet. A
+    duty of 1 keeps the row's plain names (busy_tok_s, kept); others add the duty (busy50_tok_s)."""
+    quiet, busy = [], {d: [] for d in duties}
     for r in range(rounds):
         for state in ("quiet", "busy") if r % 2 == 0 else ("busy", "quiet"):
             if state == "busy":
-                with Competitor():
-                    busy.append(fn())
+                for d in duties:
+                    with Competitor(d):
+                        busy[d].append(fn())
             else:
                 quiet.append(fn())
-    q, b = statistics.median(quiet), statistics.median(busy)
-    row = {"quiet_tok_s": q, "busy_tok_s": b, "kept": b / q}
-    print(f"{label:40s} quiet {q:6.1f} tok/s   busy {b:6.1f} tok/s   kept {b / q:5.2f}", flush=True)
+    q = statistics.median(quiet)
+    row, line = {"quiet_tok_s": q}, f"{label:40s} quiet {q:6.1f} tok/s"
+    for d in duties:
+        b, tag = statistics.median(busy[d]), "" if d >= 1 else f"{round(100 * d)}"
+        row[f"busy{tag}_tok_s"], row[f"kept{tag}"] = b, b / q
+        line += f"   busy{'' if not tag else f' {tag}%'} {b:6.1f} tok/s   kept {b / q:5.2f}"
+    print(line, flush=True)
     return row
 
 
@@ -141,7 +163,7 @@ def main(argv=None) -> int:
             for wait in args.wait_policy:
                 env, flag = thread_env(wait), thread_flag(threads)
                 label = f"ours {method} threads={flag} wait={wait}"
-                rows[label] = measure(label, lambda: ours_tok_s(method, flag, env, args), args.rounds)
+                rows[label] = measure(label, lambda: ours_tok_s(method, flag, env, args), args.rounds, args.duty)
     if not args.no_vllm:
         from deploy.vllm.peer import vllm_python
         from drelay_model.errors import DRelayError
@@ -154,7 +176,9 @@ def main(argv=None) -> int:
             raise DRelayError("the vLLM venv is missing: run `make vllm-env` (or pass --no-vllm)")
         prompt = user_prompt(load_target(SMOLLM2).tokenizer, DEMO_MESSAGE)
         label = "vLLM-CPU ar (its own thread settings)"
-        rows[label] = measure(label, lambda: vllm_tok_s(python, str(cache_root() / SMOLLM2), prompt, args), args.rounds)
+        rows[label] = measure(
+            label, lambda: vllm_tok_s(python, str(cache_root() / SMOLLM2), prompt, args), args.rounds, args.duty
+        )
     result = {"args": vars(args), "rows": rows, "wall_s": time.perf_counter() - t0, "cores": os.cpu_count()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
