@@ -19,7 +19,19 @@ from drelay_model.selectors import NativeSelector
 
 @pytest.mark.parametrize(
     ("others", "allowed", "threads"),
-    [(0.0, 2, 2), (0.08, 2, 2), (0.25, 2, 2), (0.35, 2, 1), (0.67, 2, 1), (1.05, 2, 1), (3.0, 2, 1), (0.95, 4, 3), (1.2, 4, 3), (1.35, 4, 2), (-0.1, 1, 1)],
+    [
+        (0.0, 2, 2),
+        (0.08, 2, 2),
+        (0.25, 2, 2),
+        (0.35, 2, 1),
+        (0.67, 2, 1),
+        (1.05, 2, 1),
+        (3.0, 2, 1),
+        (0.95, 4, 3),
+        (1.2, 4, 3),
+        (1.35, 4, 2),
+        (-0.1, 1, 1),
+    ],
 )
 def test_threads_leave_every_core_another_process_keeps_busy(others, allowed, threads):
     assert threads_for(others, allowed) == threads
