@@ -61,6 +61,9 @@ class BatchState:
             total = sum(f.shape[1] if c is None else c for f, c in self.pending)  # [R]
             feats = _left_aligned(self.pending, total)
         start = self.ctx.lengths.clone()
+        need = int(start.max()) + feats.shape[1]  # every row writes T positions, then is cropped to its own
+        if need > self.ctx.capacity:  # a row that joined after these rounds (count 0) may start late
+            _grow(self.ctx, need)
         drafter.extend_context(feats, self.ctx)
         self.ctx.crop(start + total)
         if self.history is not None:
@@ -96,10 +99,16 @@ class BatchState:
 
     def merge(self, other: "BatchState") -> "BatchState":
         """This state's rows, then `other`'s, in one state whose caches hold the larger capacity of
-        the two. Both must have no pending features (`sync_context` first); sampling numbers are the
-        caller's (the continuous batcher keeps one per request)."""
-        assert not self.pending and not other.pending, "sync_context() before merging states"
+        the two. `other` (freshly prefilled) has no pending features; this state's stay pending,
+        with counts of 0 for the rows joining, so the drafter's context catches up when a round next
+        drafts, not at every admission (during AR rounds it may never need to). Sampling numbers are
+        the caller's (the continuous batcher keeps one per request)."""
+        assert not other.pending, "the joining state has pending features: sync_context() it first"
         out = BatchState(rows=self.rows + other.rows, cache=_concat_caches(self.cache, other.cache))
+        R_new = len(other.rows)
+        for f, c in self.pending:  # f [R, T, F] → [R + R_new, T, F]; counts: the rows joining add none
+            counts = torch.full((f.shape[0],), f.shape[1], dtype=torch.long, device=f.device) if c is None else c
+            out.pending.append((torch.cat([f, f.new_zeros(R_new, *f.shape[1:])]), torch.cat([counts, counts.new_zeros(R_new)])))
         out.anchor = torch.cat([self.anchor, other.anchor])
         if self.ctx is not None:
             out.ctx = _concat_caches(self.ctx, other.ctx)
@@ -152,4 +161,13 @@ def _set_capacity(cache: KVCache, capacity: int) -> None:
     assert int(cache.lengths.max()) <= capacity <= cache.capacity
     cache.k = cache.k[:, :, :, :capacity].contiguous()
     cache.v = cache.v[:, :, :, :capacity].contiguous()
+    cache.capacity = capacity
+
+
+def _grow(cache: KVCache, capacity: int) -> None:
+    """Enlarge a cache to `capacity` positions (the new ones empty)."""
+    pad = capacity - cache.capacity
+    assert pad > 0
+    cache.k = torch.nn.functional.pad(cache.k, (0, 0, 0, pad))
+    cache.v = torch.nn.functional.pad(cache.v, (0, 0, 0, pad))
     cache.capacity = capacity

@@ -262,9 +262,7 @@ class ContinuousBatcher:
         self.stats.time_total += time.perf_counter() - t0
         self.stats.generated += len(requests)
         self.stats.requests += len(requests)
-        if self._state is not None:
-            self._state.sync_context(self.engine.drafter)  # the rows joining have no pending features
-        self._state = state if self._state is None else self._state.merge(state)
+        self._state = state if self._state is None else self._state.merge(state)  # pending features stay pending
         updates = []
         for r, tok, lp in zip(requests, state.anchor.tolist(), lps):
             self._running[r.id] = r
