@@ -224,7 +224,7 @@ class ContinuousBatcher:
         updates = [self._finish(r, [], "cancelled") for r in dropped]
         updates += [self._finish(self._running[i], [], "cancelled") for i in cancelled if i in self._running]
         if self.engine.threads is not None and (admit or self._running):
-            self.engine.threads.update()  # from the thread that runs the rounds (OpenMP's count is per thread)
+            self.engine.threads.update(rows=len(admit) + len(self._running))  # in the rounds' thread (OpenMP: per thread)
         if admit:
             updates += self._admit(admit)
         self._leave()  # cancelled rows, and requests that finished on their prefill token

@@ -10,13 +10,17 @@ on the cores the rest of the machine leaves free, re-measured as it decodes:
     others  = (busy CPU seconds of the allowed cores − this process's CPU seconds) / wall seconds
               over the last `window` intervals (1 s), from /proc/stat and the process's own clock
     taken   = ⌊others + 1 − slack⌋       cores another process keeps busy (a core counts as taken
-                                         from `slack` = 0.3 of it)
+                                         from `slack` of it: 0.3 for one row, rising to 0.5 at 8
+                                         rows, linear in log2 rows)
     threads = max(1, allowed − taken)    allowed: this process's CPU affinity
 
 The slack is measured, not guessed: beside a competitor busy a share d of every 10 ms
 (`bench_shared_cpu.py --duty`), two threads decoded the demo prompt (AR) at 23.1 / 20.4 / 16.3 /
 9.8 tok/s for d = 0.15 / 0.3 / 0.5 / 1 against one thread's 18.6 / 19.9 / 19.8 / 19.5, so a second
-thread pays up to about 0.3 of a core held elsewhere. A serving replica's own proxy and HTTP clients
+thread pays up to about 0.3 of a core held elsewhere. At 8 rows (in-process continuous batching of
+GSM8K prompts, 32 tokens each) it pays up to about 0.5: 82.5 / 70.8 tok/s at d = 0.3 / 0.5 against
+one thread's 67.2 / 70.0; larger rows make longer parallel regions, so a descheduled partner
+costs a smaller share of each. A serving replica's own proxy and HTTP clients
 hold 0.1–0.3 of a core under load (measured at concurrency 1–16): below the slack, so an endpoint
 keeps both threads (with 0.1 it dropped to one and lost a third of its throughput at concurrency 16);
 their bursts pass 0.3 for half a second now and then, which a 1 s window smooths out.
@@ -37,7 +41,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-SLACK = 0.3  # a core counts as taken from this share of it (the break-even above)
+SLACK = 0.3  # one row: a core counts as taken from this share of it (the break-even above)
+SLACK_BATCHED = 0.5  # from 8 rows on
 log = logging.getLogger(__name__)
 
 
@@ -47,6 +52,12 @@ def allowed_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def slack_for(rows: int) -> float:
+    """The share of a core another process must hold before it counts as taken, for a round over
+    `rows` rows: SLACK at one row, SLACK_BATCHED from 8, linear in log2(rows) between."""
+    return SLACK + (SLACK_BATCHED - SLACK) * min(math.log2(max(rows, 1)) / 3.0, 1.0)
 
 
 def threads_for(others: float, allowed: int, slack: float = SLACK) -> int:
@@ -140,9 +151,10 @@ class ThreadPolicy:
     def auto(self) -> bool:
         return self.threads is None
 
-    def update(self) -> int:
-        """The thread count for the next round (re-measured when the interval has passed). Call it
-        from the thread that runs the rounds: OpenMP keeps the count per calling thread."""
+    def update(self, rows: int = 1) -> int:
+        """The thread count for the next round over `rows` rows (re-measured when the interval has
+        passed). Call it from the thread that runs the rounds: OpenMP keeps the count per calling
+        thread."""
         if threading.get_ident() not in self._applied_in:
             self._apply(self.current)
         if self.threads is not None or not self._samples:
@@ -154,7 +166,7 @@ class ThreadPolicy:
         if sample is None:
             return self.current
         others = sample.others_since(self._samples[0])  # over the last `window` intervals
-        wanted = threads_for(others, allowed_cores())
+        wanted = threads_for(others, allowed_cores(), slack_for(rows))
         self._samples.append(sample)
         if wanted != self.current:
             log.info("threads %d → %d: other processes use %.2f cores", self.current, wanted, others)

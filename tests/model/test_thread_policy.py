@@ -13,7 +13,7 @@ import torch
 
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine
 from drelay_model.errors import DRelayError
-from drelay_model.kernels.threads import CpuSample, ThreadPolicy, allowed_cores, threads_for
+from drelay_model.kernels.threads import CpuSample, ThreadPolicy, allowed_cores, slack_for, threads_for
 from drelay_model.selectors import NativeSelector
 
 
@@ -104,3 +104,12 @@ def test_auto_decides_on_a_window_so_one_burst_keeps_the_threads(monkeypatch):
     assert seen == [2, 2, 2, 2, 1]
     with pytest.raises(DRelayError, match="window"):
         ThreadPolicy(window=0)
+
+
+def test_batched_rounds_tolerate_more_of_another_process():
+    """Measured break-evens: 0.3 of a core at one row, 0.5 at eight (longer parallel regions)."""
+    assert slack_for(1) == pytest.approx(0.3) and slack_for(8) == pytest.approx(0.5) == slack_for(64)
+    assert 0.3 < slack_for(2) < slack_for(4) < 0.5
+    assert threads_for(0.4, 2, slack_for(1)) == 1
+    assert threads_for(0.4, 2, slack_for(16)) == 2
+    assert threads_for(0.6, 2, slack_for(16)) == 1
