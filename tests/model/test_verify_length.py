@@ -313,3 +313,21 @@ def test_the_rest_of_a_drafted_round_counts_against_drafting():
     assert policy.other_ms[0] == pytest.approx(0.2, rel=0.01) and policy.other_ms[1] == pytest.approx(12.0, rel=0.01)
     assert policy.round_ms(H, H, 5) == pytest.approx(c.draft_ms(H) + 32.0 + 12.0, rel=0.01)
     assert policy.plan() == 0
+
+
+def test_an_untimed_verify_width_borrows_the_timed_ones_scale():
+    """The surface prices every verify 1.5× too slow (the machine got faster since). While drafting
+    wins no AR round is timed, so one-token verifies take the wider verifies' learned scale. Once AR
+    rounds are timed, their own scale takes over from the borrowed one."""
+    c = costs(verify=(45.0, 48.0, 51.0, 54.0, 57.0), block=1.0, head=0.1, select=0.1)
+    policy = CostPolicy(c, H)
+    set_counts(policy, [100.0] * H, [40.0] * H)  # per-slot acceptance 0.4: E(1) = 1.4
+    assert policy.verify_ms(1) == pytest.approx(45.0)
+    for _ in range(60):
+        policy.observe_times(verify_width=2, verify_ms=32.0, head_slots=1, decided=1, draft_ms=c.draft_ms(1))
+    assert policy.verify_ms(2) == pytest.approx(32.0, rel=0.02)
+    assert policy.verify_ms(1) == pytest.approx(45.0 * 32.0 / 48.0, rel=0.02)  # borrowed
+    for _ in range(60):
+        policy.observe_times(verify_width=1, verify_ms=20.0)
+    assert policy.verify_ms(1) == pytest.approx(20.0, rel=0.02)  # its own, from the borrowed start
+    assert policy.verify_ms(2) == pytest.approx(32.0, rel=0.02)

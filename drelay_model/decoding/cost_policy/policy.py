@@ -20,7 +20,11 @@ the drafted paths and hands the round's outcome and phase times back. The spec:
              the longest row's, so a row verifying fewer than G drafts saves nothing and only
              commits less.
     observe  the verified outcomes update the round's arm and the calibration bins
-    observe_times  measured phase times update s_d, s_v (one token / wider verifies) and o (AR / drafted)
+    observe_times  measured phase times update s_d, s_v (one token / wider verifies) and o (AR / drafted);
+             a verify width not yet observed borrows the other's s_v: the surface's error is mostly
+             the machine's speed since it was measured, common to both, and while drafting wins no
+             AR round runs to correct s_v for one token (it priced AR 1.4× too slow at batch 4,
+             so drafting kept winning at τ 1.3 on GSM8K, 0.89× of AR's speed)
 
 Arms: with a selector other than `native`, arm 0 runs the selector and arm 1 keeps the native path
 without calling it. The settings (`PolicySettings`) are frozen; `CostPolicy` holds the running
@@ -118,6 +122,7 @@ class CostPolicy:
         self.bin_hits, self.bin_seen = [0.0] * _BINS, [0.0] * _BINS
         self.log_draft_scale = 0.0
         self.log_verify_scale = [0.0, 0.0]
+        self._verify_seen = [False, False]  # whether rounds verifying one token / wider were timed
         self.other_ms = [0.0, 0.0]
         self._since_probe, self._interval = 0, settings.probe
         self._probing = False  # this round's plan is a probe
@@ -127,8 +132,12 @@ class CostPolicy:
         return math.exp(self.log_draft_scale) * self.costs.draft_ms(head_slots, decided, batch)
 
     def verify_ms(self, width: int, batch: int = 1) -> float:
-        """Verifying `width` tokens (the anchor + width − 1 drafts) in each of `batch` rows."""
-        return math.exp(self.log_verify_scale[width > 1]) * self.costs.verify(width, batch)
+        """Verifying `width` tokens (the anchor + width − 1 drafts) in each of `batch` rows (a width
+        never timed takes the other width's scale)."""
+        kind = int(width > 1)
+        if not self._verify_seen[kind] and self._verify_seen[1 - kind]:
+            kind = 1 - kind
+        return math.exp(self.log_verify_scale[kind]) * self.costs.verify(width, batch)
 
     def round_ms(self, head_slots: int, decided: int, width: int, batch: int = 1) -> float:
         """A whole round over `batch` rows: drafting (0 for an AR round) + verifying `width` tokens
@@ -259,7 +268,11 @@ class CostPolicy:
             return decay * log_scale + (1 - decay) * r
 
         w = min(verify_width, self.costs.max_slots + 1)
-        self.log_verify_scale[w > 1] = update(self.log_verify_scale[w > 1], verify_ms, self.costs.verify(w, batch))
+        kind = int(w > 1)
+        if not self._verify_seen[kind]:  # start from the scale this width borrowed so far
+            self.log_verify_scale[kind] = self.log_verify_scale[1 - kind] if self._verify_seen[1 - kind] else 0.0
+            self._verify_seen[kind] = True
+        self.log_verify_scale[kind] = update(self.log_verify_scale[kind], verify_ms, self.costs.verify(w, batch))
         if head_slots > 0:
             self.log_draft_scale = update(self.log_draft_scale, draft_ms, self.costs.draft_ms(head_slots, decided, batch))
         if round_ms is not None:
