@@ -145,3 +145,23 @@ def test_the_endpoint_path_decodes_as_generate(backend):
         assert chunks[-1].finish_reason == ("stop" if stop(served) else "length")
         reasons.append(chunks[-1].finish_reason)
     assert "stop" in reasons
+
+
+def test_a_reader_that_falls_behind_gets_the_rounds_in_fewer_chunks(backend):
+    """The batcher commits rounds faster than a slow reader takes them: the rounds waiting in the
+    request's queue leave as one chunk, with every token (and log-probability) in order."""
+
+    async def run(delay: float):
+        chunks = []
+        stream = backend.submit(GenRequest(prompt_ids=[4, 5], settings=GenerationConfig(max_new_tokens=24), logprobs=1))
+        async for c in stream:
+            chunks.append(c)
+            await asyncio.sleep(delay)  # the first chunk's pause lets later rounds queue up
+        return chunks
+
+    eager, slow = asyncio.run(run(0.0)), asyncio.run(run(0.3))
+    ids = [t for c in eager for t in c.token_ids]
+    assert [t for c in slow for t in c.token_ids] == ids and len(ids) == 24
+    assert len(slow) < slow[-1].spec.verify_ct / 2  # far fewer chunks than rounds
+    assert [lp.token_id for c in slow for lp in c.logprobs] == ids
+    assert slow[-1].finish_reason == "length" and slow[-1].spec.completion_tokens == 24

@@ -144,6 +144,18 @@ class EngineBackend(Backend):
                 update = await queue.get()
                 if isinstance(update, Exception):
                     raise update
+                ids = list(update.new_tokens)
+                lps = None if update.logprobs is None else list(update.logprobs)
+                # Rounds the reader fell behind on leave as one chunk: one SSE event and one hop
+                # through Ray Serve's stream instead of one per round (docs/serving.md).
+                while not update.finished and not queue.empty():
+                    later = queue.get_nowait()
+                    if isinstance(later, Exception):
+                        raise later
+                    ids += later.new_tokens
+                    if lps is not None:
+                        lps += later.logprobs or []
+                    update = later
                 finished = update.finished
                 spec = None
                 if finished:
@@ -151,7 +163,7 @@ class EngineBackend(Backend):
                     spec = SpecStats(verify_ct=s.rounds, accept_histogram=list(s.accept_hist), completion_tokens=s.generated,
                                      drafted_ct=s.drafted_rounds, verified_drafts=s.verified_drafts)  # fmt: skip
                 reason = update.finish_reason if finished else None
-                yield GenChunk(token_ids=update.new_tokens, finish_reason=reason, spec=spec, logprobs=update.logprobs)
+                yield GenChunk(token_ids=ids, finish_reason=reason, spec=spec, logprobs=lps)
         finally:
             self._queues.pop(rid, None)
             if not finished:
