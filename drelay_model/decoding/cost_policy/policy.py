@@ -132,12 +132,8 @@ class CostPolicy:
         return math.exp(self.log_draft_scale) * self.costs.draft_ms(head_slots, decided, batch)
 
     def verify_ms(self, width: int, batch: int = 1) -> float:
-        """Verifying `width` tokens (the anchor + width − 1 drafts) in each of `batch` rows (a width
-        never timed takes the other width's scale)."""
-        kind = int(width > 1)
-        if not self._verify_seen[kind] and self._verify_seen[1 - kind]:
-            kind = 1 - kind
-        return math.exp(self.log_verify_scale[kind]) * self.costs.verify(width, batch)
+        """Verifying `width` tokens (the anchor + width − 1 drafts) in each of `batch` rows."""
+        return math.exp(self.log_verify_scale[width > 1]) * self.costs.verify(width, batch)
 
     def round_ms(self, head_slots: int, decided: int, width: int, batch: int = 1) -> float:
         """A whole round over `batch` rows: drafting (0 for an AR round) + verifying `width` tokens
@@ -269,10 +265,10 @@ class CostPolicy:
 
         w = min(verify_width, self.costs.max_slots + 1)
         kind = int(w > 1)
-        if not self._verify_seen[kind]:  # start from the scale this width borrowed so far
-            self.log_verify_scale[kind] = self.log_verify_scale[1 - kind] if self._verify_seen[1 - kind] else 0.0
-            self._verify_seen[kind] = True
         self.log_verify_scale[kind] = update(self.log_verify_scale[kind], verify_ms, self.costs.verify(w, batch))
+        self._verify_seen[kind] = True
+        if not self._verify_seen[1 - kind]:  # the other width borrows this scale until it is timed itself
+            self.log_verify_scale[1 - kind] = self.log_verify_scale[kind]
         if head_slots > 0:
             self.log_draft_scale = update(self.log_draft_scale, draft_ms, self.costs.draft_ms(head_slots, decided, batch))
         if round_ms is not None:
