@@ -146,6 +146,20 @@ else
 fi
 start_vllm "$MODE" "$VLLM_PORT"
 wait_ready "endpoint A" "$OURS_URL" "$OURS_PID" "$OURS_LOG"
+# Our endpoint with `ingress: direct` (the configs' default) also answers on its replica's own port,
+# with no Ray Serve proxy hop between it and the client, as vLLM's server has none: `drelay serve`
+# prints that URL once the replica is up; the load goes there.
+DIRECT=""
+for _ in $(seq 1 20); do
+  { [ -n "$VERSUS" ] || grep -q "^ingress: proxy" "$OURS_CONFIG"; } && break
+  DIRECT="$(grep -o 'replica direct at http[^ ]*' "$OURS_LOG" | head -n 1 || true)"
+  [ -n "$DIRECT" ] && break
+  sleep 1
+done
+if [ -n "$DIRECT" ]; then
+  OURS_URL="$(echo "$DIRECT" | awk '{print $4}')" OURS_URL="${OURS_URL%/v1}"
+  echo "endpoint A: the replica's direct URL $OURS_URL"
+fi
 wait_ready "vllm serve" "$VLLM_URL" "$VLLM_PID" "$LOGS/vllm-$MODE.log"
 
 BENCH=(--concurrency $CONCURRENCY --requests "$REQUESTS" --max-tokens "$MAX_TOKENS")

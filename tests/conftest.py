@@ -43,6 +43,12 @@ def ray_session():
     # the node's drain state: a single local test node is never drained. No dashboard either: no test
     # reads it (Ray Jobs are tested against their own head), and its processes cost seconds to start.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    # Serve as `drelay serve` starts it (deploy/serve/ingress.py): direct ingress, so every Serve test
+    # also reaches its replica's own port. Replica ports from 33000: clear of a `drelay serve` running here.
+    from deploy.serve.ingress import ray_serve_environment
+
+    for key, value in ray_serve_environment(33000).items():
+        os.environ.setdefault(key, value)
     ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     yield ray
     ray.shutdown()

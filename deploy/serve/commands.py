@@ -14,7 +14,9 @@ from drelay_model.errors import DRelayError
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="serve config (platform/serve/*.yaml)")
     parser.add_argument("--host", help="override the config's host")
-    parser.add_argument("--port", type=int, help="override the config's port")
+    parser.add_argument("--port", type=int, help="override the config's port (Ray Serve's proxy)")
+    parser.add_argument("--ingress", choices=("direct", "proxy"), help="override the config's ingress")
+    parser.add_argument("--direct-port", type=int, help="override the config's direct_port (the first replica's own port)")
 
 
 def start(cfg, *, name: str = "drelay", route_prefix: str | None = None) -> str:
@@ -25,7 +27,9 @@ def start(cfg, *, name: str = "drelay", route_prefix: str | None = None) -> str:
     from ray import serve
 
     from deploy.serve.app import application
+    from deploy.serve.ingress import prepare_ray
 
+    prepare_ray(cfg)
     if not ray.is_initialized():
         ray.init(log_to_driver=False)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
@@ -34,10 +38,21 @@ def start(cfg, *, name: str = "drelay", route_prefix: str | None = None) -> str:
     return f"http://{cfg.host}:{cfg.port}{prefix.rstrip('/')}"
 
 
+def _print_direct_urls(cfg) -> None:
+    from deploy.serve.ingress import direct_urls
+
+    for direct in direct_urls("drelay", cfg.host, timeout=900):
+        print(f"replica direct at {direct}/v1  (no proxy hop)", flush=True)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from deploy.serve.config import load_serve_config
 
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    overrides = {
+        k: v
+        for k, v in (("host", args.host), ("port", args.port), ("ingress", args.ingress), ("direct_port", args.direct_port))
+        if v is not None
+    }
     cfg = load_serve_config(args.config, overrides)
     if cfg.port in (None, 0):
         raise DRelayError("port: must be set")
@@ -50,6 +65,8 @@ def run_serve(args: argparse.Namespace) -> int:
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
+    if cfg.ingress == "direct":  # printed once the replicas are up (model loading takes a while)
+        threading.Thread(target=_print_direct_urls, args=(cfg,), daemon=True).start()
     done.wait()
     from ray import serve
 

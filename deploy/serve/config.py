@@ -116,7 +116,11 @@ class ServeConfig(StrictConfig):
     num_gpus: float = Field(0.0, ge=0)
     graceful_shutdown_timeout_s: float = Field(60.0, ge=0)  # in-flight requests get this long to finish
     host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
+    port: int = Field(8000, ge=1, le=65535)  # Ray Serve's HTTP proxy (balances over the replicas)
+    # direct (default): each replica also answers on a port of its own from `direct_port` up, with no
+    # proxy hop (Ray Serve's throughput-optimized mode, deploy/serve/ingress.py); proxy: `port` only.
+    ingress: Literal["direct", "proxy"] = "direct"
+    direct_port: int = Field(32000, ge=1024, le=64536)
     route_prefix: str = "/"
     auth: AuthSection = AuthSection()
 

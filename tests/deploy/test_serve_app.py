@@ -115,6 +115,23 @@ def test_models_health_ready(server, client):
     assert requests.get(f"{server}/ready", timeout=10).json()["ready"] is True
 
 
+def test_the_replica_answers_on_its_own_port_as_through_the_proxy(server, client):
+    """`ingress: direct`: the replica's own HTTP server (no proxy hop) gives the same greedy stream
+    and keeps the same auth."""
+    from deploy.serve.ingress import direct_urls
+
+    urls = direct_urls("drelay-test", "127.0.0.1", timeout=60)
+    assert len(urls) == 1 and urls[0] != server and urls[0].startswith("http://127.0.0.1:33")
+    direct = openai.OpenAI(base_url=f"{urls[0]}/v1", api_key=KEY, max_retries=0, timeout=120)
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=12, temperature=0)
+
+    def streamed(c) -> str:
+        return "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **kwargs) if ch.choices)
+
+    assert streamed(direct) == streamed(client) != ""
+    assert requests.get(f"{urls[0]}/v1/models", timeout=10).status_code == 401
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_chat_greedy_equals_offline_engine(client, offline, stream):
     generate, chat_ids, _ = offline

@@ -39,6 +39,22 @@ def test_autoscaling_options():
     assert deployment_options(parse_config({"model_id": "m"}))["num_replicas"] == 1
 
 
+def test_direct_ingress_environment_is_ray_serves_throughput_mode_with_the_configs_ports():
+    from deploy.serve.ingress import DIRECT_PORTS, ray_serve_environment
+
+    cfg = parse_config({"model_id": "m"})
+    assert (cfg.ingress, cfg.direct_port) == ("direct", 32000)
+    env = ray_serve_environment(cfg.direct_port)
+    assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    lo, hi = int(env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]), int(env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"])
+    assert (lo, hi - lo + 1) == (32000, DIRECT_PORTS) and hi <= 65535
+    # the names are Ray's own: Ray Serve reads each of them
+    import ray.serve._private.constants as serve_constants
+
+    source = open(serve_constants.__file__).read()
+    assert all(f'"{key}"' in source for key in env)
+
+
 @pytest.mark.parametrize(
     "doc, message",
     [
@@ -49,6 +65,8 @@ def test_autoscaling_options():
         ({"model_id": "m", "backend": "sglang"}, "needs an `sglang:` section"),
         ({"model_id": "m", "backend": "vllm"}, "backend"),
         ({"model_id": "bad model id"}, "model_id"),
+        ({"model_id": "m", "ingress": "haproxy"}, "ingress"),
+        ({"model_id": "m", "direct_port": 65000}, "direct_port"),
         ({"engine": {}}, "model_id: Field required"),
     ],
 )

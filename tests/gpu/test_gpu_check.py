@@ -134,21 +134,48 @@ def test_the_report_names_failed_timed_out_and_skipped_steps(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["report.md", "results.json"]
 
 
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# Every step in one fresh process (TRITON_INTERPRET set before any kernel is defined: CPU tensors),
+# each through run_step.py's own `main`: one interpreter start and one torch import for all of them
+# (gpu_check.sh gives each its own process, for its per-step time limit).
+ALL_STEPS = """
+import os; os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, sys.argv[1])
+from benchmarks.gpu.run_step import main
+out, steps = sys.argv[2], sys.argv[3:]
+codes = {step: main([step, "--device", "cpu", "--scale", "tiny", "--out", f"{out}/{step}.json"]) for step in steps}
+print("exit codes:", codes)
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_records(tmp_path_factory):
+    """step → (its JSON record or None, the run's output) for every step run at test size on CPU."""
+    out = tmp_path_factory.mktemp("gpu-steps")
+    steps = [s for s in STEPS if s != "kernels" or _triton_importable()]
+    proc = _without_absent_packages(ALL_STEPS, str(ROOT), str(out), *steps, timeout=900)
+    log = proc.stdout[-3000:] + proc.stderr[-4000:]
+    return {s: (json.loads((out / f"{s}.json").read_text()) if (out / f"{s}.json").exists() else None, log) for s in steps}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("step", STEPS)
-def test_each_step_runs_at_test_size_on_cpu(step, tmp_path):
+def test_each_step_runs_at_test_size_on_cpu(step, tiny_records):
     """The step's own code end to end on CPU (no CUDA graph there: `graphs` traces the round with
     torch.compile(fullgraph=True), which fails on any host sync; `kernels` runs the Triton kernels
     interpreted), with the GPU machine's packages only."""
     if step == "kernels":
         pytest.importorskip("triton")
-    out = tmp_path / f"{step}.json"
-    proc = _without_absent_packages(
-        RUN_SCRIPT, str(ROOT / "benchmarks/gpu/run_step.py"), step, "--device", "cpu", "--scale", "tiny", "--out", str(out)
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    record = json.loads(out.read_text())
-    assert record["ok"] and "skipped" not in record and "error" not in record
+    record, log = tiny_records[step]
+    assert record is not None, log
+    assert record["ok"] and "skipped" not in record and "error" not in record, (record.get("error"), log)
     result = record["result"]
     if step == "graphs":
         assert all(i["bitwise_equal"] for b in result["batches"].values() for i in b["inputs"])
