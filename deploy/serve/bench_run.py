@@ -25,6 +25,7 @@ import argparse
 import socket
 import sys
 import time
+from dataclasses import replace
 from urllib.parse import urlsplit
 
 from deploy.serve.bench import LevelResult, load_prompts, run_level
@@ -96,7 +97,7 @@ def load_configs(paths: list[str]):
         if cfg.backend == "vllm":
             raise DRelayError(f"{path}: backend: 'vllm' runs in its own venv; start it with `drelay serve` and pass --url")
     host, port = cfgs[0].host, cfgs[0].port
-    probe = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    probe = _probe_host(host)
     try:
         with socket.create_connection((probe, port), timeout=1):
             raise DRelayError(f"{paths[0]}: port: {host}:{port} is already in use; stop that server or set a free port")
@@ -109,6 +110,7 @@ def start_configs(paths: list[str], cfgs, names: list[str]) -> list[Endpoint]:
     """Deploy each config as its own application (its name appended to `names` as soon as it is
     deployed, for `stop_apps`); wait until each answers /ready."""
     from deploy.serve.commands import start
+    from deploy.serve.ingress import direct_urls
 
     paired = len(cfgs) == 2
     endpoints = []
@@ -117,10 +119,19 @@ def start_configs(paths: list[str], cfgs, names: list[str]) -> list[Endpoint]:
         names.append(name)
         url = start(cfg, name=name, route_prefix=f"/bench-{tag.lower()}" if paired else None)
         endpoints.append(Endpoint(tag, cfg.model_id, url, cfg.model_id, cfg.method, path))
-    for e, name in zip(endpoints, names):
+    for i, (e, name, cfg) in enumerate(zip(endpoints, names, cfgs)):
         _wait_ready(e, name)
+        # One replica with `ingress: direct`: the load goes to its own port, as a client of that
+        # endpoint would send it (no proxy hop); the proxy URL where Ray runs without direct ingress.
+        direct = direct_urls(name, _probe_host(cfg.host), timeout=10) if cfg.ingress == "direct" else []
+        if len(direct) == 1 and cfg.autoscaling.max_replicas == 1:
+            e = endpoints[i] = replace(e, url=direct[0])
         print(f"{e.tag}: {e.label} ({e.method}) ready at {e.url}", file=sys.stderr, flush=True)
     return endpoints
+
+
+def _probe_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else host
 
 
 def _wait_ready(endpoint: Endpoint, app_name: str, timeout: float = 900.0) -> None:

@@ -59,6 +59,8 @@ def test_paired_run_reports_both_endpoints_and_their_ratios(ray_session, tmp_pat
     parent = runs.pop("pair")
     assert parent.data.params["order"] == "ABBA" and parent.data.params["A_method"] == "ar"
     assert parent.data.params["B_url"].endswith("/bench-b") and parent.data.tags["drelay.kind"] == "serve-bench"
+    # each side's load went to its replica's own port (`ingress: direct`), not through the proxy
+    assert all(f":{port}/" not in parent.data.params[f"{t}_url"] for t in "AB")
     assert sorted(runs) == ["A-tiny-ar-c1", "A-tiny-ar-c2", "B-tiny-native-c1", "B-tiny-native-c2"]
     for run in runs.values():
         m = run.data.metrics
