@@ -1,9 +1,11 @@
-"""Fixtures shared by every test package: one intra-op thread for tiny models, one local Ray instance and
-one loaded SmolLM2 target for the whole test session."""
+"""Fixtures shared by every test package: one intra-op thread for tiny models, one local Ray instance,
+one loaded SmolLM2 target for the whole test session, and a throw-away MLflow SQLite store per test."""
 
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,3 +63,22 @@ def smol():
     from drelay_model.target import load_target
 
     return load_target("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def empty_db(tmp_path_factory) -> Path:
+    """An initialised empty store, built once (table creation takes seconds) and copied per test."""
+    db = tmp_path_factory.mktemp("template") / "mlflow.db"
+    from pipelines.common.tracking import get_client
+
+    get_client(f"sqlite:///{db}").search_experiments()
+    return db
+
+
+@pytest.fixture
+def uri(empty_db, tmp_path, monkeypatch) -> str:
+    """A fresh store for this test, made the default through MLFLOW_TRACKING_URI."""
+    shutil.copy(empty_db, tmp_path / "mlflow.db")
+    value = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", value)
+    return value

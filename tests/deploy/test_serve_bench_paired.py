@@ -31,7 +31,7 @@ def _config(model_id: str, method: str, port: int) -> dict:
 
 
 @pytest.mark.slow  # two replicas deployed and an MLflow store created: ~1 min quiet, minutes when loaded
-def test_paired_run_reports_both_endpoints_and_their_ratios(ray_session, tmp_path, monkeypatch, capsys):
+def test_paired_run_reports_both_endpoints_and_their_ratios(ray_session, tmp_path, uri, capsys):
     from ray import serve
 
     from pipelines.common.tracking import get_client
@@ -43,8 +43,6 @@ def test_paired_run_reports_both_endpoints_and_their_ratios(ray_session, tmp_pat
     for name, method in (("tiny-ar", "ar"), ("tiny-native", "native")):
         paths.append(tmp_path / f"{name}.yaml")
         paths[-1].write_text(yaml.safe_dump(_config(name, method, port)))
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     plot = tmp_path / "bench.png"
     argv = ["serve-bench", "--config", str(paths[0]), "--config", str(paths[1]), "--concurrency", "1", "2",
             "--requests", "2", "--max-tokens", "8", "--time-limit", "120", "--run-name", "pair", "--plot", str(plot)]  # fmt: skip

@@ -39,14 +39,13 @@ def target_dir(tmp_path_factory):
 
 
 @pytest.fixture
-def registered(target_dir, tmp_path, monkeypatch):
+def registered(target_dir, tmp_path, uri, monkeypatch):
     """A training run's drafter/ artifact registered as `drelay-tiny-qwen3` (alias champion) in a
     fresh SQLite store; outputs (the registry and export caches) under tmp_path/root."""
     from drelay_model.target import load_target
     from pipelines.common.registry import register_checkpoint
     from pipelines.common.tracking import tracked_run
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setenv(OUTPUT_ROOT_ENV, str(tmp_path / "root"))
     target = load_target(str(target_dir), pack=False)
 

@@ -142,7 +142,7 @@ def _triton_importable() -> bool:
     return True
 
 
-# Every step in one fresh process (TRITON_INTERPRET set before any kernel is defined: CPU tensors),
+# Every step, then the timing script, in one fresh process (TRITON_INTERPRET set before any kernel is defined: CPU tensors),
 # each through run_step.py's own `main`: one interpreter start and one torch import for all of them
 # (gpu_check.sh gives each its own process, for its per-step time limit).
 ALL_STEPS = """
@@ -152,17 +152,24 @@ from benchmarks.gpu.run_step import main
 out, steps = sys.argv[2], sys.argv[3:]
 codes = {step: main([step, "--device", "cpu", "--scale", "tiny", "--out", f"{out}/{step}.json"]) for step in steps}
 print("exit codes:", codes)
+sys.argv = [f"{sys.argv[1]}/benchmarks/gpu_timing.py", "--device", "cpu", "--scale", "tiny", "--layers", "4",
+            "--out", f"{out}/timing.txt"]
+runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
 @pytest.fixture(scope="module")
 def tiny_records(tmp_path_factory):
-    """step → (its JSON record or None, the run's output) for every step run at test size on CPU."""
+    """step → (its JSON record or None, the run's output) for every step run at test size on CPU, and
+    "timing" → (gpu_timing.py's report or None, the output), run after them in the same process."""
     out = tmp_path_factory.mktemp("gpu-steps")
     steps = [s for s in STEPS if s != "kernels" or _triton_importable()]
     proc = _without_absent_packages(ALL_STEPS, str(ROOT), str(out), *steps, timeout=900)
     log = proc.stdout[-3000:] + proc.stderr[-4000:]
-    return {s: (json.loads((out / f"{s}.json").read_text()) if (out / f"{s}.json").exists() else None, log) for s in steps}
+    records = {s: (json.loads((out / f"{s}.json").read_text()) if (out / f"{s}.json").exists() else None, log) for s in steps}
+    timing = out / "timing.txt"
+    records["timing"] = (timing.read_text() if proc.returncode == 0 and timing.exists() else None, log)
+    return records
 
 
 @pytest.mark.slow
@@ -190,23 +197,11 @@ def test_each_step_runs_at_test_size_on_cpu(step, tiny_records):
 
 
 @pytest.mark.slow
-def test_timing_runs_at_test_size_on_cpu(tmp_path):
+def test_timing_runs_at_test_size_on_cpu(tiny_records):
     """benchmarks/gpu_timing.py's code (Qwen3-4B-shaped layers on the GPU) at test size, with the GPU
     machine's packages only."""
-    out = tmp_path / "timing.txt"
-    proc = _without_absent_packages(
-        RUN_SCRIPT,
-        str(ROOT / "benchmarks/gpu_timing.py"),
-        "--device",
-        "cpu",
-        "--scale",
-        "tiny",
-        "--layers",
-        "4",
-        "--out",
-        str(out),
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = out.read_text().splitlines()
+    report, log = tiny_records["timing"]
+    assert report is not None, log
+    lines = report.splitlines()
     assert lines[0].startswith("target: test-shaped layers") and any(x.startswith("verify batch 8: G=1") for x in lines)
     assert any(x.startswith("speculative (native, untrained drafter):") for x in lines)

@@ -8,6 +8,7 @@ import torch
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine, replay
 from drelay_model.training.step import DraftTrainModule, StepConfig, history_windows, training_step
 from drelay_model.selectors import default_registry
+from drelay_model.target import tiny_target
 from drelay_model.training.anchors import eligible_anchors, make_blocks, sample_uniform_anchors, scout_anchors
 from drelay_model.training.schedules import lr_at
 
@@ -96,8 +97,12 @@ def _train(module, ids, mask, feats, steps, cfg, lr=3e-3):
     return out
 
 
+# 10 s per architecture here: the default suite trains the Llama-shaped target; the Qwen3-shaped one's
+# training step is checked by every other test of this file, its 120-step run by `make test-heavy`.
 @pytest.mark.slow
-def test_a_short_training_run_raises_replay_tau(target, make_drafter):
+@pytest.mark.parametrize("arch", ["tiny-llama", pytest.param("tiny-qwen3", marks=pytest.mark.heavy)])
+def test_a_short_training_run_raises_replay_tau(arch, make_drafter):
+    target = tiny_target(arch)
     drafter = make_drafter(target, num_layers=2)
     prompts, outs, ids, mask = _data(target, n=48)
     feats = target(ids, target.new_cache(48, ids.shape[1]), feature_layers=drafter.config.target_layer_ids).features

@@ -1,39 +1,20 @@
-"""Shared fixtures for the pipeline tests: a throw-away MLflow SQLite store per test, the tiny
+"""Shared fixtures for the pipeline tests: the tiny
 target and a two-benchmark prompt folder for the evaluation and comparison tests."""
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from drelay_model.target import tiny_target
-from pipelines.common.tracking import get_client
 
 GSM8K = [{"question": f"Tom has {n} apples and buys {n + 1} more. How many apples does he have?"} for n in range(3)]
 MT_BENCH = [
     {"question_id": 81, "turns": ["Write a short travel blog post about Hawaii.", "Rewrite it starting every sentence with A."]},
     {"question_id": 82, "turns": ["Draft an email asking for feedback.", "Now make it shorter."]},
 ]
-
-
-@pytest.fixture(scope="session")
-def empty_db(tmp_path_factory) -> Path:
-    """An initialised empty store, built once (table creation takes seconds) and copied per test."""
-    db = tmp_path_factory.mktemp("template") / "mlflow.db"
-    get_client(f"sqlite:///{db}").search_experiments()
-    return db
-
-
-@pytest.fixture
-def uri(empty_db, tmp_path, monkeypatch) -> str:
-    """A fresh store for this test, made the default through MLFLOW_TRACKING_URI."""
-    shutil.copy(empty_db, tmp_path / "mlflow.db")
-    value = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", value)
-    return value
 
 
 @pytest.fixture(scope="module")

@@ -111,7 +111,7 @@ def test_bad_inputs_fail_before_ray_starts(tmp_path, tiny_data):
         check_inputs(_config(tmp_path, tiny_data, **{"drafter.init_checkpoint": str(tmp_path / "nope")}))
 
 
-def test_study_trains_stages_compares_and_ships(tmp_path, tiny_data, ray_session, monkeypatch, capsys):
+def test_study_trains_stages_compares_and_ships(tmp_path, tiny_data, ray_session, uri, monkeypatch, capsys):
     """`drelay study`: a base run, two runs started from it, the replay comparison, the shipped copy;
     a rerun trains nothing."""
     import yaml
@@ -120,7 +120,6 @@ def test_study_trains_stages_compares_and_ships(tmp_path, tiny_data, ray_session
     from pipelines.cli import main
     from pipelines.common.tracking import get_client
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setattr("pipelines.common.paths.BUNDLED_CHECKPOINTS", tmp_path / "bundled")
     cfg = _config(tmp_path, tiny_data, **{"train.max_steps": 4, "train.validate_every": 4, "selector.name": "native"})
     base = tmp_path / "base.yaml"
