@@ -8,8 +8,8 @@
     pending    verified target features not yet in `ctx` nor `history` (see `defer`)
     draws      each row's sampling numbers (`draws.RowDraws`, T > 0), or None
 
-Rows leave with `keep`; the continuous batcher joins new rows with `merge` and resizes the caches
-with `set_capacity`.
+Rows leave with `keep`; the continuous batcher joins new rows with `merge`, or with `fill` in the slots
+of rows that have just finished, and resizes the caches with `set_capacity`.
 """
 
 from __future__ import annotations
@@ -82,20 +82,30 @@ class BatchState:
         )
 
     def keep(self, rows: list[int]) -> None:
-        """Drop finished rows from every per-row state (no-op when all stay)."""
-        if rows == self.rows:
+        """Drop the rows not in `rows` from every per-row state (no-op when all stay). The caches are
+        compacted in place: each kept row past the new batch size moves into a dropped row's slot
+        (one row's copy, not every row's), and the batch narrows to a view of the first rows; so the
+        rows' order may change (`self.rows` says it)."""
+        wanted = set(rows)
+        if len(wanted) == len(self.rows) and wanted <= set(self.rows):
             return
-        positions = [self.rows.index(b) for b in rows]
-        index = torch.tensor(positions, dtype=torch.long, device=self.anchor.device)
-        self.cache.select_rows(index)
+        n = len(rows)
+        holes = [p for p in range(n) if self.rows[p] not in wanted]  # dropped slots among the first n
+        movers = [p for p in range(n, len(self.rows)) if self.rows[p] in wanted]  # kept rows past them
+        order = list(range(n))
+        for h, m in zip(holes, movers):
+            order[h] = m
+        for cache in (self.cache, self.ctx):
+            if cache is not None:
+                _compact_rows(cache, holes, movers, n)
+        index = torch.tensor(order, dtype=torch.long, device=self.anchor.device)
         if self.draws is not None:
-            self.draws = [self.draws[i] for i in positions]
-        for part in (self.ctx, self.history):
-            if part is not None:
-                part.select_rows(index)
+            self.draws = [self.draws[i] for i in order]
+        if self.history is not None:
+            self.history.select_rows(index)
         self.pending = [(f[index], None if c is None else c[index]) for f, c in self.pending]
         self.anchor = self.anchor[index]
-        self.rows = rows
+        self.rows = [self.rows[i] for i in order]
 
     def merge(self, other: "BatchState") -> "BatchState":
         """This state's rows, then `other`'s, in one state whose caches hold the larger capacity of
@@ -107,7 +117,7 @@ class BatchState:
         out = BatchState(rows=self.rows + other.rows, cache=_concat_caches(self.cache, other.cache))
         R_new = len(other.rows)
         for f, c in self.pending:  # f [R, T, F] → [R + R_new, T, F]; counts: the rows joining add none
-            counts = torch.full((f.shape[0],), f.shape[1], dtype=torch.long, device=f.device) if c is None else c
+            counts = _counts(f, c)
             out.pending.append((torch.cat([f, f.new_zeros(R_new, *f.shape[1:])]), torch.cat([counts, counts.new_zeros(R_new)])))
         out.anchor = torch.cat([self.anchor, other.anchor])
         if self.ctx is not None:
@@ -118,12 +128,62 @@ class BatchState:
             out.history.count = torch.cat([self.history.count, other.history.count])
         return out
 
+    def fill(self, positions: list[int], other: "BatchState") -> None:
+        """Put `other`'s rows (freshly prefilled, one per position) in place of the rows at `positions`
+        (finished ones): their caches are written into those rows' slots, so nothing is re-allocated
+        unless `other` needs a larger capacity, where `keep` then `merge` would copy every row twice.
+        The pending features of those slots get counts of 0 (the new rows' own features are in
+        `ctx` already, as after `merge`)."""
+        assert not other.pending, "the joining state has pending features: sync_context() it first"
+        assert len(positions) == len(other.rows) and self.draws is None and other.draws is None
+        index = torch.tensor(positions, dtype=torch.long, device=self.anchor.device)
+        for mine, theirs in ((self.cache, other.cache), (self.ctx, other.ctx)):
+            if mine is not None:
+                _write_rows(mine, index, theirs)
+        self.anchor[index] = other.anchor
+        for p, r in zip(positions, other.rows):
+            self.rows[p] = r
+        if self.history is not None:
+            self.history.feats[index] = other.history.feats
+            self.history.count[index] = other.history.count
+        self.pending = [(f, _counts(f, c).index_fill(0, index, 0)) for f, c in self.pending]
+
     def set_capacity(self, capacity: int) -> None:
         """Resize the target's and the drafter's caches to `capacity` positions (every row's length
         must fit; a smaller capacity frees memory when long rows have left)."""
         for cache in (self.cache, self.ctx):
             if cache is not None:
                 _set_capacity(cache, capacity)
+
+
+def _counts(features: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+    """A pending entry's counts [R] as a new tensor (None: every row has all T)."""
+    if counts is None:
+        return torch.full((features.shape[0],), features.shape[1], dtype=torch.long, device=features.device)
+    return counts.clone()
+
+
+def _compact_rows(cache: KVCache, holes: list[int], movers: list[int], n: int) -> None:
+    """Rows `movers` of `cache` into slots `holes`, then keep the first `n` rows as a view (the
+    memory of the rows past them stays with it until the next re-allocation)."""
+    if holes:
+        src, dst = torch.tensor(movers, device=cache.k.device), torch.tensor(holes, device=cache.k.device)
+        for t in (cache.k, cache.v):
+            t[:, dst] = t[:, src]
+        cache.lengths[dst] = cache.lengths[src]
+    cache.k, cache.v, cache.lengths = cache.k[:, :n], cache.v[:, :n], cache.lengths[:n]
+
+
+def _write_rows(cache: KVCache, index: torch.Tensor, src: KVCache) -> None:
+    """Rows `index` of `cache` ← the rows of `src` (its lengths; zeros past its capacity, as a fresh
+    cache has: masked keys still enter the attention matmuls)."""
+    if src.capacity > cache.capacity:
+        _grow(cache, src.capacity)
+    c = src.capacity
+    for dst, new in ((cache.k, src.k), (cache.v, src.v)):
+        dst[:, index, :, :c] = new
+        dst[:, index, :, c:] = 0
+    cache.lengths[index] = src.lengths  # in place: captured graphs read this storage
 
 
 def _left_aligned(chunks: list[tuple[torch.Tensor, torch.Tensor | None]], total: torch.Tensor) -> torch.Tensor:

@@ -163,6 +163,7 @@ class ContinuousBatcher:
         self._cancelled: set[int] = set()
         self._running: dict[int, _Request] = {}
         self._state: BatchState | None = None
+        self._free: list[int] = []  # positions in `_state` of rows that finished, kept for queued requests
         self._next_id = 0
 
     # ---- public --------------------------------------------------------------------------------
@@ -230,7 +231,7 @@ class ContinuousBatcher:
         self._leave()  # cancelled rows, and requests that finished on their prefill token
         if self._running:
             updates += self._round()
-            self._leave()
+            self._leave(reuse=True)
         return updates
 
     def run(self) -> dict[int, list[int]]:
@@ -262,7 +263,13 @@ class ContinuousBatcher:
         self.stats.time_total += time.perf_counter() - t0
         self.stats.generated += len(requests)
         self.stats.requests += len(requests)
-        self._state = state if self._state is None else self._state.merge(state)  # pending features stay pending
+        if self._state is None:
+            self._state = state
+        elif len(requests) <= len(self._free):  # into the slots of rows that finished last round
+            self._state.fill(self._free[: len(requests)], state)
+            self._free = self._free[len(requests) :]
+        else:
+            self._state = self._state.merge(state)  # pending features stay pending
         updates = []
         for r, tok, lp in zip(requests, state.anchor.tolist(), lps):
             self._running[r.id] = r
@@ -320,15 +327,23 @@ class ContinuousBatcher:
 
         return sample
 
-    def _leave(self) -> None:
-        """Drop finished rows; shrink the caches when the longest remaining need is under half."""
+    def _leave(self, reuse: bool = False) -> None:
+        """Drop finished rows; shrink the caches when the longest remaining need is under half.
+
+        With `reuse` (after a round), finished rows stay in the state as free slots until the next
+        step: requests that arrive meanwhile are written into them (`BatchState.fill`) instead of
+        every cache being compacted now and grown again then (`merge`); that step's `_leave` drops
+        whatever it left free, before any round runs."""
         for rid in [i for i, r in self._running.items() if r.finish_reason is not None]:
             del self._running[rid]
-        state = self._state
+        state, self._free = self._state, []
         if state is None:
             return
         if not self._running:
             self._state = None
+            return
+        if reuse and len(self._running) < len(state.rows):
+            self._free = [p for p, i in enumerate(state.rows) if i not in self._running]
             return
         state.keep([i for i in state.rows if i in self._running])
         need = max(self._running[i].need for i in state.rows)

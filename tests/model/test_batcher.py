@@ -266,41 +266,37 @@ def test_prompts_admitted_together_in_length_groups_decode_as_alone(target, make
         assert out[b] == engine.generate([p], GenerationConfig(max_new_tokens=9)).tokens[0], f"request {b}"
 
 
-@pytest.mark.parametrize("counts", [None, (2, 0)])  # AR rounds (every row all T), a drafted round's counts
-def test_merging_with_pending_features_equals_syncing_first(target, make_drafter, prompts_of, tiny_selector_config,
-                                                            counts):  # fmt: skip
-    """Rows joining while the running rows' verified features wait for the drafter (AR rounds) get a
-    count of 0 in the pending queue; syncing after the merge gives the drafter's context and the
-    verified history what syncing before it gives, even where the joining row's prompt is so long
-    that the queued positions run past its own cache (the context grows)."""
-    engine = _engine(target, make_drafter, "drelay", config=tiny_selector_config("drelay"))
-    running_p, joining_p = prompts_of(target.vocab_size, (3, 4)), prompts_of(target.vocab_size, (28,))
-    F = len(engine.feature_layers) * target.hidden_size
-    gen = torch.Generator().manual_seed(0)
-    queued = [torch.randn(2, 3, F, generator=gen) for _ in range(6)]  # six rounds' verified features
-    c = None if counts is None else torch.tensor(counts)
+@pytest.mark.parametrize("method", ["ar", "drelay"])
+def test_requests_arriving_as_others_finish_take_their_slots_and_decode_as_alone(target, make_drafter, prompts_of,
+                                                                                tiny_selector_config, method, monkeypatch):  # fmt: skip
+    """A closed loop, as clients behind an endpoint: each finished request's client submits the next
+    one. Rows that finish stay as free slots until the next step, whose admission writes the new
+    rows into them (`BatchState.fill`, the caches not re-allocated); every request still decodes as
+    it does alone, including one whose prompt needs more capacity than the batch has."""
+    from drelay_model.decoding.batch_state import BatchState
 
-    def build():
-        with torch.inference_mode():
-            running, _ = engine.prefill(running_p, [0, 1], capacity=12)
-            joining, _ = engine.prefill(joining_p, [2], capacity=30)
-        for f in queued:
-            running.defer(f, c)
-        running.anchor, joining.anchor = torch.tensor([1, 2]), torch.tensor([3])
-        return running, joining
+    fills = []
+    real_fill = BatchState.fill
+    monkeypatch.setattr(BatchState, "fill", lambda self, pos, other: (fills.append(list(pos)), real_fill(self, pos, other)))
+    lengths, budgets = (6, 9, 4, 30, 5, 7, 3), (4, 9, 6, 5, 8, 3, 7)  # rows finish at different rounds
+    prompts = prompts_of(target.vocab_size, lengths)
+    engine = _engine(target, make_drafter, method, config=tiny_selector_config(method))
+    batcher = ContinuousBatcher(engine, max_batch=3)
+    queue, out = list(zip(prompts, budgets)), {}
 
-    a_run, a_join = build()
-    with torch.inference_mode():
-        a_run.sync_context(engine.drafter)
-        first = a_run.merge(a_join)
-        b_run, b_join = build()
-        later = b_run.merge(b_join)
-        assert later.pending and later.ctx.capacity == 30
-        later.sync_context(engine.drafter)
-    assert later.ctx.capacity > 30  # row 2 starts at 28 and the queue is 18 (or 12) positions long
-    assert torch.equal(later.ctx.lengths, first.ctx.lengths)
-    for r, n in enumerate(first.ctx.lengths.tolist()):
-        assert torch.equal(later.ctx.k[:, r, :, :n], first.ctx.k[:, r, :, :n])
-        assert torch.equal(later.ctx.v[:, r, :, :n], first.ctx.v[:, r, :, :n])
-    assert torch.equal(later.history.count, first.history.count)
-    assert torch.equal(later.history.feats, first.history.feats)
+    def submit_next():
+        p, n = queue.pop(0)
+        batcher.submit(p, GenerationConfig(max_new_tokens=n), on_update)
+
+    def on_update(u):
+        out.setdefault(u.request_id, []).extend(u.new_tokens)
+        if u.finished and queue:
+            submit_next()
+
+    for _ in range(3):
+        submit_next()
+    while not batcher.idle:
+        batcher.step()
+    assert fills, "no admission reused a finished row's slot"
+    for b, (p, n) in enumerate(zip(prompts, budgets)):
+        assert out[b] == engine.generate([p], GenerationConfig(max_new_tokens=n)).tokens[0], f"request {b}"
