@@ -10,7 +10,7 @@ on the cores the rest of the machine leaves free, re-measured as it decodes:
     others  = (busy CPU seconds of the allowed cores − this process's CPU seconds) / wall seconds
               over the last `window` intervals (1 s), from /proc/stat and the process's own clock
     taken   = ⌊others + 1 − slack⌋       cores another process keeps busy (a core counts as taken
-                                         from `slack` of it: 0.3 for one row, rising to 0.5 at 8
+                                         from `slack` of it: 0.3 for one row, rising to 0.6 at 16
                                          rows, linear in log2 rows)
     threads = max(1, allowed − taken)    allowed: this process's CPU affinity
 
@@ -19,7 +19,8 @@ The slack is measured, not guessed: beside a competitor busy a share d of every 
 9.8 tok/s for d = 0.15 / 0.3 / 0.5 / 1 against one thread's 18.6 / 19.9 / 19.8 / 19.5, so a second
 thread pays up to about 0.3 of a core held elsewhere. At 8 rows (in-process continuous batching of
 GSM8K prompts, 32 tokens each) it pays up to about 0.5: 82.5 / 70.8 tok/s at d = 0.3 / 0.5 against
-one thread's 67.2 / 70.0; larger rows make longer parallel regions, so a descheduled partner
+one thread's 67.2 / 70.0; at 16 rows up to about 0.6: 142.0 / 128.2 tok/s at d = 0.5 / 0.7 against
+one thread's 136.8 / 135.1. Larger batches make longer parallel regions, so a descheduled partner
 costs a smaller share of each. A serving replica's own proxy and HTTP clients
 hold 0.1–0.3 of a core under load (measured at concurrency 1–16): below the slack, so an endpoint
 keeps both threads (with 0.1 it dropped to one and lost a third of its throughput at concurrency 16);
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 SLACK = 0.3  # one row: a core counts as taken from this share of it (the break-even above)
-SLACK_BATCHED = 0.5  # from 8 rows on
+SLACK_BATCHED = 0.6  # from 16 rows on
 log = logging.getLogger(__name__)
 
 
@@ -56,8 +57,8 @@ def allowed_cores() -> int:
 
 def slack_for(rows: int) -> float:
     """The share of a core another process must hold before it counts as taken, for a round over
-    `rows` rows: SLACK at one row, SLACK_BATCHED from 8, linear in log2(rows) between."""
-    return SLACK + (SLACK_BATCHED - SLACK) * min(math.log2(max(rows, 1)) / 3.0, 1.0)
+    `rows` rows: SLACK at one row, SLACK_BATCHED from 16, linear in log2(rows) between (0.525 at 8)."""
+    return SLACK + (SLACK_BATCHED - SLACK) * min(math.log2(max(rows, 1)) / 4.0, 1.0)
 
 
 def threads_for(others: float, allowed: int, slack: float = SLACK) -> int:
