@@ -96,7 +96,9 @@ def test_auto_decides_on_a_window_so_one_burst_keeps_the_threads(monkeypatch):
     others = [0.0, 0.5, 0.0, 0.5, 0.5]
     walls = list(range(len(others) + 1))
     busy = [0.0] + [sum(others[: i + 1]) for i in range(len(others))]
-    script = iter([CpuSample(wall=float(w), busy=b + w, own=float(w)) for w, b in zip(walls, busy)])  # decoding: a core of its own
+    script = iter(
+        [CpuSample(wall=float(w), busy=b + w, own=float(w)) for w, b in zip(walls, busy)]
+    )  # decoding: a core of its own
     monkeypatch.setattr(CpuSample, "now", classmethod(lambda cls: next(script)))
     monkeypatch.setattr("drelay_model.kernels.threads.allowed_cores", lambda: 2)
     policy = ThreadPolicy(interval_s=1e-9)
