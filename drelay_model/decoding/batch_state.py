@@ -6,7 +6,6 @@
     history    the last N verified target features per row, for selectors that read them (or None)
     anchor     [R] int64: each row's last verified token, not yet in `cache`
     pending    verified target features not yet in `ctx` nor `history` (see `defer`)
-    draws      each row's sampling numbers (`draws.RowDraws`, T > 0), or None
 
 Rows leave with `keep`; the continuous batcher joins new rows with `merge`, or with `fill` in the slots
 of rows that have just finished, and resizes the caches with `set_capacity`.
@@ -18,7 +17,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drelay_model.decoding.draws import RowDraws
 from drelay_model.decoding.history import VerifiedHistory
 from drelay_model.drafter.model import BlockDrafter
 from drelay_model.kv_cache import KVCache
@@ -31,7 +29,6 @@ class BatchState:
 
     rows: list[int]
     cache: KVCache
-    draws: list[RowDraws] | None = None  # one per live row (sampling only)
     ctx: KVCache | None = None  # drafter context keys/values
     history: VerifiedHistory | None = None
     anchor: torch.Tensor | None = None  # [R] int64
@@ -99,8 +96,6 @@ class BatchState:
             if cache is not None:
                 _compact_rows(cache, holes, movers, n)
         index = torch.tensor(order, dtype=torch.long, device=self.anchor.device)
-        if self.draws is not None:
-            self.draws = [self.draws[i] for i in order]
         if self.history is not None:
             self.history.select_rows(index)
         self.pending = [(f[index], None if c is None else c[index]) for f, c in self.pending]
@@ -135,7 +130,7 @@ class BatchState:
         The pending features of those slots get counts of 0 (the new rows' own features are in
         `ctx` already, as after `merge`)."""
         assert not other.pending, "the joining state has pending features: sync_context() it first"
-        assert len(positions) == len(other.rows) and self.draws is None and other.draws is None
+        assert len(positions) == len(other.rows)
         index = torch.tensor(positions, dtype=torch.long, device=self.anchor.device)
         for mine, theirs in ((self.cache, other.cache), (self.ctx, other.ctx)):
             if mine is not None:

@@ -266,13 +266,15 @@ def test_prompts_admitted_together_in_length_groups_decode_as_alone(target, make
         assert out[b] == engine.generate([p], GenerationConfig(max_new_tokens=9)).tokens[0], f"request {b}"
 
 
-@pytest.mark.parametrize("method", ["ar", "drelay"])
+@pytest.mark.parametrize("method,temperature", [("ar", 0.0), ("drelay", 0.0), ("drelay", 0.9)])
 def test_requests_arriving_as_others_finish_take_their_slots_and_decode_as_alone(target, make_drafter, prompts_of,
-                                                                                tiny_selector_config, method, monkeypatch):  # fmt: skip
+                                                                                tiny_selector_config, method, temperature,
+                                                                                monkeypatch):  # fmt: skip
     """A closed loop, as clients behind an endpoint: each finished request's client submits the next
     one. Rows that finish stay as free slots until the next step, whose admission writes the new
     rows into them (`BatchState.fill`, the caches not re-allocated); every request still decodes as
-    it does alone, including one whose prompt needs more capacity than the batch has."""
+    it does alone (greedy, or a seeded sample: its own numbers), including one whose prompt needs
+    more capacity than the batch has."""
     from drelay_model.decoding.batch_state import BatchState
 
     fills = []
@@ -284,9 +286,12 @@ def test_requests_arriving_as_others_finish_take_their_slots_and_decode_as_alone
     batcher = ContinuousBatcher(engine, max_batch=3)
     queue, out = list(zip(prompts, budgets)), {}
 
+    def settings(n: int) -> GenerationConfig:
+        return GenerationConfig(max_new_tokens=n, temperature=temperature, seed=7)
+
     def submit_next():
         p, n = queue.pop(0)
-        batcher.submit(p, GenerationConfig(max_new_tokens=n), on_update)
+        batcher.submit(p, settings(n), on_update)
 
     def on_update(u):
         out.setdefault(u.request_id, []).extend(u.new_tokens)
@@ -299,4 +304,4 @@ def test_requests_arriving_as_others_finish_take_their_slots_and_decode_as_alone
         batcher.step()
     assert fills, "no admission reused a finished row's slot"
     for b, (p, n) in enumerate(zip(prompts, budgets)):
-        assert out[b] == engine.generate([p], GenerationConfig(max_new_tokens=n)).tokens[0], f"request {b}"
+        assert out[b] == engine.generate([p], settings(n)).tokens[0], f"request {b}"
