@@ -23,6 +23,9 @@ BAD_INPUTS = [
     ),
     ("benchmarks/bench_selectors.py", ["--trained", "dcoco"], "--trained dcoco: expected NAME=DIR"),
     ("benchmarks/bench_packed.py", ["--target", "nope"], "unknown target 'nope'"),
+    ("benchmarks/bench_batcher.py", ["--methods", "nope"], "unknown method 'nope'"),
+    ("benchmarks/bench_batcher.py", ["--concurrency", "0"], "--concurrency must be between 1 and --requests (48), got 0"),
+    ("benchmarks/bench_batcher.py", ["--threads", "zero"], "threads must be a positive integer or auto, got 'zero'"),
 ]
 
 
@@ -78,3 +81,26 @@ def test_training_budget_points_chain_wall_time():
     points = budget_points([first, second])
     assert [(p.run, p.step, p.minutes) for p in points] == [("a", 5, 4.0), ("a", 10, 9.5), ("b", 3, 13.0)]
     assert points[1].tau == {"val/tau_native": 1.4, "val/tau_oracle": 2.5} and points[0].tau == {"val/tau_native": 1.2}
+
+
+def test_the_batcher_benchmark_keeps_its_clients_in_flight_and_decodes_every_request():
+    """`bench_batcher.closed_loop` on a tiny target: C requests in flight (never more), every request
+    submitted and finished, and the tokens it counts are the ones the batcher committed."""
+    import torch
+
+    from drelay_model.decoding import GenerationConfig, SpeculativeEngine
+    from drelay_model.decoding.batcher import ContinuousBatcher
+    from drelay_model.target.loading import tiny_target
+
+    closed_loop = runpy.run_path(str(ROOT / "benchmarks" / "bench_batcher.py"))["closed_loop"]
+    target = tiny_target()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, target.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 3, 7, 4, 6, 8)]
+    batcher = ContinuousBatcher(SpeculativeEngine(target), max_batch=3)
+    seen = []
+    step = batcher.step
+    batcher.step = lambda: (seen.append(batcher.num_running + batcher.num_pending), step())[1]
+    r = closed_loop(batcher, prompts, GenerationConfig(max_new_tokens=6), concurrency=3)
+    assert max(seen) == 3 and batcher.stats.requests == len(prompts) and batcher.idle
+    assert len(prompts) <= r["tokens"] == batcher.stats.generated <= 6 * len(prompts)
+    assert r["rounds"] == batcher.stats.steps and r["wall_s"] > 0 and r["tok_s"] == r["tokens"] / r["wall_s"]

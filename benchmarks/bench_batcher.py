@@ -1,0 +1,131 @@
+"""The continuous batcher under a closed loop, in-process: what the endpoint's engine delivers
+without HTTP, Ray Serve or a client process beside it.
+
+C clients each keep one request in flight: a client submits its next GSM8K chat prompt on its last
+request's final update (from the batcher's own callback, as the endpoint's clients do over HTTP), so
+requests arrive while others still decode and rows finish at different rounds. Per method and
+concurrency: output tokens/s over the whole loop (prefill included), τ, the rounds, and the wall
+time the batcher spends outside its rounds and admissions (joining and dropping rows, Python),
+the median of --repeats loops; methods alternate within a repeat and every ratio is method ÷ the
+first method at the same concurrency, from the same run.
+
+Run:  .venv/bin/python benchmarks/bench_batcher.py                                    # AR, DRelay; C = 4, 16; 48 requests of 64 tokens
+      .venv/bin/python benchmarks/bench_batcher.py --concurrency 16 --requests 48 --repeats 2
+      .venv/bin/python benchmarks/bench_batcher.py --methods ar native drelay --max-new-tokens 32
+Engines are built as the endpoint builds them (`build_engine`: cost-aware verification length,
+the auto thread policy unless --threads N). Nothing else may run on the machine. Results: a table,
+--out (JSON) and MLflow (experiment `drelay-benchmarks`, run `bench_batcher`) unless --no-mlflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from pipelines.cli import guarded  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", nargs="+", default=["ar", "drelay"], help="ar or a registered selector; ratios ÷ the first")
+    p.add_argument("--concurrency", nargs="+", type=int, default=[4, 16], help="clients in the closed loop")
+    p.add_argument("--requests", type=int, default=48, help="requests per loop (GSM8K chat prompts)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2, help="loops per (method, concurrency); the median is reported")
+    p.add_argument("--threads", default="auto", help="the engine's thread policy: auto or a count")
+    p.add_argument("--out", default=str(REPO / "outputs" / "bench_batcher.json"))
+    p.add_argument("--no-mlflow", action="store_true")
+    args = p.parse_args(argv)
+    for name in ("requests", "max_new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
+    for c in args.concurrency:
+        if not 1 <= c <= args.requests:
+            p.error(f"--concurrency must be between 1 and --requests ({args.requests}), got {c}")
+    return args
+
+
+def closed_loop(batcher, prompts: list[list[int]], settings, concurrency: int) -> dict:
+    """Decode every prompt with `concurrency` of them in flight, each finished request's client
+    submitting the next; returns tokens, wall seconds, rounds and the batcher's own phase time."""
+    queue = list(prompts)
+    tokens = 0
+
+    def on_update(update):
+        nonlocal tokens
+        tokens += len(update.new_tokens)
+        if update.finished and queue:
+            batcher.submit(queue.pop(0), settings, on_update)
+
+    for _ in range(concurrency):
+        batcher.submit(queue.pop(0), settings, on_update)
+    t0 = time.perf_counter()
+    while not batcher.idle:
+        batcher.step()
+    wall = time.perf_counter() - t0
+    stats = batcher.stats
+    return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "rounds": stats.steps, "tau": stats.tau,
+            "outside_s": wall - stats.time_total, "prefill_s": stats.time_prefill}  # fmt: skip
+
+
+def main(argv=None) -> int:
+    from drelay_model.decoding import GenerationConfig
+    from drelay_model.decoding.batcher import ContinuousBatcher
+    from drelay_model.kernels.threads import ThreadPolicy
+    from drelay_model.target import load_target
+    from drelay_model.target.loading import SMOLLM2
+    from pipelines.common.engines import build_engine
+    from pipelines.common.methods import resolve_method
+    from pipelines.data.eval_sets import first_turn_prompts
+
+    args = parse_args(argv)
+    threads = ThreadPolicy.parse(args.threads)
+    specs = {m: resolve_method(m, target_spec=SMOLLM2) for m in args.methods}  # bad names fail before loading
+    target = load_target(SMOLLM2)
+    prompts = first_turn_prompts(target.tokenizer, "gsm8k", args.requests)
+    engines = {m: build_engine(target, spec, target_spec=SMOLLM2, max_batch=max(args.concurrency), threads=threads)
+               for m, spec in specs.items()}  # fmt: skip
+    settings = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    runs: dict[str, dict[int, list[dict]]] = {m: {c: [] for c in args.concurrency} for m in args.methods}
+    for rep in range(args.repeats):
+        for c in args.concurrency:
+            for m in args.methods if rep % 2 == 0 else args.methods[::-1]:
+                r = closed_loop(ContinuousBatcher(engines[m], max_batch=c), prompts, settings, c)
+                runs[m][c].append(r)
+                print(f"repeat {rep + 1} C={c:<3} {m:<8} {r['tok_s']:7.1f} tok/s  τ {r['tau']:.2f}  "
+                      f"{r['rounds']} rounds  outside {r['outside_s']:.2f} s", flush=True)  # fmt: skip
+    table = {
+        m: {c: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for c, rs in by_c.items()} for m, by_c in runs.items()
+    }
+    base = args.methods[0]
+    print(f"\n{args.requests} GSM8K prompts, {args.max_new_tokens} tokens, greedy; medians of {args.repeats}")
+    print(f"{'method':<8} {'C':>3} {'tok/s':>8} {'÷ ' + base:>9} {'τ':>5} {'outside s':>10}")
+    for m in args.methods:
+        for c in args.concurrency:
+            r = table[m][c]
+            r["ratio"] = r["tok_s"] / table[base][c]["tok_s"]
+            print(f"{m:<8} {c:>3} {r['tok_s']:>8.1f} {r['ratio']:>8.2f}× {r['tau']:>5.2f} {r['outside_s']:>10.2f}")
+    result = {"args": vars(args), "table": {m: {str(c): r for c, r in by_c.items()} for m, by_c in table.items()}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    if not args.no_mlflow:
+        from pipelines.common.tracking import tracked_run
+
+        params = {k: " ".join(map(str, v)) if isinstance(v, list) else v for k, v in vars(args).items()}
+        with tracked_run("drelay-benchmarks", run_name="bench_batcher", params=params) as run:
+            for m, by_c in table.items():
+                for c, r in by_c.items():
+                    run.log_metrics({f"{m}_c{c}_{k}": float(v) for k, v in r.items()})
+    print(f"→ {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(guarded(main, Path(__file__).name))
