@@ -12,6 +12,8 @@ first method at the same concurrency, from the same run.
 Run:  .venv/bin/python benchmarks/bench_batcher.py                                    # AR, DRelay; C = 4, 16; 48 requests of 64 tokens
       .venv/bin/python benchmarks/bench_batcher.py --concurrency 16 --requests 48 --repeats 2
       .venv/bin/python benchmarks/bench_batcher.py --methods ar native drelay --max-new-tokens 32
+      .venv/bin/python benchmarks/bench_batcher.py --methods ar --concurrency 16 --threads 1 --duty 0.5
+                                  # beside a competitor busy half of every 10 ms (`bench_shared_cpu.py`'s)
 Engines are built as the endpoint builds them (`build_engine`: cost-aware verification length,
 the auto thread policy unless --threads N). Nothing else may run on the machine. Results: a table,
 --out (JSON) and MLflow (experiment `drelay-benchmarks`, run `bench_batcher`) unless --no-mlflow.
@@ -20,6 +22,7 @@ the auto thread policy unless --threads N). Nothing else may run on the machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -40,12 +43,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="loops per (method, concurrency); the median is reported")
     p.add_argument("--threads", default="auto", help="the engine's thread policy: auto or a count")
+    p.add_argument(
+        "--duty", type=float, default=None, help="run every loop beside one competing process busy this share of every 10 ms"
+    )
     p.add_argument("--out", default=str(REPO / "outputs" / "bench_batcher.json"))
     p.add_argument("--no-mlflow", action="store_true")
     args = p.parse_args(argv)
     for name in ("requests", "max_new_tokens", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
+    if args.duty is not None and not 0 < args.duty <= 1:
+        p.error(f"--duty: a share in (0, 1], got {args.duty}")
     for c in args.concurrency:
         if not 1 <= c <= args.requests:
             p.error(f"--concurrency must be between 1 and --requests ({args.requests}), got {c}")
@@ -75,6 +83,16 @@ def closed_loop(batcher, prompts: list[list[int]], settings, concurrency: int) -
             "outside_s": wall - stats.time_total, "prefill_s": stats.time_prefill}  # fmt: skip
 
 
+def competitor(duty: float | None):
+    """One competing busy process for the block (`bench_shared_cpu.Competitor`), or nothing."""
+    if duty is None:
+        return contextlib.nullcontext()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_shared_cpu import Competitor
+
+    return Competitor(duty)
+
+
 def main(argv=None) -> int:
     from drelay_model.decoding import GenerationConfig
     from drelay_model.decoding.batcher import ContinuousBatcher
@@ -94,13 +112,14 @@ def main(argv=None) -> int:
                for m, spec in specs.items()}  # fmt: skip
     settings = GenerationConfig(max_new_tokens=args.max_new_tokens)
     runs: dict[str, dict[int, list[dict]]] = {m: {c: [] for c in args.concurrency} for m in args.methods}
-    for rep in range(args.repeats):
-        for c in args.concurrency:
-            for m in args.methods if rep % 2 == 0 else args.methods[::-1]:
-                r = closed_loop(ContinuousBatcher(engines[m], max_batch=c), prompts, settings, c)
-                runs[m][c].append(r)
-                print(f"repeat {rep + 1} C={c:<3} {m:<8} {r['tok_s']:7.1f} tok/s  τ {r['tau']:.2f}  "
-                      f"{r['rounds']} rounds  outside {r['outside_s']:.2f} s", flush=True)  # fmt: skip
+    with competitor(args.duty):
+        for rep in range(args.repeats):
+            for c in args.concurrency:
+                for m in args.methods if rep % 2 == 0 else args.methods[::-1]:
+                    r = closed_loop(ContinuousBatcher(engines[m], max_batch=c), prompts, settings, c)
+                    runs[m][c].append(r)
+                    print(f"repeat {rep + 1} C={c:<3} {m:<8} {r['tok_s']:7.1f} tok/s  τ {r['tau']:.2f}  "
+                          f"{r['rounds']} rounds  outside {r['outside_s']:.2f} s", flush=True)  # fmt: skip
     table = {
         m: {c: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for c, rs in by_c.items()} for m, by_c in runs.items()
     }

@@ -19,9 +19,12 @@ The slack is measured, not guessed: beside a competitor busy a share d of every 
 9.8 tok/s for d = 0.15 / 0.3 / 0.5 / 1 against one thread's 18.6 / 19.9 / 19.8 / 19.5, so a second
 thread pays up to about 0.3 of a core held elsewhere. At 8 rows (in-process continuous batching of
 GSM8K prompts, 32 tokens each) it pays up to about 0.5: 82.5 / 70.8 tok/s at d = 0.3 / 0.5 against
-one thread's 67.2 / 70.0; at 16 rows up to about 0.6: 142.0 / 128.2 tok/s at d = 0.5 / 0.7 against
-one thread's 136.8 / 135.1. Larger batches make longer parallel regions, so a descheduled partner
-costs a smaller share of each. A serving replica's own proxy and HTTP clients
+one thread's 67.2 / 70.0; at 16 rows up to 0.6–0.7 (`bench_batcher.py --methods ar --concurrency 16
+--requests 32 --max-new-tokens 32 --threads 2|1 --duty d`): 138.3 / 131.4 and 125.1 / 106.5 / 66.2
+tok/s at d = 0.5 / 0.7 and 0.7 / 0.85 / 1 against one thread's 133.4 / 125.9 and 125.7 / 132.5 /
+123.9, so the slack stops at 0.6, where two threads lose little and beyond which they soon lose a
+fifth. Larger batches make longer parallel regions, so a descheduled partner costs a smaller share
+of each. A serving replica's own proxy and HTTP clients
 hold 0.1–0.3 of a core under load (measured at concurrency 1–16): below the slack, so an endpoint
 keeps both threads (with 0.1 it dropped to one and lost a third of its throughput at concurrency 16);
 their bursts pass 0.3 for half a second now and then, which a 1 s window smooths out.
