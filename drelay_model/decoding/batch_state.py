@@ -152,10 +152,10 @@ class BatchState:
 
 
 def _counts(features: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
-    """A pending entry's counts [R] as a new tensor (None: every row has all T)."""
+    """A pending entry's counts [R] (None: every row has all T); callers build new tensors from it."""
     if counts is None:
         return torch.full((features.shape[0],), features.shape[1], dtype=torch.long, device=features.device)
-    return counts.clone()
+    return counts
 
 
 def _compact_rows(cache: KVCache, holes: list[int], movers: list[int], n: int) -> None:

@@ -163,7 +163,6 @@ class ContinuousBatcher:
         self._cancelled: set[int] = set()
         self._running: dict[int, _Request] = {}
         self._state: BatchState | None = None
-        self._free: list[int] = []  # positions in `_state` of rows that finished, kept for queued requests
         self._next_id = 0
 
     # ---- public --------------------------------------------------------------------------------
@@ -265,9 +264,8 @@ class ContinuousBatcher:
         self.stats.requests += len(requests)
         if self._state is None:
             self._state = state
-        elif len(requests) <= len(self._free):  # into the slots of rows that finished last round
-            self._state.fill(self._free[: len(requests)], state)
-            self._free = self._free[len(requests) :]
+        elif len(requests) <= len(free := self._free_slots()):  # into the slots of rows that finished last round
+            self._state.fill(free[: len(requests)], state)
         else:
             self._state = self._state.merge(state)  # pending features stay pending
         updates = []
@@ -336,19 +334,23 @@ class ContinuousBatcher:
         whatever it left free, before any round runs."""
         for rid in [i for i, r in self._running.items() if r.finish_reason is not None]:
             del self._running[rid]
-        state, self._free = self._state, []
+        state = self._state
         if state is None:
             return
         if not self._running:
             self._state = None
             return
         if reuse and len(self._running) < len(state.rows):
-            self._free = [p for p, i in enumerate(state.rows) if i not in self._running]
-            return
+            return  # the finished rows' slots stay, free (`_free_slots`)
         state.keep([i for i in state.rows if i in self._running])
         need = max(self._running[i].need for i in state.rows)
         if 2 * need < state.cache.capacity:
             state.set_capacity(need)
+
+    def _free_slots(self) -> list[int]:
+        """Positions in the batch state of rows whose requests have left (kept after a round by
+        `_leave(reuse=True)` for the next admission to fill)."""
+        return [p for p, i in enumerate(self._state.rows) if i not in self._running]
 
     # ---- host-side bookkeeping -----------------------------------------------------------------
     def _commit(self, r: _Request, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> RequestUpdate:
