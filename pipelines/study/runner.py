@@ -28,7 +28,9 @@ def plan(spec: StudySpec, only: list[str]) -> tuple[dict[str, RunConfig], list[s
     for label in todo:
         cfg = configs[label]
         state = "done" if finished(cfg, repo_path) else "to train"
-        budget = f"{cfg.train.max_steps} steps" + (f" or {cfg.train.max_minutes:g} min" if cfg.train.max_minutes else "")
+        budget = f"{cfg.train.max_steps} steps" + (
+            f" or {cfg.train.max_minutes:g} {cfg.train.budget_clock} min" if cfg.train.max_minutes else ""
+        )
         print(f"[study] {label}: run {cfg.ray.run_name}, {budget}, selector {cfg.selector.name} — {state}")
     return configs, todo
 

@@ -134,6 +134,12 @@ class TrainSection(StrictConfig):
     # native-anchor share) follows the larger of the two progress fractions. None: steps only.
     # Counted per attempt: a resumed run gets the budget left at its checkpoint (saved with it).
     max_minutes: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    # What a budget minute is: "wall" (elapsed) or "cpu" (the worker process's CPU time: equal work
+    # on a shared machine, what a budget study compares; pipelines/train/clock.py).
+    budget_clock: Literal["wall", "cpu"] = "wall"
+    # Also checkpoint every this many wall minutes (None: only every checkpoint_every steps), so a
+    # stop loses at most that much of a long run.
+    checkpoint_minutes: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     checkpoint_every: int = Field(200, ge=1)
     validate_every: int = Field(200, ge=1)
     validation_prompts: int = Field(8, ge=0)

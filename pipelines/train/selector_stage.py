@@ -35,13 +35,13 @@ from pipelines.train.features import FeatureSource
 from pipelines.train.model_io import restore_training_checkpoint, save_training_checkpoint
 from pipelines.train.worker import (
     HEADLINE_METRIC,
-    ProgressLine,
-    TrainClock,
     _metric_logger,
     start_worker,
     step_config,
+    train_clock,
     validation_set,
 )
+from pipelines.train.clock import ProgressLine
 
 STAGE_STATE = "stage_state.pt"
 
@@ -92,7 +92,7 @@ def selector_stage_loop(cfg_dict: dict) -> None:
     selector = module.selector
     params = [p for p in selector.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    start, clock, best = 0, TrainClock(cfg.train.max_minutes, cfg.train.max_steps), BestHead(cfg.train.early_stop_patience)
+    start, clock, best = 0, train_clock(cfg), BestHead(cfg.train.early_stop_patience)
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
@@ -131,17 +131,17 @@ def selector_stage_loop(cfg_dict: dict) -> None:
         validating = (step + 1) % cfg.train.validate_every == 0 or last
         if validating:
             started = time.perf_counter()
-            if rank == 0:
-                metrics.update(fixed, **_validate_selector(target, module, *val))
-            stop = _early_stop(best, metrics.get(HEADLINE_METRIC), selector, world, step + 1)
-            if stop or last:
-                last = True
-                if best.state is not None:
-                    selector.load_state_dict(best.state)  # export the best validated head
-                    metrics.update({"val/tau_best": best.best, "val/best_step": best.step})
+            with clock.paused():
+                if rank == 0:
+                    metrics.update(fixed, **_validate_selector(target, module, *val))
+                stop = _early_stop(best, metrics.get(HEADLINE_METRIC), selector, world, step + 1)
+                if stop or last:
+                    last = True
+                    if best.state is not None:
+                        selector.load_state_dict(best.state)  # export the best validated head
+                        metrics.update({"val/tau_best": best.best, "val/best_step": best.step})
             t_last += time.perf_counter() - started
-            clock.pause(time.perf_counter() - started)
-        checkpointing = (step + 1) % cfg.train.checkpoint_every == 0 or last
+        checkpointing = (step + 1) % cfg.train.checkpoint_every == 0 or clock.checkpoint_due() or last
         if checkpointing:
             now = time.perf_counter()
             metrics["throughput/blocks_per_s"] = (step + 1 - step_last) * size * world / max(now - t_last, 1e-9)
@@ -149,6 +149,7 @@ def selector_stage_loop(cfg_dict: dict) -> None:
             _report(metrics, rank, module, optimizer, step + 1, cfg, best, checkpoint=checkpointing, clock=clock, final=last)
         if checkpointing:
             t_last, step_last = time.perf_counter(), step + 1
+            clock.checkpointed()
         if logger is not None:
             logger(metrics, step + 1)
         if rank == 0:

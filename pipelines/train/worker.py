@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +24,8 @@ from drelay_model.training.losses import LossSwitches
 from drelay_model.target import load_target
 from drelay_model.training.schedules import lr_at
 from pipelines.common.paths import repo_path
+from pipelines.train.clock import ProgressLine, TrainClock
+from drelay_model.diagnostics import diagnose_rounds, pad_rounds
 from pipelines.train.config import RunConfig
 from pipelines.train.data import batch_order, collate, read_sequences, reference_sequences, split_validation
 from pipelines.train.features import FeatureSource
@@ -69,19 +70,32 @@ HEADLINE_METRIC = "val/tau"
 
 def validate(target, module, prompts, conts) -> dict[str, float]:
     """Greedy replay τ of the native path, the pool's oracle, (if any) the trained selector, and the
-    headline `val/tau`."""
+    headline `val/tau`; on the native path, the pool's coverage at the first error and the one-edit
+    gain (`drelay_model/diagnostics.py`): how much a selector could repair."""
     if not prompts:
         return {}
     module.eval()
+    trace = []
+    native = replay(target, module.drafter, prompts, conts, on_round=lambda r: trace.append((r.block.cand_ids[0], r.path, r.ref)))
+    diag = diagnose_rounds(*pad_rounds(trace)) if trace else None
     out = {
-        "val/tau_native": replay(target, module.drafter, prompts, conts).tau,
+        "val/tau_native": native.tau,
         "val/tau_oracle": replay(target, module.drafter, prompts, conts, oracle=True).tau,
     }
+    if diag is not None:
+        out.update({"val/coverage_first_error": diag.coverage_first_error, "val/one_edit_gain": diag.one_edit_gain})
     if module.selector is not None:
         out["val/tau_selector"] = replay(target, module.drafter, prompts, conts, selector=module.selector).tau
     out[HEADLINE_METRIC] = out.get("val/tau_selector", out["val/tau_native"])
     module.train()
     return out
+
+
+def train_clock(cfg: RunConfig) -> TrainClock:
+    """The run's clock: its budget (`train.max_minutes` on `train.budget_clock`) and wall-time
+    checkpoint cadence (`train.checkpoint_minutes`)."""
+    t = cfg.train
+    return TrainClock(t.max_minutes, t.max_steps, kind=t.budget_clock, checkpoint_minutes=t.checkpoint_minutes)
 
 
 def step_config(cfg: RunConfig, progress: float) -> StepConfig:
@@ -162,7 +176,7 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
     )
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    start, clock = 0, TrainClock(cfg.train.max_minutes, cfg.train.max_steps)
+    start, clock = 0, train_clock(cfg)
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
@@ -208,10 +222,10 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
         validating = (step + 1) % cfg.train.validate_every == 0 or last  # its own schedule, not only at checkpoints
         if rank == 0 and validating:
             started = time.perf_counter()
-            metrics.update(validate(target, module, *val))
-            t_last += time.perf_counter() - started  # replay time is not training throughput
-            clock.pause(time.perf_counter() - started)  # nor training budget
-        checkpointing = (step + 1) % cfg.train.checkpoint_every == 0 or last
+            with clock.paused():  # replay time is not training budget
+                metrics.update(validate(target, module, *val))
+            t_last += time.perf_counter() - started  # nor training throughput
+        checkpointing = (step + 1) % cfg.train.checkpoint_every == 0 or clock.checkpoint_due() or last
         if checkpointing:
             now = time.perf_counter()
             metrics["throughput/tokens_per_s"] = tokens * world / (now - t_last)  # response tokens, all workers
@@ -222,81 +236,13 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
             )
         if checkpointing:
             t_last, tokens, step_last = time.perf_counter(), 0, step + 1
+            clock.checkpointed()
         if logger is not None:
             logger(metrics, step + 1)
         if rank == 0:
             line.update(step + 1, metrics, budget_left_s=clock.left(), last=last)
         if last:
             break
-
-
-class TrainClock:
-    """`train.max_minutes`: seconds spent in training steps (validation paused out), carried across a
-    resume through the checkpoint, and the progress fraction the schedules follow:
-    max(step / max_steps, spent / budget). Ranks agree on "spent" (the smallest clock: the others
-    also wait out rank 0's validation at the report barrier), so every rank stops at the same step."""
-
-    def __init__(self, max_minutes: float | None, max_steps: int) -> None:
-        self.budget = max_minutes * 60.0 if max_minutes else None
-        self.max_steps = max_steps
-        self.spent = 0.0
-        self._since = time.perf_counter()
-
-    def restart(self) -> None:
-        """Start counting now (loading the model and data is not training)."""
-        self._since = time.perf_counter()
-
-    def progress(self, step: int) -> float:
-        by_steps = step / self.max_steps
-        return by_steps if self.budget is None else min(max(by_steps, self.spent / self.budget), 1.0)
-
-    def schedule_step(self, step: int) -> int:
-        """The step whose schedule value applies now (the step itself without a budget)."""
-        return min(max(step, int(self.progress(step) * self.max_steps)), self.max_steps - 1)
-
-    def tick(self, world: int) -> None:
-        now = time.perf_counter()
-        self.spent += now - self._since
-        self._since = now
-        if world > 1 and self.budget is not None and torch.distributed.is_initialized():
-            t = torch.tensor([self.spent])
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)  # rank 0 pauses for validation
-            self.spent = float(t)
-
-    def pause(self, seconds: float) -> None:
-        """Time that was not training (validation): not counted."""
-        self._since += seconds
-
-    def left(self) -> float | None:
-        """Seconds of the budget left (None without a budget)."""
-        return None if self.budget is None else self.budget - self.spent
-
-    def spent_all(self, world: int) -> bool:
-        return self.budget is not None and self.spent >= self.budget
-
-
-class ProgressLine:
-    """One line on the driver's console every `every` steps (Ray forwards worker stdout): step,
-    losses, slot-1 accuracy, seconds per step and the time left at that pace."""
-
-    def __init__(self, start: int, total: int, every: int = 25) -> None:
-        self.start, self.total, self.every, self.t0 = start, total, every, time.perf_counter()
-
-    def update(self, step: int, metrics: dict, *, budget_left_s: float | None = None, last: bool = False) -> None:
-        """`budget_left_s`: the time budget left (train.max_minutes), when it ends the run sooner."""
-        if step % self.every and step != self.total and not last:
-            return
-        per_step = (time.perf_counter() - self.t0) / max(step - self.start, 1)
-        left = (self.total - step) * per_step / 60
-        if budget_left_s is not None:
-            left = min(left, max(budget_left_s, 0.0) / 60)
-        losses = " ".join(f"{k.removeprefix('loss/')} {v:.3f}" for k, v in metrics.items() if k.startswith("loss/"))
-        val = " ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in metrics.items() if k.startswith("val/"))
-        line = (f"[train] step {step}/{self.total} · {losses} · slot-1 acc {metrics.get('acc/slot1', 0.0):.3f} · "
-                f"{per_step:.2f} s/step · {left:.1f} min left{' · ' + val if val else ''}")  # fmt: skip
-        # The process's own stdout, once: Ray Train patches print() to log through its logger *and*
-        # echo to a wrapped sys.stdout, which printed every line twice on the driver.
-        print(line, file=sys.__stdout__, flush=True)
 
 
 def _report(

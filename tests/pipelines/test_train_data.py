@@ -220,7 +220,7 @@ def test_init_checkpoint_continues_its_trained_selector(tmp_path):
 
 
 def test_progress_line_prints_once_per_interval_and_at_the_end(capfd):
-    from pipelines.train.worker import ProgressLine
+    from pipelines.train.clock import ProgressLine
 
     progress = ProgressLine(0, 60, every=25)
     for step in range(1, 61):
@@ -233,10 +233,10 @@ def test_progress_line_prints_once_per_interval_and_at_the_end(capfd):
 def test_train_clock_budget_drives_the_schedules_and_the_stop(monkeypatch):
     """`train.max_minutes`: progress is max(steps, time) fractions, validation time is not counted,
     the budget left survives a resume (the count is saved with the checkpoint)."""
-    from pipelines.train import worker
+    from pipelines.train import clock as worker
 
     now = [0.0]
-    monkeypatch.setattr(worker.time, "perf_counter", lambda: now[0])
+    monkeypatch.setitem(worker.CLOCKS, "wall", lambda: now[0])
     clock = worker.TrainClock(max_minutes=1.0, max_steps=1000)  # 60 s or 1000 steps
     clock.restart()
     now[0] = 30.0
@@ -253,6 +253,33 @@ def test_train_clock_budget_drives_the_schedules_and_the_stop(monkeypatch):
     now[0] = 1e6
     steps_only.tick(world=1)
     assert steps_only.progress(25) == 0.25 and steps_only.schedule_step(25) == 25 and not steps_only.spent_all(1)
+
+
+def test_cpu_budget_counts_the_process_cpu_time_and_checkpoints_follow_wall_minutes(monkeypatch):
+    """`train.budget_clock: cpu` spends the budget on this process's CPU seconds (a busy machine that
+    stalls the run costs it nothing); `train.checkpoint_minutes` makes a checkpoint due after that
+    much wall time, and `checkpointed` starts the next interval."""
+    from pipelines.train import clock as clocks
+
+    cpu, wall = [0.0], [0.0]
+    monkeypatch.setitem(clocks.CLOCKS, "cpu", lambda: cpu[0])
+    monkeypatch.setattr(clocks.time, "perf_counter", lambda: wall[0])
+    clock = clocks.TrainClock(max_minutes=1.0, max_steps=10_000, kind="cpu", checkpoint_minutes=10.0)
+    clock.restart()
+    cpu[0], wall[0] = 20.0, 300.0  # a step stalled by other work: 5 wall minutes, 20 CPU seconds
+    clock.tick(world=1)
+    assert clock.spent == pytest.approx(20.0) and not clock.checkpoint_due()
+    with clock.paused():  # validation: 15 CPU seconds, not counted
+        cpu[0] = 35.0
+    cpu[0], wall[0] = 45.0, 601.0
+    clock.tick(world=1)
+    assert clock.spent == pytest.approx(30.0) and clock.checkpoint_due() and clock.progress(1) == pytest.approx(0.5)
+    clock.checkpointed()
+    cpu[0], wall[0] = 80.0, 700.0
+    clock.tick(world=1)
+    assert clock.spent_all(1) and not clock.checkpoint_due()
+    with pytest.raises(ValueError, match="clock kind"):
+        clocks.TrainClock(1.0, 10, kind="gpu")
 
 
 def test_training_checkpoint_keeps_the_seconds_spent(tmp_path):
