@@ -41,7 +41,7 @@ from drelay_model.diagnostics import (  # noqa: E402
     pad_rounds,
     supported_is_correct,
 )
-from pipelines.cli import guarded  # noqa: E402
+from cli import guarded  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

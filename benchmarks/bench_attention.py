@@ -21,7 +21,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pipelines.cli import guarded  # noqa: E402
+from cli import guarded  # noqa: E402
 
 
 def main(argv=None) -> int:

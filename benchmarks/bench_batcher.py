@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pipelines.cli import guarded  # noqa: E402
+from cli import guarded  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

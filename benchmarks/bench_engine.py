@@ -327,6 +327,6 @@ def run_and_save(args, machine: dict, params: dict, run) -> None:
 
 
 if __name__ == "__main__":
-    from pipelines.cli import guarded
+    from cli import guarded
 
     raise SystemExit(guarded(main, Path(__file__).name))

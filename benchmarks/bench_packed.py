@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from drelay_model.kernels.cpu_linear import CpuKernels  # noqa: E402
 from drelay_model.selectors import SelectionContext  # noqa: E402
-from pipelines.cli import guarded  # noqa: E402
+from cli import guarded  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

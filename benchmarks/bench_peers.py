@@ -37,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pipelines.cli import guarded  # noqa: E402
+from cli import guarded  # noqa: E402
 
 METHODS = ("ar", "native", "drelay")
 

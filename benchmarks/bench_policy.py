@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     if not 1 <= args.prompts <= MAX_CORPUS_PROMPTS or args.bench_prompts < 0 or args.max_new_tokens < 1:
         p.error(f"--prompts must be in 1..{MAX_CORPUS_PROMPTS}, --bench-prompts ≥ 0 and --max-new-tokens ≥ 1")
     recorded = load_seqs(args.seqs, p) if args.seqs else None
-    from pipelines.cli.options import DEFAULT_TARGET
+    from cli.options import DEFAULT_TARGET
     from pipelines.common.engines import build_engine
     from pipelines.common.methods import AR, MethodSpec, load_target_spec, resolve_method
     from pipelines.data.eval_sets import BENCHMARKS, load_benchmark

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine, replay  # noqa: E402
-from pipelines.cli import guarded  # noqa: E402
+from cli import guarded  # noqa: E402
 
 EXPERIMENT = "drelay-benchmarks"
 

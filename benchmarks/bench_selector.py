@@ -189,6 +189,6 @@ def measure(args, target, drafter, selector, repairing, cache, ctx_cache, anchor
 
 
 if __name__ == "__main__":
-    from pipelines.cli import guarded
+    from cli import guarded
 
     raise SystemExit(guarded(main, Path(__file__).name))

@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pipelines.cli import guarded  # noqa: E402
+from cli import guarded  # noqa: E402
 
 DEMO_MESSAGE = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "

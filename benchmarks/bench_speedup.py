@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from drelay_model.decoding import DecodeStats, GenerationConfig  # noqa: E402
-from pipelines.cli import guarded  # noqa: E402
+from cli import guarded  # noqa: E402
 
 ALL = "gsm8k,math500,aime25,humaneval,mbpp,livecodebench,mt_bench,alpaca"
 

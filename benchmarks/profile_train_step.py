@@ -78,6 +78,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from pipelines.cli import guarded
+    from cli import guarded
 
     raise SystemExit(guarded(main, Path(__file__).name))

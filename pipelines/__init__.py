@@ -1,5 +1,5 @@
 """Orchestration on top of drelay_model: data, training (Ray Train), evaluation, studies, MLflow
-tracking and the `drelay` CLI. Layers, lowest first — a package imports only from layers below it:
+tracking. Layers, lowest first — a package imports only from layers below it:
 
     common/   paths, method spec, chat rendering, MLflow connection, JSON store   (drelay_model only)
     data/     evaluation prompt sets, training corpora, regeneration              (+ common)
@@ -8,8 +8,7 @@ tracking and the `drelay` CLI. Layers, lowest first — a package imports only f
     study/    staged training runs + their comparison                             (+ eval, train)
     cluster/  Ray job submission, platform/cluster spec schemas                   (+ common)
     tune/     Ray Tune sweeps over training configs                               (+ train)
-    cli/      one thin module per `drelay` command                                (+ everything, deploy lazily)
 
-eval and train are siblings and never import each other. Nothing here but cli imports deploy;
-drelay_model never imports pipelines (tests/test_layering.py checks all of this).
+eval and train are siblings and never import each other. Nothing here imports deploy or the
+command line (`cli/`, the layer above both); drelay_model never imports pipelines (tests/test_layering.py checks all of this).
 """

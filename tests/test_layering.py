@@ -2,12 +2,12 @@
 `drelay` command module imports another. Imports are read with `ast` (nothing is executed), lazy
 imports inside functions included.
 
-    drelay_model  ←  pipelines  ←  deploy          (← = "is imported by")
-    inside pipelines:  common ← data ← {eval, train} ← study ← cli   (eval and train are siblings)
+    drelay_model  ←  pipelines  ←  deploy  ←  cli          (← = "is imported by")
+    inside pipelines:  common ← data ← {eval, train} ← {study, cluster, tune}   (siblings in braces)
 
-drelay_model imports none of pipelines, deploy, ray, mlflow, sglang. Only pipelines/cli may import
-deploy (it sits on top of everything). deploy may import drelay_model, pipelines.common and the
-config modules of pipelines (`pipelines.<pkg>.config`).
+drelay_model imports none of pipelines, deploy, cli, ray, mlflow, sglang. pipelines imports neither
+deploy nor cli; deploy may import drelay_model, pipelines.common and the config modules of pipelines
+(`pipelines.<pkg>.config`), never cli. cli, the `drelay` command line, sits on top of everything.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("drelay_model", "pipelines", "deploy")
-MODEL_FORBIDDEN = ("pipelines", "deploy", "ray", "mlflow", "sglang")
-PIPELINES_RANK = {"common": 0, "data": 1, "eval": 2, "train": 2, "study": 3, "cluster": 3, "tune": 3, "cli": 4}
-CLI_SHARED = {"pipelines.cli", "pipelines.cli.main", "pipelines.cli.__main__", "pipelines.cli.options"}
+PACKAGES = ("drelay_model", "pipelines", "deploy", "cli")
+MODEL_FORBIDDEN = ("pipelines", "deploy", "cli", "ray", "mlflow", "sglang")
+PIPELINES_RANK = {"common": 0, "data": 1, "eval": 2, "train": 2, "study": 3, "cluster": 3, "tune": 3}
+CLI_SHARED = {"cli", "cli.main", "cli.__main__", "cli.options"}
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def _pipelines_package(mod: str) -> str | None:
 
 
 def _is_command(mod: str) -> bool:
-    return mod.startswith("pipelines.cli.") and mod not in CLI_SHARED
+    return mod.startswith("cli.") and mod not in CLI_SHARED
 
 
 def layer_violations(edges: list[Edge]) -> list[str]:
@@ -72,17 +72,20 @@ def layer_violations(edges: list[Edge]) -> list[str]:
         where = f"{e.source}:{e.line} imports {e.target}"
         if src_root == "drelay_model" and dst_root in MODEL_FORBIDDEN:
             bad.append(f"{where} (drelay_model is pure PyTorch)")
-        elif src_root == "pipelines" and dst_root == "deploy" and _pipelines_package(e.source) != "cli":
-            bad.append(f"{where} (only pipelines/cli may import deploy)")
+        elif src_root in ("pipelines", "deploy") and dst_root == "cli":
+            bad.append(f"{where} (only cli imports cli: it sits on top of everything)")
+        elif src_root == "pipelines" and dst_root == "deploy":
+            bad.append(f"{where} (only cli may import deploy)")
         elif src_root == "deploy" and dst_root == "pipelines":
             pkg = _pipelines_package(e.target)
             if pkg != "common" and not e.target.endswith(".config"):
                 bad.append(f"{where} (deploy may import only pipelines.common and pipelines config modules)")
+        elif src_root == dst_root == "cli":
+            if _is_command(e.source) and _is_command(e.target) and e.source != e.target:
+                bad.append(f"{where} (a command module imports another command module)")
         elif src_root == dst_root == "pipelines":
             src, dst = _pipelines_package(e.source), _pipelines_package(e.target)
             if src is None or dst is None or src == dst:
-                if _is_command(e.source) and _is_command(e.target) and e.source != e.target:
-                    bad.append(f"{where} (a command module imports another command module)")
                 continue
             if src not in PIPELINES_RANK or dst not in PIPELINES_RANK:
                 bad.append(f"{where} (pipelines/{src if src not in PIPELINES_RANK else dst} has no layer in PIPELINES_RANK)")
@@ -174,11 +177,11 @@ CLEAN = {
     "pipelines/eval/report.py": "",
     "pipelines/train/__init__.py": "",
     "pipelines/train/config.py": "",
-    "pipelines/cli/__init__.py": "from pipelines.cli.main import main\n",
-    "pipelines/cli/main.py": "",
-    "pipelines/cli/options.py": "",
-    "pipelines/cli/serve.py": "from pipelines.cli.options import x\n\ndef run():\n    import deploy.serve\n",
-    "pipelines/cli/eval.py": "from pipelines.eval.run import Y\nfrom pipelines.cli import options\n",
+    "cli/__init__.py": "from cli.main import main\n",
+    "cli/main.py": "",
+    "cli/options.py": "",
+    "cli/serve.py": "from cli.options import x\n\ndef run():\n    import deploy.serve\n",
+    "cli/eval.py": "from pipelines.eval.run import Y\nfrom cli import options\n",
     "deploy/__init__.py": "",
     "deploy/plugin.py": "",
     "deploy/serve.py": "from pipelines.common.paths import X\nfrom pipelines.train.config import C\nimport drelay_model.core\n",
@@ -194,9 +197,11 @@ def test_checker_catches_each_kind_of_violation(tmp_path):
         "drelay_model/core.py": ("import mlflow\n", "drelay_model is pure PyTorch"),
         "pipelines/data/sets.py": ("from pipelines.eval import report\n", "pipelines/data may not import pipelines/eval"),
         "pipelines/eval/report.py": ("from pipelines.train import config\n", "pipelines/eval may not import pipelines/train"),
-        "pipelines/common/paths.py": ("def f():\n    from deploy import plugin\n", "only pipelines/cli may import deploy"),
+        "pipelines/common/paths.py": ("def f():\n    from deploy import plugin\n", "only cli may import deploy"),
         "deploy/serve.py": ("from pipelines.eval.run import Y\n", "deploy may import only pipelines.common"),
-        "pipelines/cli/eval.py": ("from pipelines.cli.serve import run\n", "a command module imports another command module"),
+        "deploy/plugin.py": ("from cli.options import x\n", "only cli imports cli"),
+        "pipelines/train/config.py": ("from cli import main\n", "only cli imports cli"),
+        "cli/eval.py": ("from cli.serve import run\n", "a command module imports another command module"),
     }
     for rel, (text, expected) in cases.items():
         root = _tree(tmp_path / rel.replace("/", "_"), {**CLEAN, rel: text})

@@ -148,7 +148,7 @@ class RayJobBody(_Open):
     @classmethod
     def _drelay(cls, v: str) -> str:
         if not ENTRYPOINT.match(v):
-            raise ValueError("must run a drelay command: 'python -m pipelines.cli <train|tune|eval|…> …'")
+            raise ValueError("must run a drelay command: 'python -m cli <train|tune|eval|…> …'")
         return v
 
     @field_validator("runtimeEnvYAML")

@@ -3,7 +3,7 @@
     drelay submit --address http://head:8265 --output-root /mnt/shared/drelay eval --limit 8
     drelay submit train --config platform/experiments/smollm2-135m/train.yaml ray.num_workers=4
 
-The job's entrypoint is the same `drelay` command (`python -m pipelines.cli COMMAND ARGS…`), run in
+The job's entrypoint is the same `drelay` command (`python -m cli COMMAND ARGS…`), run in
 a copy of this checkout (Ray's `working_dir`, minus outputs, the venv, caches and .git) with
 `$DRELAY_OUTPUT_ROOT` set, so everything it writes lands on the cluster's shared storage, never in
 the temporary working directory Ray unpacks it into. `$MLFLOW_TRACKING_URI` is forwarded when set.
@@ -114,7 +114,7 @@ def auth_headers() -> dict[str, str]:
 
 
 def entrypoint(python: str, command: str, args: list[str]) -> str:
-    return shlex.join([python, "-m", "pipelines.cli", command, *args])
+    return shlex.join([python, "-m", "cli", command, *args])
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,5 +4,5 @@
     runner.py   train the runs (resumable), compare their checkpoints, ship one
 
 May import: pipelines.common, pipelines.data, pipelines.train and pipelines.eval (a study is the one
-place that strings training and evaluation together), drelay_model. Never pipelines.cli or deploy.
+place that strings training and evaluation together), drelay_model. Never cli or deploy.
 """

@@ -1,4 +1,4 @@
-"""Ray Tune sweeps over training configs (`drelay tune`; the command is `pipelines/cli/tune.py`).
+"""Ray Tune sweeps over training configs (`drelay tune`; the command is `cli/tune.py`).
 
     config.py  the sweep config: base training config, search space over dotted paths (validated
                against the training schema), search algorithm, ASHA, metric, resources

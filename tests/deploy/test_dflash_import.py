@@ -15,7 +15,7 @@ import torch
 from deploy.dflash_import import LAYER_NAMES, TOP_NAMES, expected_shapes
 from drelay_model.drafter import BlockDrafter, load_drafter
 from drelay_model.target import load_target
-from pipelines.cli.main import main as drelay
+from cli.main import main as drelay
 from tests.deploy.test_vllm_export import TINY, _check_agree, _random_checkpoint
 
 TINY_OTHER = "tiny-qwen3:vocab=320,seed=1"  # the same widths, another vocabulary

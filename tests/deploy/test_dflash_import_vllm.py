@@ -21,7 +21,7 @@ from deploy.vllm.peer import run_in_group, vllm_python
 from drelay_model.drafter import load_drafter
 from drelay_model.target import load_target
 from drelay_model.target.loading import SMOLLM2, cache_root
-from pipelines.cli.main import main as drelay
+from cli.main import main as drelay
 
 pytestmark = [
     pytest.mark.vllm,

@@ -15,7 +15,7 @@ from deploy.serve.bench import LevelResult, Sample
 from deploy.serve.bench_pairing import Endpoint, leg_schedule, level_lines, markdown_table, order_name, ratios
 from deploy.serve.bench_run import probe_urls
 from drelay_model.errors import DRelayError
-from pipelines.cli.main import main
+from cli.main import main
 
 AR_CONFIG = "platform/serve/smollm2-135m-ar.yaml"
 

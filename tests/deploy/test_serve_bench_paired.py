@@ -14,7 +14,7 @@ import yaml
 pytest.importorskip("ray")
 pytest.importorskip("matplotlib")
 
-from pipelines.cli.main import main  # noqa: E402
+from cli.main import main  # noqa: E402
 
 
 def _config(model_id: str, method: str, port: int) -> dict:

@@ -162,7 +162,7 @@ def test_drelay_export_command_writes_the_same_directory(tmp_path, capsys):
     """`drelay export` (the CLI entry users run) exports, and refuses to overwrite in one line."""
     from drelay_model.drafter import BlockDrafter, DrafterConfig, save_drafter
     from drelay_model.target import tiny_target
-    from pipelines.cli import main
+    from cli import main
 
     tiny = tiny_target("tiny-llama", layers=4)
     save_drafter(BlockDrafter(DrafterConfig.for_target(tiny, num_layers=1), tiny), tmp_path / "ckpt")

@@ -21,7 +21,7 @@ from deploy.vllm.export import ARCHITECTURE, CONFIG, MASK_FILE, NOTE, WEIGHTS
 from deploy.vllm.selector_dir import read_selector_dir
 from drelay_model.drafter import BlockDrafter, DrafterConfig, load_drafter, save_drafter
 from drelay_model.target import load_target
-from pipelines.cli.main import main as drelay
+from cli.main import main as drelay
 from pipelines.common.paths import BUNDLED_CHECKPOINTS
 
 TINY = "tiny-qwen3:vocab=384,seed=1"

@@ -16,7 +16,7 @@ from deploy.vllm.selector_dir import native_view
 from drelay_model.decoding import GenerationConfig
 from drelay_model.target import load_target
 from drelay_model.target.loading import SMOLLM2, cache_root
-from pipelines.cli.main import main as drelay
+from cli.main import main as drelay
 from pipelines.common.paths import BUNDLED_CHECKPOINTS
 from pipelines.data.eval_sets import first_turn_prompts
 

@@ -33,7 +33,7 @@ from drelay_model.drafter import DraftBlock
 from drelay_model.selectors import SelectionContext
 from drelay_model.target import load_target
 from drelay_model.target.loading import SMOLLM2, cache_root
-from pipelines.cli.main import main as drelay
+from cli.main import main as drelay
 from pipelines.common.paths import BUNDLED_CHECKPOINTS
 from pipelines.data.eval_sets import first_turn_prompts
 

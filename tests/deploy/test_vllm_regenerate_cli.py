@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from pipelines.cli.main import main as drelay
+from cli.main import main as drelay
 from deploy.vllm.regenerate import _read_answers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))

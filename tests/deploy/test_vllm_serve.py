@@ -66,7 +66,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server():
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "serve", "--config", str(DRELAY_CONFIG), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--config", str(DRELAY_CONFIG), "--port", str(port)],
                             cwd=REPO, start_new_session=True)  # fmt: skip
     from openai import OpenAI
 

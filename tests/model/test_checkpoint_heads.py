@@ -12,7 +12,7 @@ from drelay_model.drafter import load_drafter, save_drafter
 from drelay_model.drafter.heads import head_names, head_path
 from drelay_model.errors import DRelayError
 from drelay_model.selectors import default_registry
-from pipelines.cli.main import main
+from cli.main import main
 from pipelines.common.methods import MethodSpec, load_method
 
 

@@ -151,7 +151,7 @@ def test_bad_stage_configs_are_one_line_errors(setup, override, message):
 
 def test_drelay_train_rejects_a_stage_without_a_frozen_drafter_in_one_line():
     proc = subprocess.run(
-        [sys.executable, "-m", "pipelines.cli", "train", "--dry-run", "train.stage=selector"],
+        [sys.executable, "-m", "cli", "train", "--dry-run", "train.stage=selector"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr

@@ -12,7 +12,7 @@ import torch
 
 from drelay_model.drafter import BlockDrafter, DrafterConfig, save_drafter
 from drelay_model.target import tiny_target
-from pipelines.cli import main
+from cli import main
 
 
 @pytest.fixture(autouse=True)
@@ -21,7 +21,7 @@ def _smollm2_loaded_once(request, monkeypatch):
     the CPU in float32 gets the session's `smol` (the same `load_target` call's result), which the
     command only reads. Other targets, devices, dtypes and bad specs go through the real loader. The
     fixture is fetched on the first such call, so these tests keep the one intra-op thread they had."""
-    import pipelines.cli.generate as generate
+    import cli.generate as generate
 
     real = generate.load_target_spec
 
@@ -136,7 +136,7 @@ def test_checkpoint_for_another_target_is_rejected(capsys, tmp_path):
 
 def test_console_script_never_prints_a_traceback(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "pipelines.cli", "generate", "--chat", "hi", "--target", "nope"],
+        [sys.executable, "-m", "cli", "generate", "--chat", "hi", "--target", "nope"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -152,12 +152,12 @@ def test_a_command_builds_only_its_own_parser(capsys):
     """`drelay jobs …` imports the jobs command and nothing that loads models: neither torch nor
     transformers is imported, and its help still comes from the jobs module. `drelay --help` lists every
     command; a word that is no command gets argparse's own error with the list."""
-    from pipelines.cli.main import COMMANDS, requested_command
+    from cli.main import COMMANDS, requested_command
 
     assert requested_command(["serve-bench", "--config", "x"]) == "serve_bench" and requested_command(["--help"]) is None
     assert requested_command(["nope"]) is None and requested_command([]) is None
     assert requested_command(["--help", "jobs"]) is None  # `drelay --help` lists every command
-    probe = ("import sys; from pipelines.cli.main import main\n"
+    probe = ("import sys; from cli.main import main\n"
              "try:\n    main(['jobs', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
              "print(sorted({'torch', 'transformers'} & set(sys.modules)))")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from drelay_model.errors import DRelayError
-from pipelines.cli import main
+from cli import main
 from pipelines.common import outputs as paths
 from pipelines.common.outputs import OUTPUT_ROOT_ENV, REPO_ROOT, ensure_writable_dir, output_root, resolve_path, rooted
 from pipelines.train.config import RunConfig

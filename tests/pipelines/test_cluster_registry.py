@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from drelay_model.drafter import BlockDrafter, DrafterConfig, save_drafter
-from pipelines.cli import main
+from cli import main
 from pipelines.common.outputs import OUTPUT_ROOT_ENV
 from pipelines.common.provenance import write_provenance
 from pipelines.common.registry import register_checkpoint, resolve_checkpoint

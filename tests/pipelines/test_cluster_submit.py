@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.cli import main
+from cli import main
 from pipelines.common.outputs import OUTPUT_ROOT_ENV, REPO_ROOT
 from pipelines.cluster.submit import EXCLUDES, auth_headers, runtime_env
 from pipelines.common.run_tags import REQUIRED
@@ -118,7 +118,7 @@ def _drelay_cli(*argv: str) -> subprocess.CompletedProcess:
     """`drelay ARGV` as a user runs it, in its own process: a test process may hold the suite's own
     Ray instance, and a client is never run inside a Ray driver."""
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
-    return subprocess.run([sys.executable, "-m", "pipelines.cli", *argv], cwd=REPO_ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "cli", *argv], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=900)  # fmt: skip
 
 

@@ -13,7 +13,7 @@ from drelay_model.drafter import BlockDrafter, DrafterConfig, load_drafter, save
 from drelay_model.selectors import default_registry
 from pipelines.eval import compare
 from pipelines.data.eval_sets import load_benchmark
-from pipelines.cli import main
+from cli import main
 from pipelines.eval.prompts import HashEncoder
 from pipelines.common.tracking import get_client
 

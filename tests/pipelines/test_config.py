@@ -91,7 +91,7 @@ BOUNDS = [
 def test_each_bound_exits_2_naming_the_field_and_writes_nothing(tmp_path, capsys, field, value, message):
     import yaml
 
-    from pipelines.cli import main
+    from cli import main
 
     section, key = field.split(".")
     doc = {"output_dir": str(tmp_path / "out"), "ray": {"storage_path": str(tmp_path / "ray")}}

@@ -12,7 +12,7 @@ from drelay_model.decoding.stats import DecodeStats
 from drelay_model.drafter import BlockDrafter, DrafterConfig
 from drelay_model.selectors import NativeSelector
 from pipelines.data.eval_sets import load_benchmark
-from pipelines.cli import main
+from cli import main
 from pipelines.eval.metrics import cell_metrics, method_metrics
 from pipelines.eval.prompts import HashEncoder
 from pipelines.common.methods import MethodSpec

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pipelines.train.config import load_config
-from pipelines.cli import main as drelay
+from cli import main as drelay
 from drelay_model.attention import MATH, SDPA_EXPANDED, SDPA_GQA, attention_path
 from drelay_model.training import memory_plan as mp
 from pipelines.train.plan import plan_from_config, predicted_peak_bytes

@@ -10,7 +10,7 @@ import pytest
 
 from drelay_model.attention import MATH
 from drelay_model.training import memory_plan as mp
-from pipelines.cli import main as drelay
+from cli import main as drelay
 from pipelines.train.config import load_config
 from pipelines.train.plan import plan_from_config
 

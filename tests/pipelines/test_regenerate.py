@@ -72,7 +72,7 @@ def test_regenerate_takes_target_output_and_budget_from_a_training_config(tmp_pa
     import torch
     import yaml
 
-    from pipelines.cli import main
+    from cli import main
 
     out = tmp_path / "regen.jsonl"
     config = tmp_path / "train.yaml"

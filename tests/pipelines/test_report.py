@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.cli import main
+from cli import main
 from pipelines.eval.report import (
     ComparisonTable,
     MethodRow,

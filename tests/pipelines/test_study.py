@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from drelay_model.errors import DRelayError
-from pipelines.cli import main
+from cli import main
 from pipelines.study.spec import finished, load_study, run_configs
 
 ROOT = Path(__file__).resolve().parents[2]

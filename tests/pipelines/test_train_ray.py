@@ -117,7 +117,7 @@ def test_study_trains_stages_compares_and_ships(tmp_path, tiny_data, ray_session
     import yaml
 
     from drelay_model.selectors import default_registry
-    from pipelines.cli import main
+    from cli import main
     from pipelines.common.tracking import get_client
 
     monkeypatch.setattr("pipelines.common.paths.BUNDLED_CHECKPOINTS", tmp_path / "bundled")

@@ -12,7 +12,7 @@ import yaml
 
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine
 from drelay_model.target import tiny_target
-from pipelines.cli import main
+from cli import main
 
 
 def tiny_data_file(path: Path) -> Path:
@@ -190,7 +190,7 @@ def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path, tiny_d
     path = write_sweep(tmp_path, tiny_data, base=base, space={"train.lr": {"values": [1e-2, 5e-3, 2e-3]}},
                        scheduler={"name": "fifo"}, max_concurrent_trials=1)  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "TUNE_GLOBAL_CHECKPOINT_S": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "tune", "--config", str(path)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "tune", "--config", str(path)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     client, folder = get_client(), tmp_path / "sweeps" / "tiny-sweep"
 

@@ -70,7 +70,7 @@ def _start(cluster: LocalCluster, argv: list[str], log: Path, **env) -> subproce
     """`drelay ARGV` as a user runs it against this cluster: its own process (and process group)."""
     full = {**cluster.env, "PYTHONPATH": str(REPO_ROOT), **env}
     with log.open("w") as out:
-        return subprocess.Popen([sys.executable, "-m", "pipelines.cli", *argv], cwd=REPO_ROOT, env=full, stdout=out,
+        return subprocess.Popen([sys.executable, "-m", "cli", *argv], cwd=REPO_ROOT, env=full, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from drelay_model.errors import DRelayError
-from pipelines.cli import main
+from cli import main
 from pipelines.cluster.specs import check_spec_file, referenced_paths
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,7 +53,7 @@ def _env(doc, **changes):
 
 
 @pytest.mark.parametrize("name, edit, message", [
-    ("rayjob-train.yaml", lambda d: d["spec"].update(entrypoint="python -m pipelines.cli train --config platform/experiments/nope.yaml"),
+    ("rayjob-train.yaml", lambda d: d["spec"].update(entrypoint="python -m cli train --config platform/experiments/nope.yaml"),
      "references 'platform/experiments/nope.yaml', which does not exist"),
     ("rayjob-train.yaml", lambda d: d["spec"].pop("entrypoint"), "spec.entrypoint: Field required"),
     ("rayjob-train.yaml", lambda d: d["spec"].update(entrypoint="bash -c 'rm -rf /'"), "spec.entrypoint: must run a drelay command"),
@@ -81,7 +81,7 @@ def test_cli_check_exits_2_on_a_missing_config(tmp_path, capsys):
     bad = _mutate(
         tmp_path,
         "rayjob-train.yaml",
-        lambda d: d["spec"].update(entrypoint="python -m pipelines.cli train --config platform/x.yaml"),
+        lambda d: d["spec"].update(entrypoint="python -m cli train --config platform/x.yaml"),
     )
     assert main(["jobs", "check", str(REPO / "platform/cluster/rayjob-eval.yaml")]) == 0
     rc = main(["jobs", "check", str(bad)])

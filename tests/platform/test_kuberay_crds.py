@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from drelay_model.errors import DRelayError
-from pipelines.cli import main
+from cli import main
 from pipelines.cluster.crds import (
     CRD_DIR,
     KUBERAY_RELEASE,

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from drelay_model.errors import DRelayError
 
-# The command modules under pipelines/cli/, in `drelay --help` order. A new command is a new module
+# The command modules under cli/, in `drelay --help` order. A new command is a new module
 # plus one entry here (a Python keyword's module ends in `_`: `import` is import_.py).
 COMMANDS = (
     "generate",
@@ -44,7 +44,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="drelay", description="DRelay speculative decoding platform")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS if command is None else (command,):
-        importlib.import_module(f"pipelines.cli.{name}_" if keyword.iskeyword(name) else f"pipelines.cli.{name}").add_parser(sub)
+        importlib.import_module(f"cli.{name}_" if keyword.iskeyword(name) else f"cli.{name}").add_parser(sub)
     return parser
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from pipelines.cli.options import DEFAULT_TARGET
+from cli.options import DEFAULT_TARGET
 
 FORMATS = ("dflash",)
 

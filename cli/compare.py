@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from pipelines.cli.options import add_benchmark_set, add_max_new_tokens, add_run_outputs, add_target, check_limit, decode_config
+from cli.options import add_benchmark_set, add_max_new_tokens, add_run_outputs, add_target, check_limit, decode_config
 from pipelines.eval.compare_run import DEFAULT_EXPERIMENT, CompareJob, run_compare
 
 

@@ -15,7 +15,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from drelay_model.errors import DRelayError
-from pipelines.cli.options import (add_benchmark_set, add_max_new_tokens, add_run_outputs, add_target, add_threads, add_verify_length,
+from cli.options import (add_benchmark_set, add_max_new_tokens, add_run_outputs, add_target, add_threads, add_verify_length,
                                    check_limit, decode_config, parse_ints, split_list, thread_policy)  # fmt: skip
 from pipelines.common.methods import AR, NATIVE, MethodSpec, check_method, load_target_spec, method_names, resolve_method
 from pipelines.common.outputs import ensure_writable_dir, local_dir, resolve_path

@@ -11,7 +11,7 @@ import json
 
 from drelay_model.decoding.cost_policy import DEFAULT_MAX_BATCH, RoundCosts, cached_costs, costs_path
 from drelay_model.errors import DRelayError
-from pipelines.cli.options import add_target
+from cli.options import add_target
 from pipelines.common.methods import NATIVE, load_method, load_target_spec, method_names, resolve_method
 
 

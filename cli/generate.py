@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from drelay_model.errors import DRelayError
-from pipelines.cli.options import add_max_new_tokens, add_target, add_threads, add_verify_length, decode_config, thread_policy
+from cli.options import add_max_new_tokens, add_target, add_threads, add_verify_length, decode_config, thread_policy
 from pipelines.common.chat import user_prompt
 from pipelines.common.engines import build_engine
 from pipelines.common.methods import AR, NATIVE, MethodSpec, load_target_spec, method_names, resolve_method

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from drelay_model.errors import DRelayError
-from pipelines.cli.options import check_limit, decode_config
+from cli.options import check_limit, decode_config
 from pipelines.data.corpora import DEFAULT_TRAIN_SOURCES, load_sharegpt, load_training_corpus
 from pipelines.data.regenerate import output_plan, regenerate
 
