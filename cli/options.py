@@ -12,6 +12,7 @@ import argparse
 from drelay_model.decoding import DEFAULT_MAX_NEW_TOKENS, GenerationConfig, SettingsError
 from drelay_model.errors import DRelayError
 from pipelines.common.engines import DEFAULT_VERIFY_LENGTH, VERIFY_LENGTHS
+from pipelines.common.intervals import DEFAULT_RESAMPLES, DEFAULT_SEED
 from pipelines.data.eval_sets import BENCHMARKS
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -75,6 +76,34 @@ def add_run_outputs(p: argparse.ArgumentParser, *, kind: str, experiment: str) -
     p.add_argument("--experiment", default=experiment, help=f"MLflow experiment (default: {experiment})")
     p.add_argument("--no-mlflow", action="store_true", help="write files only")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def add_bootstrap_options(p: argparse.ArgumentParser) -> None:
+    """--bootstrap-resamples, --bootstrap-seed: the 95% intervals' bootstrap (`pipelines.common.intervals`)."""
+    p.add_argument(
+        "--bootstrap-resamples",
+        type=int,
+        default=DEFAULT_RESAMPLES,
+        metavar="R",
+        help=f"bootstrap resamples behind each 95%% interval (default: {DEFAULT_RESAMPLES}; at least 100)",
+    )
+    p.add_argument(
+        "--bootstrap-seed",
+        type=int,
+        default=DEFAULT_SEED,
+        metavar="SEED",
+        help=f"seed of the bootstrap resampling: same seed, same intervals (default: {DEFAULT_SEED})",
+    )
+
+
+def bootstrap_options(args: argparse.Namespace) -> dict[str, int]:
+    """`{"resamples": R, "seed": SEED}` from the flags of `add_bootstrap_options`, ready to pass as keyword
+    arguments to `pipelines.common.intervals`; a bad value is one line naming the flag."""
+    if args.bootstrap_resamples < 100:
+        raise DRelayError(f"--bootstrap-resamples must be ≥ 100, got {args.bootstrap_resamples}")
+    if args.bootstrap_seed < 0:
+        raise DRelayError(f"--bootstrap-seed must be ≥ 0, got {args.bootstrap_seed}")
+    return {"resamples": args.bootstrap_resamples, "seed": args.bootstrap_seed}
 
 
 def decode_config(
