@@ -216,8 +216,8 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip).item()
         optimizer.step()
         tokens += int(mask.sum())
-        metrics = {**out.metrics, "lr": lr, "grad_norm": grad_norm, "step": step + 1}
         clock.tick(world)
+        metrics = {**out.metrics, "lr": lr, "grad_norm": grad_norm, "step": step + 1, "train/budget_minutes": clock.spent / 60}
         last = step + 1 == cfg.train.max_steps or clock.spent_all(world)
         validating = (step + 1) % cfg.train.validate_every == 0 or last  # its own schedule, not only at checkpoints
         if rank == 0 and validating:
