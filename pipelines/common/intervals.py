@@ -34,6 +34,9 @@ DEFAULT_SEED = 0
 DEFAULT_LEVEL = 0.95
 
 AHEAD, BEHIND, UNRESOLVED = "ahead", "behind", "unresolved"
+# fewer paired items than this (repetitions, load legs) give no interval worth printing: a resample of
+# two items takes three distinct values
+MIN_PAIRS = 3
 
 Statistic = Callable[[list[np.ndarray]], np.ndarray]
 
@@ -135,6 +138,24 @@ def paired_ratio(a: Sequence[float], b: Sequence[float], **options) -> Interval:
         raise ValueError(f"paired_ratio: need equal, non-empty samples, got {len(a)} and {len(b)}")
     rows = np.column_stack([np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)])
     return paired_bootstrap([rows], ratio_of_means(0, 1), **options)
+
+
+def paired_rate_ratio(
+    amount_a: Sequence[float], seconds_a: Sequence[float], amount_b: Sequence[float], seconds_b: Sequence[float], **options
+) -> Interval:
+    """(Σ amount_a ÷ Σ seconds_a) ÷ (Σ amount_b ÷ Σ seconds_b): the ratio of two pooled rates (tokens/s)
+    over paired items (item i of a and of b measured together: one repetition, one pair of load legs),
+    with its bootstrap interval. A ratio of sums is a ratio of means, so each resample keeps item i's
+    four values together."""
+    cols = [np.asarray(c, dtype=np.float64) for c in (amount_a, seconds_a, amount_b, seconds_b)]
+    if len({c.shape for c in cols}) != 1 or cols[0].ndim != 1 or not cols[0].size:
+        raise ValueError(f"paired_rate_ratio: need four equal, non-empty samples, got lengths {[c.size for c in cols]}")
+
+    def rate_ratio(means: list[np.ndarray]) -> np.ndarray:  # means[0]: [..., 4]
+        m = means[0]
+        return (m[..., 0] / m[..., 1]) / (m[..., 2] / m[..., 3])
+
+    return paired_bootstrap([np.column_stack(cols)], rate_ratio, **options)
 
 
 def mean_interval(values: Sequence[float], **options) -> Interval:
