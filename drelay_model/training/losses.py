@@ -4,12 +4,14 @@ Shapes: B anchor blocks, H slots, K pool size, V (draft) vocabulary. `mask` [B, 
 True on supervised positions (it excludes anchors, padding and non-contiguous response positions).
 Labels y are target-vocabulary ids (the target's greedy tokens).
 
-    support   −log q_{b,i}(y_{b,i})  dense CE over the drafter's (draft) vocabulary
+    support   −log q_{b,i}(y_{b,i})  dense CE over the drafter's (draft) vocabulary, or with soft labels
+              −Σ_j p̃_{b,i}(t_j) log q_{b,i}(t_j) over the target's renormalised top-k (`soft_support_targets`)
     selector  Eq. 3: BCE(g_i, 0) if y_i = v_i0;  BCE(g_i, 1) − log r_{i,k_i} if covered at k_i > 0;
               0 on a pool miss
     credit    Eq. 5: v_i = c_i Π_{j<i} p̄_j (1 + Σ_{t>i} Π_{j=i+1..t} p̄_j),
               p̄_j = c_j (1 + stopgrad p_j) / 2,  p_j = p_act(k_j) when covered else 0
-    weights   per block: normalise v to mean one with a uniform floor and a cap (`normalize_credit`),
+    weights   per block: normalise v to mean one with a uniform floor and a cap (`normalize_credit`;
+              a block with no credit, its first slot missed, keeps the floor alone),
               then blend progressively w_t = (1 − β_t)·1 + β_t·w
     joint     Eq. 4: L_t = Σ m [−log q(y) + α_t w ℓ_sel] / Σ m
 
@@ -64,6 +66,93 @@ def support_ce(
     target = torch.where(counted, draft, torch.full_like(draft, -100))
     nll = F.cross_entropy(logits.reshape(B * H, V).float(), target.reshape(-1), ignore_index=-100, reduction="none")
     return SupportLoss(nll=nll.view(B, H), counted=counted, out_of_vocab=(mask & ~inside).sum())
+
+
+@dataclass(frozen=True)
+class SoftLabels:
+    """The target's own next-token distribution, truncated to its top k: ids [..., k] int64 target ids,
+    logp [..., k] float32 their log-probabilities log p(t_j | x_<p) under the target, in descending
+    order (−inf marks "no entry": unsupervised positions). Leading shapes follow the labels'."""
+
+    ids: torch.Tensor
+    logp: torch.Tensor
+
+    def to(self, device) -> "SoftLabels":
+        return SoftLabels(ids=self.ids.to(device), logp=self.logp.to(device))
+
+
+@dataclass(frozen=True)
+class SupportTargets:
+    """What the support term gathers from log q at each (block, slot): ids [R, H, k] int64 draft-vocabulary
+    ids (any valid id where the weight is 0), weight [R, H, k] float32 (rows sum to 1 where counted, else
+    0), counted [R, H] bool, out_of_vocab [] int64 supervised slots with nothing draftable."""
+
+    ids: torch.Tensor
+    weight: torch.Tensor
+    counted: torch.Tensor
+    out_of_vocab: torch.Tensor
+
+
+def to_draft_ids(ids: torch.Tensor, draft_to_target: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target ids [...] → (draft ids [...] int64, inside [...] bool: the id has a drafter logit)."""
+    if draft_to_target is None:
+        return ids, torch.ones_like(ids, dtype=torch.bool)
+    pos = torch.searchsorted(draft_to_target, ids).clamp(max=draft_to_target.shape[0] - 1)
+    return pos, draft_to_target[pos] == ids
+
+
+def soft_support_targets(soft: SoftLabels, mask: torch.Tensor, *, draft_to_target: torch.Tensor | None = None) -> SupportTargets:
+    """Soft support targets: the target's top-k distribution, restricted to what the drafter can draft.
+
+    At a supervised slot the target's top k are (t_j, ℓ_j = log p(t_j | x_<p)), j = 1..k. Let
+    S = {j : t_j in the draft vocabulary, ℓ_j > −inf}. The support term's target distribution is
+
+        p̃(t_j) = exp(ℓ_j) / Σ_{j'∈S} exp(ℓ_j')    for j ∈ S,   0 otherwise,
+
+    the target's softmax restricted to its top k, with the ids the draft vocabulary cannot express
+    dropped (they have no drafter logit), renormalised. The loss is the cross-entropy
+    CE(p̃, q) = −Σ_j p̃(t_j) log q(t_j) = KL(p̃ ‖ q) + H(p̃) (same gradient as the KL). With k = 1,
+    p̃ is one-hot at the target's argmax: the hard-label CE. A slot with S empty is not counted
+    (as an out-of-vocabulary hard label); it stays in Eq. 4's denominator.
+
+    Args:
+        soft [R, H, k]; mask [R, H] bool supervised slots; draft_to_target as in `support_ce`.
+    Returns:
+        SupportTargets.
+    """
+    R, H, k = soft.ids.shape
+    assert soft.logp.shape == (R, H, k) and mask.shape == (R, H), "soft labels must be [R, H, k], mask [R, H]"
+    draft, inside = to_draft_ids(soft.ids, draft_to_target)
+    keep = inside & torch.isfinite(soft.logp) & mask[..., None]  # [R, H, k]
+    logits = torch.where(keep, soft.logp.float(), torch.full_like(soft.logp, float("-inf"), dtype=torch.float32))
+    counted = keep.any(dim=-1)  # [R, H]
+    weight = torch.where(counted[..., None], logits.softmax(dim=-1), torch.zeros_like(logits))  # no NaN rows
+    return SupportTargets(ids=torch.where(keep, draft, 0), weight=weight, counted=counted, out_of_vocab=(mask & ~counted).sum())
+
+
+def hard_support_targets(
+    labels: torch.Tensor, mask: torch.Tensor, *, draft_to_target: torch.Tensor | None = None
+) -> SupportTargets:
+    """The hard-label support targets: one entry (k = 1) of weight 1 at the label y where it is draftable."""
+    draft, inside = to_draft_ids(labels, draft_to_target)
+    counted = mask & inside
+    return SupportTargets(
+        ids=torch.where(counted, draft, 0)[..., None],
+        weight=counted.float()[..., None],
+        counted=counted,
+        out_of_vocab=(mask & ~inside).sum(),
+    )
+
+
+def soft_support_ce(
+    logits: torch.Tensor, soft: SoftLabels, mask: torch.Tensor, *, draft_to_target: torch.Tensor | None = None
+) -> SupportLoss:
+    """Dense support CE against soft labels: nll [B, H] = −Σ_j p̃(t_j) log q(t_j) (`soft_support_targets`).
+    logits [B, H, V] drafter logits; soft [B, H, k]; mask [B, H] bool. → SupportLoss."""
+    tgt = soft_support_targets(soft, mask, draft_to_target=draft_to_target)
+    logq = logits.float().log_softmax(dim=-1)  # [B, H, V]
+    nll = -(tgt.weight * logq.gather(-1, tgt.ids)).sum(dim=-1)
+    return SupportLoss(nll=nll, counted=tgt.counted, out_of_vocab=tgt.out_of_vocab)
 
 
 def log_p_act(gate: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
@@ -140,12 +229,17 @@ def prefix_credit(p: torch.Tensor, covered: torch.Tensor) -> torch.Tensor:
 def normalize_credit(v: torch.Tensor, valid: torch.Tensor, *, floor: float = 0.1, cap: float = 4.0) -> torch.Tensor:
     """Per block: mean one over the valid positions, a uniform floor, the largest weight capped.
 
-    On a block's n valid positions (n ≥ 1):
-      1. floor:  ŵ_i = f + (1 − f) · n v_i / Σ_j v_j       (ŵ = 1 if Σ v = 0); mean ŵ = 1, ŵ ≥ f.
+    On a block's n valid positions (n ≥ 1) with credit Σ_j v_j > 0:
+      1. floor:  ŵ_i = f + (1 − f) · n v_i / Σ_j v_j;  mean ŵ = 1, ŵ ≥ f.
       2. cap by water-filling: w_i = min(C, a ŵ_i) with the unique a ≥ 1 such that mean w = 1.
          The excess mass above the cap is handed back to the uncapped positions in proportion to ŵ,
          so mean w = 1, max w ≤ C and min w ≥ f hold together (a ≥ 1 keeps the floor).
-    Invalid positions get weight 0; a block without valid positions is all zeros.
+    A block whose credit is all zero (Σ_j v_j = 0 with n ≥ 1) has no prefix value to normalise to
+    mean one: that happens exactly when its first slot misses the pool (c_1 = 0, so v_1 = 0 and every
+    later reach Π_{j<i} p̄_j = 0; a covered first slot has v_1 ≥ 1), and decoding never reaches its
+    later decisions. Its credit share n v_i / Σ v is taken as 0, so only the uniform floor remains:
+    w_i = f on every valid position (mean f, not one). Invalid positions get weight 0; a block
+    without valid positions is all zeros.
 
     Args:
         v [B, H] raw credit ≥ 0; valid [B, H] bool (supervised and covered: where ℓ_sel is defined).
@@ -159,8 +253,9 @@ def normalize_credit(v: torch.Tensor, valid: torch.Tensor, *, floor: float = 0.1
     vf = torch.where(valid, v.detach().float(), torch.zeros_like(v, dtype=torch.float32))
     n = valid.sum(dim=1, keepdim=True).float()  # [B, 1]
     total = vf.sum(dim=1, keepdim=True)
-    share = torch.where(total > 0, vf * n / total.clamp(min=1e-30), torch.ones_like(vf))
-    w_hat = torch.where(valid, floor + (1.0 - floor) * share, torch.zeros_like(vf))  # [B, H], Σ = n
+    credited = total > 0  # [B, 1]; False: nothing to gain in this block, the floor alone
+    share = torch.where(credited, vf * n / total.clamp(min=1e-30), torch.zeros_like(vf))
+    w_hat = torch.where(valid, floor + (1.0 - floor) * share, torch.zeros_like(vf))  # [B, H], Σ = n where credited
     # Water-filling: with the m largest ŵ capped, a_m = (n − m C) / (n − Σ_{top m} ŵ). The solution
     # is the smallest m < n whose (m+1)-th largest ŵ stays under the cap: a_m ŵ_(m+1) ≤ C.
     srt = w_hat.sort(dim=1, descending=True).values  # [B, H]
@@ -169,7 +264,7 @@ def normalize_credit(v: torch.Tensor, valid: torch.Tensor, *, floor: float = 0.1
     a = (n - m * cap) / (n - top).clamp(min=1e-30)  # [B, H] candidate scale for each m
     ok = (m < n) & (a * srt <= cap * (1 + 1e-6))
     first = ok.float().argmax(dim=1, keepdim=True)  # smallest valid m (always exists for n ≥ 1, f > 0)
-    scale = a.gather(1, first).clamp(min=1.0)
+    scale = torch.where(credited, a.gather(1, first).clamp(min=1.0), torch.ones_like(total))  # floor blocks: w = f ≤ C
     w = torch.minimum(w_hat * scale, torch.full_like(w_hat, cap))
     return torch.where(valid & (n > 0), w, torch.zeros_like(w))
 

@@ -158,19 +158,22 @@ def test_normalize_credit_mean_one_floor_cap(floor, cap):
     valid[0] = False  # an empty block
     valid[1] = False
     valid[1, 4] = True  # a single valid position
+    v[1, 4] = 0.5
+    v[2] = 0.0  # a block with no credit: the floor alone
     w = normalize_credit(v, valid, floor=floor, cap=cap)
     assert (w[~valid] == 0).all() and (w[0] == 0).all()
     assert w[1, 4].item() == pytest.approx(1.0)
-    for b in range(2, B):
+    assert w[2][valid[2]].tolist() == pytest.approx([floor] * int(valid[2].sum()))
+    for b in range(3, B):
         vals = w[b][valid[b]]
-        if len(vals) == 0:
+        if len(vals) == 0 or v[b][valid[b]].sum() == 0:
             continue
         assert vals.mean().item() == pytest.approx(1.0, abs=1e-5)
         assert vals.max().item() <= cap + 1e-5
         assert vals.min().item() >= floor - 1e-6
         raw = v[b][valid[b]].double()
         n = len(raw)
-        share = (raw * n / raw.sum()) if raw.sum() > 0 else torch.ones(n, dtype=torch.float64)
+        share = raw * n / raw.sum()
         w_hat = (floor + (1 - floor) * share).tolist()
         assert vals.tolist() == pytest.approx(_water_fill_bisection(w_hat, cap), abs=1e-4)
 
@@ -183,13 +186,32 @@ def test_normalize_credit_constructed_cases():
     # Cap 2: the excess 0.8 goes back to the others in proportion (a = 5): [2, 0.5, 0.5].
     w = normalize_credit(torch.tensor([[10.0, 0.0, 0.0]]), valid, floor=0.1, cap=2.0)
     assert w[0].tolist() == pytest.approx([2.0, 0.5, 0.5], abs=1e-6)
-    # Equal or zero credit → uniform.
+    # Equal credit → uniform; no credit at all → the floor alone.
     assert normalize_credit(torch.full((1, 3), 0.7), valid)[0].tolist() == pytest.approx([1.0] * 3)
-    assert normalize_credit(torch.zeros(1, 3), valid)[0].tolist() == pytest.approx([1.0] * 3)
+    assert normalize_credit(torch.zeros(1, 3), valid, floor=0.1)[0].tolist() == pytest.approx([0.1] * 3)
     with pytest.raises(ValueError):
         normalize_credit(torch.zeros(1, 3), valid, floor=0.0)
     with pytest.raises(ValueError):
         normalize_credit(torch.zeros(1, 3), valid, cap=0.5)
+
+
+def test_block_whose_first_slot_misses_gets_the_floor():
+    """A slot-1 pool miss: every later decision is unreachable (reach 0), so Eq. 5 gives the whole
+    block zero credit; its covered positions keep the uniform floor, not weight one."""
+    H, K, floor = 4, 3, 0.1
+    cand = torch.arange(2 * H * K).view(2, H, K)
+    gate, rank = torch.zeros(2, H), torch.zeros(2, H, K)
+    labels = cand[..., 0].clone()  # every slot base-correct …
+    labels[1, 0] = 999  # … except block 1's first slot: a pool miss
+    labels[1, 2] = cand[1, 2, 2]  # a covered repair behind it
+    mask = torch.ones(2, H, dtype=torch.bool)
+    sel = selector_loss(gate, rank, cand, labels, mask)
+    assert prefix_credit(sel.p_label, sel.covered)[1].tolist() == [0.0] * H
+    w = repair_weights(sel, beta=1.0, floor=floor, cap=4.0)
+    assert w[1].tolist() == pytest.approx([0.0, floor, floor, floor])
+    assert w[0].mean().item() == pytest.approx(1.0)  # a credited block keeps mean one
+    half = repair_weights(sel, beta=0.5, floor=floor, cap=4.0)  # blended: (1 − β) + β f
+    assert half[1, 1:].tolist() == pytest.approx([0.5 + 0.5 * floor] * (H - 1))
 
 
 def test_blend_weights_progressive():
