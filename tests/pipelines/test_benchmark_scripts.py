@@ -27,6 +27,7 @@ BAD_INPUTS = [
     ("benchmarks/bench_batcher.py", ["--concurrency", "0"], "--concurrency must be between 1 and --requests (48), got 0"),
     ("benchmarks/bench_batcher.py", ["--threads", "zero"], "threads must be a positive integer or auto, got 'zero'"),
     ("benchmarks/bench_batcher.py", ["--duty", "1.5"], "--duty: a share in (0, 1], got 1.5"),
+    ("analysis/budget_study.py", ["--hours", "0"], "--hours and --fit-from must be > 0"),
 ]
 
 

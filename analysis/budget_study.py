@@ -1,0 +1,246 @@
+"""The drafter budget study's report: held-out τ against CPU hours for every run of a study, a fitted
+curve per run, and the projected speedup at the total budget, weighing τ against each drafter's
+draft cost.
+
+    .venv/bin/python analysis/budget_study.py [--spec platform/studies/smollm2-135m-budget.yaml]
+        [--hours 8] [--measure-costs] [--out docs/img/budget_study.png]
+
+Curves: every validation of run `<study>-<label>` (any status: a run still training shows its points
+so far) from MLflow: `val/tau_native`, `val/tau_oracle`, `val/coverage_first_error`,
+`val/one_edit_gain` against `train/budget_minutes` (the run's own clock, CPU minutes in the budget
+study). They are also written to `docs/data/<study>.csv`, which the repository keeps: a fresh machine
+redraws the report from it (`--from-csv`) without the MLflow store the runs wrote.
+
+Fit: τ(h) = a + b·ln h over the points at h ≥ `--fit-from` hours (held-out τ rises about linearly in
+log-time over this range; with three or more points the residual is printed). Projection: τ(H) at
+`--hours` H. Speedup under fixed-length verification, with the round costs measured here on the real
+target (`--measure-costs`: AR ms per token, verify ms per 16-token block, draft ms per block for each
+drafter depth in the study, at batch 1):
+
+    S(H) = τ(H) · t_AR / (t_draft(depth) + t_verify16)
+
+A deeper drafter must raise τ by its extra draft cost to pay. Without `--measure-costs` the speedup
+column is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+METRICS = ("val/tau_native", "val/tau_oracle", "val/coverage_first_error", "val/one_edit_gain")
+CLOCK = "train/budget_minutes"
+COLUMNS = ("run", "step", "hours", *METRICS)
+
+
+@dataclass(frozen=True)
+class Point:
+    run: str
+    step: int
+    hours: float
+    values: dict[str, float]
+
+
+def load_curves(client, experiment: str, study: str, labels: list[str]) -> list[Point]:
+    """Every validation point of the study's runs (the newest MLflow run of each name)."""
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    points = []
+    for label in labels:
+        found = client.search_runs([exp.experiment_id], f"tags.mlflow.runName = '{study}-{label}'",
+                                   order_by=["attributes.start_time DESC"], max_results=1)  # fmt: skip
+        if not found:
+            continue
+        run_id = found[0].info.run_id
+        clock = {h.step: h.value for h in client.get_metric_history(run_id, CLOCK)}
+        series = {m: {h.step: h.value for h in client.get_metric_history(run_id, m)} for m in METRICS}
+        for step in sorted(series["val/tau_native"]):
+            if step in clock:
+                points.append(Point(label, step, clock[step] / 60.0, {m: s[step] for m, s in series.items() if step in s}))
+    return points
+
+
+def write_csv(points: list[Point], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(COLUMNS)
+        for p in points:
+            w.writerow([p.run, p.step, f"{p.hours:.4f}", *(f"{p.values[m]:.4f}" if m in p.values else "" for m in METRICS)])
+    tmp.replace(path)
+
+
+def read_csv(path: Path) -> list[Point]:
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    return [Point(r["run"], int(r["step"]), float(r["hours"]), {m: float(r[m]) for m in METRICS if r.get(m)}) for r in rows]
+
+
+@dataclass(frozen=True)
+class Fit:
+    a: float
+    b: float
+    rmse: float
+    n: int
+
+    def at(self, hours: float) -> float:
+        return self.a + self.b * math.log(hours)
+
+
+def fit_log(points: list[Point], metric: str = "val/tau_native", *, fit_from: float = 0.1) -> Fit | None:
+    """Least squares τ = a + b·ln h over the points at h ≥ fit_from (None with fewer than two)."""
+    xy = [(math.log(p.hours), p.values[metric]) for p in points if p.hours >= fit_from and metric in p.values]
+    if len(xy) < 2:
+        return None
+    n = len(xy)
+    mx, my = sum(x for x, _ in xy) / n, sum(y for _, y in xy) / n
+    sxx = sum((x - mx) ** 2 for x, _ in xy)
+    b = sum((x - mx) * (y - my) for x, y in xy) / sxx if sxx > 0 else 0.0
+    a = my - b * mx
+    rmse = math.sqrt(sum((a + b * x - y) ** 2 for x, y in xy) / n)
+    return Fit(a, b, rmse, n)
+
+
+def measure_costs(depths: list[int], *, repeats: int = 3, tokens: int = 48) -> dict[str, float]:
+    """Milliseconds at batch 1 on the real target: `ar` per token, `verify16` per round and
+    `draft<d>` per round for each depth d (drafters built like the bundled one, with its draft
+    vocabulary; untrained weights cost the same as trained ones). Medians over `repeats`."""
+    import statistics
+
+    import torch
+
+    from drelay_model.decoding import GenerationConfig, SpeculativeEngine
+    from drelay_model.drafter import BlockDrafter
+    from drelay_model.drafter.checkpoint import load_drafter
+    from drelay_model.target import load_target
+
+    target = load_target("smollm2-135m")
+    bundled, _, _ = load_drafter(str(ROOT / "checkpoints/smollm2-135m"), target)
+    prompt = target.tokenizer("Explain how a rainbow forms, step by step.")["input_ids"]
+    cfg = GenerationConfig(max_new_tokens=tokens, stop_on_eos=False)
+    out: dict[str, list[float]] = {}
+    engines = {"ar": SpeculativeEngine(target)}
+    for d in depths:
+        torch.manual_seed(0)
+        config = type(bundled.config)(**{**bundled.config.__dict__, "num_layers": d})
+        engines[f"draft{d}"] = SpeculativeEngine(target, BlockDrafter(config, target, bundled.draft_to_target).eval())
+    for _ in range(repeats):  # interleaved, so drift moves every term alike
+        for name, engine in engines.items():
+            stats = engine.generate([prompt], cfg).stats
+            if name == "ar":
+                out.setdefault("ar", []).append(1e3 * stats.time_total / max(stats.tokens, 1))
+                continue
+            ms = stats.phase_ms()
+            out.setdefault(name, []).append(ms["draft"])
+            out.setdefault("verify16", []).append(ms["verify"])
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def plot(points: list[Point], fits: dict[str, Fit], path: Path, *, hours: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for i, label in enumerate(dict.fromkeys(p.run for p in points)):
+        color = f"C{i}"
+        xy = [(p.hours, p.values["val/tau_native"]) for p in points if p.run == label and "val/tau_native" in p.values]
+        ax.plot(*zip(*xy), marker="o", color=color, label=label)
+        if label in fits:
+            xs = [xy[0][0] * (hours / xy[0][0]) ** (k / 40) for k in range(41)]
+            ax.plot(xs, [fits[label].at(x) for x in xs], linestyle="--", linewidth=1, color=color)
+    ax.set_xscale("log")
+    ax.set_xlabel("training CPU hours (one core; log scale)")
+    ax.set_ylabel("held-out replay τ, native (tokens / round)")
+    ax.set_title("Drafter budget study: τ against CPU time, fitted a + b·ln h (dashed)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def report(points: list[Point], depth: dict[str, int], costs: dict[str, float] | None, *, hours: float, fit_from: float) -> dict[str, Fit]:
+    """Print the table (markdown) and return the fits."""
+    fits = {label: f for label in depth if (f := fit_log([p for p in points if p.run == label], fit_from=fit_from))}
+    head = "| run | depth | CPU h | τ native | oracle τ | coverage | one-edit gain | fit a + b·ln h (rmse, n) | τ at {h:g} h |"
+    print(head.format(h=hours) + (" S at {h:g} h |".format(h=hours) if costs else ""))
+    print("|---" * (9 + bool(costs)) + "|")
+    for label, d in depth.items():
+        mine = [p for p in points if p.run == label]
+        if not mine:
+            print("| " + " | ".join([label, str(d), "—", "not trained yet", *[""] * (5 + bool(costs))]) + " |")
+            continue
+        last, fit = mine[-1], fits.get(label)
+        v = last.values
+        cells = [label, str(d), f"{last.hours:.2f}", f"{v.get('val/tau_native', math.nan):.3f}", f"{v.get('val/tau_oracle', math.nan):.3f}",
+                 f"{v.get('val/coverage_first_error', math.nan):.3f}", f"{v.get('val/one_edit_gain', math.nan):.3f}"]  # fmt: skip
+        cells += [f"{fit.a:.3f} + {fit.b:.3f}·ln h ({fit.rmse:.3f}, {fit.n})", f"{fit.at(hours):.3f}"] if fit else ["—", "—"]
+        if costs:
+            speed = fit.at(hours) * costs["ar"] / (costs[f"draft{d}"] + costs["verify16"]) if fit else math.nan
+            cells.append(f"{speed:.2f}×")
+        print("| " + " | ".join(cells) + " |")
+    if costs:
+        print("costs (ms, batch 1): " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(costs.items())))
+    return fits
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--spec", default="platform/studies/smollm2-135m-budget.yaml")
+    p.add_argument("--experiment", default=None, help="MLflow experiment (default: the runs' mlflow.experiment)")
+    p.add_argument("--from-csv", action="store_true", help="read docs/data/<study>.csv instead of MLflow")
+    p.add_argument("--hours", type=float, default=8.0, help="total budget to project to (CPU hours)")
+    p.add_argument("--fit-from", type=float, default=0.1, help="fit only points at ≥ this many hours")
+    p.add_argument("--measure-costs", action="store_true", help="time AR, verify and each depth's draft here")
+    p.add_argument("--out", default=str(ROOT / "docs/img/budget_study.png"))
+    args = p.parse_args()
+    from drelay_model.errors import DRelayError
+    from pipelines.common.paths import repo_path
+    from pipelines.study.spec import load_study, run_configs
+
+    if args.hours <= 0 or args.fit_from <= 0:
+        raise DRelayError("--hours and --fit-from must be > 0")
+    spec = load_study(args.spec)
+    configs = run_configs(spec, repo_path)
+    depth = {label: cfg.drafter.num_layers for label, cfg in configs.items()}
+    csv_path = ROOT / "docs/data" / f"{spec.name}.csv"
+    if args.from_csv:
+        if not csv_path.is_file():
+            raise DRelayError(f"--from-csv: {csv_path} does not exist")
+        points = read_csv(csv_path)
+    else:
+        from pipelines.common.tracking import get_client
+
+        first = next(iter(configs.values()))
+        points = load_curves(get_client(first.mlflow.tracking_uri), args.experiment or first.mlflow.experiment, spec.name, list(depth))
+        # Keep the curves of runs the store no longer has (a fresh machine): merge with the kept file.
+        kept = [q for q in read_csv(csv_path) if q.run not in {p.run for p in points}] if csv_path.is_file() else []
+        points = sorted(kept + points, key=lambda q: (list(depth).index(q.run) if q.run in depth else 99, q.step))
+        write_csv(points, csv_path)
+    started = time.perf_counter()
+    costs = measure_costs(sorted(set(depth.values()))) if args.measure_costs else None
+    if costs:
+        print(f"[budget] round costs measured in {time.perf_counter() - started:.0f} s")
+    fits = report(points, depth, costs, hours=args.hours, fit_from=args.fit_from)
+    if points:
+        plot(points, fits, Path(args.out), hours=args.hours)
+        print(f"wrote {args.out} and {csv_path}")
+
+
+if __name__ == "__main__":
+    from cli import guarded
+
+    raise SystemExit(guarded(main, Path(__file__).name))
