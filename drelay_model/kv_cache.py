@@ -5,8 +5,8 @@ length (as in Hugging Face's `DynamicCache.crop`) cannot describe a batch. Here 
 own valid length; cropping a row is a write to `lengths`, nothing is copied or freed.
 
 `k`, `v` and `lengths` are updated in place (`begin` → `append` → `end`, `crop`): a CUDA graph
-captured over them (benchmarks/gpu/check_graphs.py) reads the same storage on every replay. Only
-`select_rows`, which changes the batch size, allocates new tensors.
+captured over them (benchmarks/gpu/check_graphs.py) reads the same storage on every replay. Only the
+methods that reshape the batch (below) allocate new tensors or views.
 
 Layout:
     k, v     [n_layers, B, n_kv_heads, capacity, head_dim]   preallocated once (a static cache)
@@ -16,9 +16,14 @@ A forward over `T` new tokens writes them at positions `lengths[b] + t` (t < T) 
 attends over keys `[0, lengths[b] + t]` of its row (causal). Entries at or past a row's length are
 stale (rejected drafts of an earlier round, padding) and are never attended to, because the mask is
 derived from `lengths`; they are always finite (zero-initialised), so masking them is exact.
+
+The continuous batcher reshapes the batch between forwards: `select_rows`, `compact_rows` (rows leave),
+`write_rows` (new rows take finished rows' slots), `concat` (new rows join), `resize` (capacity).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -116,9 +121,75 @@ class KVCache:
             raise ValueError(f"crop lengths {new_lengths.tolist()} outside [0, {self.lengths.tolist()}]")
         self.lengths.copy_(new_lengths)  # in place (a copy: later changes to new_lengths do not reach it)
 
+    # ---- reshaping the batch (the continuous batcher) ------------------------------------------
+    # Each of these replaces `k`/`v`/`lengths` (except `write_rows` within capacity, which writes in
+    # place): a graph captured over this cache must be captured again after them.
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only the given batch rows ([R] int64), e.g. to drop finished sequences: new tensors (the
         batch size changes), so a graph captured over this cache must be captured again."""
         self.k = self.k[:, rows]
         self.v = self.v[:, rows]
         self.lengths = self.lengths[rows]
+
+    def compact_rows(self, n: int, *, holes: list[int], movers: list[int]) -> None:
+        """Keep `n` rows without re-allocating: row movers[i] (≥ n) is copied into slot holes[i] (< n, a
+        dropped row), then the batch narrows to a view of its first `n` rows (the memory of the rows past
+        them stays with it until the next re-allocation). One row's copy per hole, not every row's."""
+        if len(holes) != len(movers) or any(h >= n for h in holes) or any(m < n for m in movers):
+            raise ValueError(f"compact_rows: holes {holes} must lie below {n} and movers {movers} at or past it, one each")
+        if holes:
+            src, dst = torch.tensor(movers, device=self.k.device), torch.tensor(holes, device=self.k.device)
+            for t in (self.k, self.v):
+                t[:, dst] = t[:, src]
+            self.lengths[dst] = self.lengths[src]
+        self.k, self.v, self.lengths = self.k[:, :n], self.v[:, :n], self.lengths[:n]
+
+    def write_rows(self, index: torch.Tensor, src: "KVCache") -> None:
+        """Rows `index` ([R] int64) ← the R rows of `src`, with their lengths; positions past `src`'s
+        capacity become zeros, as in a fresh cache (masked keys still enter the attention matmuls).
+        Grows this cache first when `src` holds more positions; otherwise writes in place."""
+        if src.capacity > self.capacity:
+            self.resize(src.capacity)
+        c = src.capacity
+        for dst, new in ((self.k, src.k), (self.v, src.v)):
+            dst[:, index, :, :c] = new
+            dst[:, index, :, c:] = 0
+        self.lengths[index] = src.lengths  # in place: captured graphs read this storage
+
+    def resize(self, capacity: int) -> None:
+        """Change the number of positions per row to `capacity`: new positions are zeros (growing), or
+        the tail past it is freed (shrinking: every row's length must fit). New tensors either way."""
+        longest = int(self.lengths.max()) if self.batch_size else 0
+        if capacity < longest:
+            raise ValueError(f"cannot resize the KV cache to {capacity} positions: a row holds {longest}")
+        if capacity > self.capacity:
+            pad = capacity - self.capacity  # zeros at the end of the position dimension (dim 3)
+            self.k = torch.nn.functional.pad(self.k, (0, 0, 0, pad))
+            self.v = torch.nn.functional.pad(self.v, (0, 0, 0, pad))
+        elif capacity < self.capacity:
+            self.k = self.k[:, :, :, :capacity].contiguous()
+            self.v = self.v[:, :, :, :capacity].contiguous()
+        self.capacity = capacity
+
+    @classmethod
+    def concat(cls, caches: Sequence["KVCache"]) -> "KVCache":
+        """The rows of each cache in order, in one new cache whose capacity is the largest of theirs
+        (a shorter cache's extra positions are zeros). Layers, heads, head size, dtype and device must agree."""
+        first = caches[0]
+        L, _, n_kv, _, head_dim = first.k.shape
+        layout = (L, n_kv, head_dim, first.k.dtype, first.k.device)
+        for c in caches[1:]:
+            if (c.k.shape[0], c.k.shape[2], c.k.shape[4], c.k.dtype, c.k.device) != layout:
+                raise ValueError("KV caches to concatenate differ in layers, heads, head size, dtype or device")
+        out = cls(
+            n_layers=L, batch_size=sum(c.batch_size for c in caches), n_kv_heads=n_kv, head_dim=head_dim,
+            capacity=max(c.capacity for c in caches), dtype=first.k.dtype, device=first.k.device,
+        )  # fmt: skip
+        row = 0
+        for c in caches:
+            rows = slice(row, row + c.batch_size)
+            out.k[:, rows, :, : c.capacity] = c.k
+            out.v[:, rows, :, : c.capacity] = c.v
+            out.lengths[rows] = c.lengths
+            row += c.batch_size
+        return out

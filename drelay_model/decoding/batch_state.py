@@ -60,7 +60,7 @@ class BatchState:
         start = self.ctx.lengths.clone()
         need = int(start.max()) + feats.shape[1]  # every row writes T positions, then is cropped to its own
         if need > self.ctx.capacity:  # a row that joined after these rounds (count 0) may start late
-            _grow(self.ctx, need)
+            self.ctx.resize(need)
         drafter.extend_context(feats, self.ctx)
         self.ctx.crop(start + total)
         if self.history is not None:
@@ -94,7 +94,7 @@ class BatchState:
             order[h] = m
         for cache in (self.cache, self.ctx):
             if cache is not None:
-                _compact_rows(cache, holes, movers, n)
+                cache.compact_rows(n, holes=holes, movers=movers)
         index = torch.tensor(order, dtype=torch.long, device=self.anchor.device)
         if self.history is not None:
             self.history.select_rows(index)
@@ -109,14 +109,14 @@ class BatchState:
         drafts, not at every admission (during AR rounds it may never need to). Sampling numbers are
         the caller's (the continuous batcher keeps one per request)."""
         assert not other.pending, "the joining state has pending features: sync_context() it first"
-        out = BatchState(rows=self.rows + other.rows, cache=_concat_caches(self.cache, other.cache))
+        out = BatchState(rows=self.rows + other.rows, cache=KVCache.concat([self.cache, other.cache]))
         R_new = len(other.rows)
         for f, c in self.pending:  # f [R, T, F] → [R + R_new, T, F]; counts: the rows joining add none
             counts = _counts(f, c)
             out.pending.append((torch.cat([f, f.new_zeros(R_new, *f.shape[1:])]), torch.cat([counts, counts.new_zeros(R_new)])))
         out.anchor = torch.cat([self.anchor, other.anchor])
         if self.ctx is not None:
-            out.ctx = _concat_caches(self.ctx, other.ctx)
+            out.ctx = KVCache.concat([self.ctx, other.ctx])
         if self.history is not None:
             out.history = self.history
             out.history.feats = torch.cat([self.history.feats, other.history.feats])
@@ -134,7 +134,7 @@ class BatchState:
         index = torch.tensor(positions, dtype=torch.long, device=self.anchor.device)
         for mine, theirs in ((self.cache, other.cache), (self.ctx, other.ctx)):
             if mine is not None:
-                _write_rows(mine, index, theirs)
+                mine.write_rows(index, theirs)
         self.anchor[index] = other.anchor
         for p, r in zip(positions, other.rows):
             self.rows[p] = r
@@ -148,7 +148,7 @@ class BatchState:
         must fit; a smaller capacity frees memory when long rows have left)."""
         for cache in (self.cache, self.ctx):
             if cache is not None:
-                _set_capacity(cache, capacity)
+                cache.resize(capacity)
 
 
 def _counts(features: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
@@ -156,29 +156,6 @@ def _counts(features: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor
     if counts is None:
         return torch.full((features.shape[0],), features.shape[1], dtype=torch.long, device=features.device)
     return counts
-
-
-def _compact_rows(cache: KVCache, holes: list[int], movers: list[int], n: int) -> None:
-    """Rows `movers` of `cache` into slots `holes`, then keep the first `n` rows as a view (the
-    memory of the rows past them stays with it until the next re-allocation)."""
-    if holes:
-        src, dst = torch.tensor(movers, device=cache.k.device), torch.tensor(holes, device=cache.k.device)
-        for t in (cache.k, cache.v):
-            t[:, dst] = t[:, src]
-        cache.lengths[dst] = cache.lengths[src]
-    cache.k, cache.v, cache.lengths = cache.k[:, :n], cache.v[:, :n], cache.lengths[:n]
-
-
-def _write_rows(cache: KVCache, index: torch.Tensor, src: KVCache) -> None:
-    """Rows `index` of `cache` ← the rows of `src` (its lengths; zeros past its capacity, as a fresh
-    cache has: masked keys still enter the attention matmuls)."""
-    if src.capacity > cache.capacity:
-        _grow(cache, src.capacity)
-    c = src.capacity
-    for dst, new in ((cache.k, src.k), (cache.v, src.v)):
-        dst[:, index, :, :c] = new
-        dst[:, index, :, c:] = 0
-    cache.lengths[index] = src.lengths  # in place: captured graphs read this storage
 
 
 def _left_aligned(chunks: list[tuple[torch.Tensor, torch.Tensor | None]], total: torch.Tensor) -> torch.Tensor:
@@ -194,35 +171,3 @@ def _left_aligned(chunks: list[tuple[torch.Tensor, torch.Tensor | None]], total:
         out[rows, offset[rows] + cols] = f[rows, cols]
         offset = offset + n
     return out
-
-
-def _concat_caches(a: KVCache, b: KVCache) -> KVCache:
-    """Rows of `a` then rows of `b` in one cache whose capacity is the larger of the two."""
-    L, A, n_kv, _, hd = a.k.shape
-    B = b.k.shape[1]
-    out = KVCache(
-        n_layers=L, batch_size=A + B, n_kv_heads=n_kv, head_dim=hd,
-        capacity=max(a.capacity, b.capacity), dtype=a.k.dtype, device=a.k.device,
-    )  # fmt: skip
-    for dst, src_a, src_b in ((out.k, a.k, b.k), (out.v, a.v, b.v)):
-        dst[:, :A, :, : a.capacity] = src_a
-        dst[:, A:, :, : b.capacity] = src_b
-    out.lengths = torch.cat([a.lengths, b.lengths])
-    return out
-
-
-def _set_capacity(cache: KVCache, capacity: int) -> None:
-    """Shrink a cache to `capacity` positions (every row's length must fit)."""
-    assert int(cache.lengths.max()) <= capacity <= cache.capacity
-    cache.k = cache.k[:, :, :, :capacity].contiguous()
-    cache.v = cache.v[:, :, :, :capacity].contiguous()
-    cache.capacity = capacity
-
-
-def _grow(cache: KVCache, capacity: int) -> None:
-    """Enlarge a cache to `capacity` positions (the new ones empty)."""
-    pad = capacity - cache.capacity
-    assert pad > 0
-    cache.k = torch.nn.functional.pad(cache.k, (0, 0, 0, pad))
-    cache.v = torch.nn.functional.pad(cache.v, (0, 0, 0, pad))
-    cache.capacity = capacity
