@@ -13,50 +13,12 @@ from collections.abc import AsyncIterator
 
 from deploy.serve.backends.base import Backend, GenChunk, GenRequest, Overloaded, SpecStats
 from deploy.serve.config import ServeConfig
+from deploy.serve.detokenize import IncrementalText, stop_predicate
 from deploy.serve.logprobs import LogprobRenderer, TokenTexts
 from deploy.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse_body
 from drelay_model.decoding import GenerationConfig, SettingsError
 from drelay_model.errors import DRelayError
 from pipelines.common.chat import render_chat
-
-
-class _Text:
-    """Incremental detokenisation with stop strings: `push` returns the text safe to send now
-    (never past a stop string, never half a UTF-8 character)."""
-
-    def __init__(self, tokenizer, stops: list[str]) -> None:
-        self.tokenizer, self.stops, self.ids, self.sent = tokenizer, stops, [], 0
-        self.hold = max((len(s) for s in stops), default=1) - 1  # a stop string may still be forming
-
-    def full(self) -> str:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        for s in self.stops:
-            i = text.find(s)
-            text = text if i < 0 else text[:i]
-        return text
-
-    def push(self, ids: list[int], final: bool) -> str:
-        self.ids += ids
-        text = self.full()
-        if not final:
-            text = text.rstrip("\ufffd")
-            text = text[: max(len(text) - self.hold, 0)]
-        delta = text[self.sent :]
-        self.sent = max(self.sent, len(text))
-        return delta
-
-
-def _stop_predicate(tokenizer, stops: list[str]):
-    """True once the generated ids' tail contains a stop string (runs on the engine thread)."""
-    if not stops:
-        return None
-    tail = 2 * max(len(s) for s in stops) + 4  # tokens: enough to hold any stop string
-
-    def stop(ids: list[int]) -> bool:
-        text = tokenizer.decode(ids[-tail:], skip_special_tokens=True)
-        return any(s in text for s in stops)
-
-    return stop
 
 
 def bearer_matches(authorization: str | None, api_key: str) -> bool:
@@ -94,7 +56,7 @@ class Service:
         prompt_ids, field = self._prompt(route, body)
         stops = body.stop_list()
         k = body.logprob_alternatives()  # None: not asked
-        settings = self._settings(body, _stop_predicate(self.backend.tokenizer, stops))
+        settings = self._settings(body, stop_predicate(self.backend.tokenizer, stops))
         lim = self.cfg.limits
         if len(prompt_ids) > lim.max_prompt_tokens:
             raise ApiError(
@@ -112,7 +74,7 @@ class Service:
             ) from None
         except DRelayError as exc:
             raise ApiError(400, f"{field}: {exc}", param=field, code="context_length_exceeded") from None
-        call = _Call(route, body, len(prompt_ids), _Text(self.backend.tokenizer, stops), self)
+        call = _Call(route, body, len(prompt_ids), IncrementalText(self.backend.tokenizer, stops), self)
         call.logprobs = None if k is None else LogprobRenderer(self.token_texts, route, k)
         return call.stream(chunks) if body.stream else await call.collect(chunks)
 
@@ -159,7 +121,7 @@ _PARAMS = {"max_new_tokens": "max_tokens"}  # GenerationConfig field → API par
 class _Call:
     """One generation request being answered."""
 
-    def __init__(self, route: str, body, prompt_tokens: int, text: _Text, service: Service) -> None:
+    def __init__(self, route: str, body, prompt_tokens: int, text: IncrementalText, service: Service) -> None:
         self.route, self.body, self.prompt_tokens, self.text, self.service = route, body, prompt_tokens, text, service
         self.id = ("chatcmpl-" if route == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
