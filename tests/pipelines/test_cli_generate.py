@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,8 +79,23 @@ def test_speculative_generation_reports_speedup_and_matches_ar(capsys, tmp_path,
     report = json.loads(out)
     assert report["same_output_as_ar"] is True and report["verify_length"] == length
     assert bool(list(tmp_path.glob("costs/*.json"))) == (length == "cost")  # measured once, cached
-    assert report["speedup"] > 0 and report["ar_tokens_per_s"] > 0
-    assert len(report["speedups"]) == 3 and report["speedup"] == sorted(report["speedups"])[1]  # median of 3 pairs
+    assert report["speedup"] > 0 and report["ar_tokens_per_s"] > 0 and report["repeats"] == 3
+    # the pooled tok/s ratio, inside its 95% interval over the 3 pairs, which holds every pair's own ratio's range
+    assert report["speedup"] == pytest.approx(report["tokens_per_s"] / report["ar_tokens_per_s"])
+    assert report["speedup_ci_low"] <= report["speedup"] <= report["speedup_ci_high"]
+    assert len(report["speedups"]) == 3
+
+
+def test_speedup_interval_is_printed_and_needs_three_repeats(capsys):
+    """Text output: `speedup 1.21× [1.15, 1.27] (3 paired repeats)`; with 2 repeats no interval, and why
+    (the JSON report's `speedup_ci_low` / `speedup_ci_high` are then null)."""
+    argv = ["--chat", "Name a colour.", "--random-drafter", "--compare-ar", "--max-new-tokens", "6", "--verify-length", "fixed"]
+    rc, out, err = _run(capsys, *argv, "--bootstrap-resamples", "500", "--bootstrap-seed", "3")
+    assert rc == 0, err
+    line = out.strip().splitlines()[-1]
+    assert re.search(r"speedup \d+\.\d\d× \[\d+\.\d\d, \d+\.\d\d\] \(3 paired repeats\)", line), line
+    rc, out, err = _run(capsys, *argv, "--repeats", "2")
+    assert rc == 0 and "(2 paired repeats; an interval needs ≥ 3 repeats)" in out.strip().splitlines()[-1], out
 
 
 @pytest.mark.parametrize(
@@ -91,6 +107,8 @@ def test_speculative_generation_reports_speedup_and_matches_ar(capsys, tmp_path,
         (["--chat", "hi", "--method", "ar", "--max-new-tokens", "0"], "--max-new-tokens must be an integer ≥ 1, got 0"),
         (["--chat", "hi", "--method", "ar", "--temperature", "nan"], "--temperature must be in [0, 100], got nan"),
         (["--chat", "hi", "--random-drafter", "--compare-ar", "--repeats", "0"], "--repeats must be ≥ 1"),
+        (["--chat", "hi", "--compare-ar", "--bootstrap-resamples", "10"], "--bootstrap-resamples must be ≥ 100, got 10"),
+        (["--chat", "hi", "--compare-ar", "--bootstrap-seed", "-1"], "--bootstrap-seed must be ≥ 0, got -1"),
         (["--prompts-file", "/no/file.txt", "--method", "ar"], "not found"),
         (["--chat", "word " * 9000, "--method", "ar"], "context window"),
         (["--chat", "hi", "--method", "ar", "--threads", "two"], "--threads must be a positive integer or auto, got 'two'"),
