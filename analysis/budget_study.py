@@ -229,7 +229,8 @@ def main() -> None:
         # Keep the curves of runs the store no longer has (a fresh machine): merge with the kept file.
         kept = [q for q in read_csv(csv_path) if q.run not in {p.run for p in points}] if csv_path.is_file() else []
         points = sorted(kept + points, key=lambda q: (list(depth).index(q.run) if q.run in depth else 99, q.step))
-        write_csv(points, csv_path)
+        if points:
+            write_csv(points, csv_path)
     started = time.perf_counter()
     costs = measure_costs(sorted(set(depth.values()))) if args.measure_costs else None
     if costs:
