@@ -1,15 +1,17 @@
 """Continuous batching: requests join and leave the engine's batch between rounds.
 
     submit(prompt, settings)    queue a request (thread-safe); it joins at the next `step`
-    step():  admit   prefill the queued requests into caches of their own (`SpeculativeEngine.prefill`,
-                     a forward per length group: `prefill_groups`), pick each first token, and
+    step():  admit   prefill queued requests into caches of their own (`SpeculativeEngine.prefill`,
+                     a forward per length group: `prefill_groups`), at most `prefill_budget` prompt
+                     tokens per step, first in first out, a prompt longer than the budget in chunks
+                     over several steps (`admission.py`); pick each first token, and
                      merge their rows into the running batch
                      (`BatchState.merge`; KV capacity grows to the largest need and shrinks again
                      when long requests leave, `BatchState.set_capacity`)
              round   one engine round (`SpeculativeEngine.round`: plan → draft → select → verify →
                      commit) over every running row, with each row's own acceptance rule
                      (`sampling.accept_rows`) and, at T > 0 with `draft_sampling`, a path drawn at
-                     the row's temperature from its own proposal numbers (`_sampler`)
+                     the row's temperature from its own proposal numbers (`sampling.path_sampler`)
              commit  per row: append tokens up to EOS / the stop predicate / the budget, update the
                      request's statistics, call its `on_update` with the newly committed ids
              leave   drop finished and cancelled rows from every per-row state
@@ -31,15 +33,15 @@ from typing import Any, Protocol
 
 import torch
 
+from drelay_model.decoding.admission import ChunkedPrefill, check_budget, plan_admission
 from drelay_model.decoding.batch_state import BatchState
 from drelay_model.decoding.generation import GenerationConfig
 from drelay_model.decoding.logprobs import TokenLogprob, first_token_logprobs
 from drelay_model.decoding.prefill_groups import prefill_groups
 from drelay_model.decoding.draws import RowDraws, commit_rows
-from drelay_model.decoding.sampling import accept_rows, pick_row
-from drelay_model.decoding.stats import DecodeStats, committed_drafts, tau_of
+from drelay_model.decoding.sampling import accept_rows, path_sampler, pick_row
+from drelay_model.decoding.stats import DecodeStats, count_row_round, tau_of
 from drelay_model.errors import DRelayError
-from drelay_model.selectors.base import Selection
 
 
 class RoundEngine(Protocol):
@@ -54,7 +56,8 @@ class RoundEngine(Protocol):
     threads: Any  # a ThreadPolicy (kernels/threads.py) or None: consulted once per step
 
     def check_prompt(self, prompt: list[int], config: GenerationConfig, what: str = "prompt") -> int: ...
-    def prefill(self, prompts: list[list[int]], rows: list[int], capacity: int) -> tuple[BatchState, torch.Tensor]: ...
+    def prefill(self, prompts: list[list[int]], rows: list[int], capacity: int,
+                into: BatchState | None = None) -> tuple[BatchState, torch.Tensor]: ...  # fmt: skip
     def round(self, state: BatchState, accept_rule, stats: DecodeStats, policy=None, sampler=None, logprobs=None): ...
     def new_policy(self): ...
 
@@ -70,6 +73,11 @@ class RequestStats:
     drafted_rounds  rounds that drafted (the rest were AR rounds of a cost-aware policy).
     verified_drafts drafts submitted for verification in those rounds (mean_verify_length per round).
     generated     all generated tokens = committed + 1 (the prefill token).
+    time_to_first_token = time_queue + time_prefill + time_first_round (seconds):
+      time_queue        submitted → its first prefill forward starts (a full batch, the prefills of
+                        the step ahead of it, the budget, the round running when it arrived)
+      time_prefill      its first prefill forward starts → its last ends (chunks: the steps between)
+      time_first_round  prefill ends → its first token is out (chosen, its row joined to the batch)
     """
 
     num_slots: int
@@ -82,6 +90,9 @@ class RequestStats:
     verified_drafts: int = 0
     generated: int = 0
     time_to_first_token: float = 0.0
+    time_queue: float = 0.0
+    time_prefill: float = 0.0
+    time_first_round: float = 0.0
     time_total: float = 0.0
 
     def __post_init__(self) -> None:
@@ -89,14 +100,7 @@ class RequestStats:
 
     def record_round(self, accepted: int, committed: int, verified: int | None = None) -> None:
         """One round: drafts accepted, tokens committed, and the drafts verified (None: an AR round)."""
-        if verified is not None:
-            self.drafted_rounds += 1
-            self.verified_drafts += verified
-        n = committed_drafts(accepted, committed)  # DecodeStats' rule
-        self.accept_hist[n] += 1
-        self.accepted += n
-        self.committed += committed
-        self.rounds += 1
+        self.accepted += count_row_round(self, accepted, committed, verified)  # DecodeStats' rule
 
     @property
     def mean_verify_length(self) -> float:
@@ -142,19 +146,26 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     t_submit: float = field(default_factory=time.perf_counter)
+    t_prefill: tuple[float, float] | None = None  # its first prefill forward's start, its last one's end
 
 
 class ContinuousBatcher:
     """Runs an engine over a changing set of requests; `step` is called by one driving thread."""
 
-    def __init__(self, engine: RoundEngine, *, max_batch: int = 16, engine_policy: bool = False) -> None:
+    def __init__(
+        self, engine: RoundEngine, *, max_batch: int = 16, engine_policy: bool = False, prefill_budget: int | None = None
+    ) -> None:
         """engine_policy: the rounds consult the engine's cost policy (`SpeculativeEngine.policy`, read
         at each round; what it learns carries over the engine's calls) instead of a fresh one of
-        this batcher's own (`engine.new_policy()`; None without measured costs)."""
+        this batcher's own (`engine.new_policy()`; None without measured costs). prefill_budget:
+        prompt tokens prefilled per step (`admission.py`; None: every queued request with room,
+        whole, as a static batch)."""
         if max_batch < 1:
             raise DRelayError(f"max_batch must be ≥ 1, got {max_batch}")
         self.engine = engine
         self.max_batch = max_batch
+        self.prefill_budget = check_budget(prefill_budget)
+        self._chunked: ChunkedPrefill | None = None  # the request whose prompt is prefilled in chunks
         self.stats = DecodeStats(num_slots=engine.num_slots)  # batch-level phase times and totals
         self._policy = None if engine_policy else engine.new_policy()
         self._engine_policy = engine_policy
@@ -205,8 +216,9 @@ class ContinuousBatcher:
 
     @property
     def num_pending(self) -> int:
+        """Requests not decoding yet: queued, or with their prompt partly prefilled."""
         with self._lock:
-            return len(self._pending)
+            return len(self._pending) + (self._chunked is not None)
 
     @property
     def idle(self) -> bool:
@@ -214,19 +226,34 @@ class ContinuousBatcher:
 
     @torch.inference_mode()
     def step(self) -> list[RequestUpdate]:
-        """Admit queued requests (up to max_batch running), then run one round over all rows."""
+        """Admit queued requests (up to max_batch running, within the prefill budget), then run one
+        round over all rows."""
         with self._lock:
             cancelled, self._cancelled = self._cancelled, set()
-            kept = [r for r in self._pending if r.id not in cancelled]
             dropped = [r for r in self._pending if r.id in cancelled]
-            room = self.max_batch - len(self._running)
-            admit, self._pending = kept[:room], kept[room:]
+            self._pending = [r for r in self._pending if r.id not in cancelled]
         updates = [self._finish(r, [], "cancelled") for r in dropped]
+        if self._chunked is not None and self._chunked.request.id in cancelled:
+            updates.append(self._finish(self._chunked.request, [], "cancelled"))
+            self._chunked = None
         updates += [self._finish(self._running[i], [], "cancelled") for i in cancelled if i in self._running]
-        if self.engine.threads is not None and (admit or self._running):
-            self.engine.threads.update(rows=len(admit) + len(self._running))  # in the rounds' thread (OpenMP: per thread)
+        with self._lock:
+            chunked = self._chunked
+            room = self.max_batch - len(self._running) - (chunked is not None)
+            plan = plan_admission(chunked and chunked.remaining, [len(r.prompt) for r in self._pending], room,
+                                  self.prefill_budget)  # fmt: skip
+            admit, self._pending = self._pending[: plan.whole], self._pending[plan.whole :]
+            if plan.start_tokens:
+                self._chunked = ChunkedPrefill(self._pending.pop(0))
+        rows = len(admit) + len(self._running) + (self._chunked is not None)
+        if self.engine.threads is not None and rows:
+            self.engine.threads.update(rows=rows)  # in the rounds' thread (OpenMP: per thread)
+        if plan.continue_tokens:
+            updates += self._prefill_chunk(chunked, plan.continue_tokens)
         if admit:
             updates += self._admit(admit)
+        if plan.start_tokens:
+            updates += self._prefill_chunk(self._chunked, plan.start_tokens)
         self._leave()  # cancelled rows, and requests that finished on their prefill token
         if self._running:
             updates += self._round()
@@ -252,13 +279,40 @@ class ContinuousBatcher:
         t0 = time.perf_counter()
         capacity = max(r.need for r in requests)
         state, last_logits = self.engine.prefill([r.prompt for r in requests], [r.id for r in requests], capacity)
+        self._count_prefill(t0)
+        for r in requests:
+            r.t_prefill = (t0, time.perf_counter())
+        return self._join(requests, state, last_logits)
+
+    def _prefill_chunk(self, chunked: ChunkedPrefill, n: int) -> list[RequestUpdate]:
+        """The next `n` tokens of a chunked request's prompt into its row's caches; when they are its
+        last, its row joins the batch."""
+        r, t0 = chunked.request, time.perf_counter()
+        ids = r.prompt[chunked.done : chunked.done + n]
+        chunked.state, last_logits = self.engine.prefill([ids], [r.id], r.need, into=chunked.state)
+        chunked.done += n
+        self._count_prefill(t0)
+        r.t_prefill = (r.t_prefill[0] if r.t_prefill else t0, time.perf_counter())
+        if chunked.remaining:
+            return []
+        self._chunked = None
+        return self._join([r], chunked.state, last_logits)
+
+    def _count_prefill(self, t0: float) -> None:
+        elapsed = time.perf_counter() - t0
+        self.stats.time_prefill += elapsed
+        self.stats.time_total += elapsed
+
+    def _join(self, requests: list[_Request], state: BatchState, last_logits: torch.Tensor) -> list[RequestUpdate]:
+        """Pick the first token of freshly prefilled rows (`last_logits` [B, V]) and join them to the
+        running batch."""
+        t0 = time.perf_counter()
         if all(r.settings.greedy for r in requests):
             state.anchor = last_logits.argmax(dim=-1)  # [B]
         else:
             state.anchor = torch.cat([pick_row(last_logits[i : i + 1], r.settings, r.draws) for i, r in enumerate(requests)])
         commit_rows([r.draws for r in requests], [1] * len(requests))
         lps = first_token_logprobs(last_logits, state.anchor, [r.logprobs for r in requests])
-        self.stats.time_prefill += time.perf_counter() - t0
         self.stats.time_total += time.perf_counter() - t0
         self.stats.generated += len(requests)
         self.stats.requests += len(requests)
@@ -271,18 +325,25 @@ class ContinuousBatcher:
         updates = []
         for r, tok, lp in zip(requests, state.anchor.tolist(), lps):
             self._running[r.id] = r
-            r.stats.time_to_first_token = time.perf_counter() - r.t_submit
+            self._first_token_times(r)
             updates.append(self._commit(r, [tok], lp))
         return updates
+
+    @staticmethod
+    def _first_token_times(r: _Request) -> None:
+        """TTFT and its parts (`RequestStats`), from the request's marks; they sum to the TTFT."""
+        now, (start, end) = time.perf_counter(), r.t_prefill
+        s = r.stats
+        s.time_to_first_token = now - r.t_submit
+        s.time_queue, s.time_prefill, s.time_first_round = start - r.t_submit, end - start, now - end
 
     def _round(self) -> list[RequestUpdate]:
         state = self._state
         reqs = [self._running[i] for i in state.rows]
         accept_rule = partial(accept_rows, settings=[r.settings for r in reqs], draws=[r.draws for r in reqs])
         t0 = time.perf_counter()
-        result = self.engine.round(
-            state, accept_rule, self.stats, self.policy, self._sampler(reqs), logprobs=[r.logprobs for r in reqs]
-        )
+        sampler = path_sampler([r.settings for r in reqs], [r.draws for r in reqs], self.engine.device)
+        result = self.engine.round(state, accept_rule, self.stats, self.policy, sampler, logprobs=[r.logprobs for r in reqs])
         n_list, x_list, p_list = result.accepted.tolist(), result.next_token.tolist(), result.path.tolist()  # one host copy
         v_list = result.length.tolist() if result.drafted else None
         updates, committed = [], []
@@ -297,33 +358,6 @@ class ContinuousBatcher:
         self.stats.generated += sum(committed)
         self.stats.time_total += time.perf_counter() - t0
         return updates
-
-    def _sampler(self, reqs: list[_Request]):
-        """The round's path sampler when some row `samples_paths` (T > 0 with `draft_sampling`), else
-        None: those rows draw their path at their own temperature from their own proposal numbers
-        (`Selector.sample`); the other rows of a mixed batch keep the selector's deterministic path
-        (`accept_rows` tests each row by the rule that matches how its path was chosen)."""
-        flags = [r.settings.samples_paths for r in reqs]
-        if not any(flags):
-            return None
-        temps = [r.settings.temperature if f else 1.0 for r, f in zip(reqs, flags)]
-        T = temps[0] if all(flags) and len(set(temps)) == 1 else torch.tensor(temps, device=self.engine.device)
-        spare = None if all(flags) else torch.Generator(device=self.engine.device)  # the unused draws of other rows
-        generators = [r.draws.proposals if f else spare for r, f in zip(reqs, flags)]
-
-        def sample(selector, block, ctx) -> Selection:
-            drawn = selector.sample(block, ctx, temperature=T, generators=generators)
-            if spare is None:
-                return drawn
-            chosen, keep = selector.select(block, ctx), torch.tensor(flags, device=self.engine.device)  # keep [R]
-            return Selection(
-                pool_index=torch.where(keep[:, None], drawn.pool_index, chosen.pool_index),
-                path_ids=torch.where(keep[:, None], drawn.path_ids, chosen.path_ids),
-                length=torch.where(keep, drawn.length, chosen.length),
-                proposal_q=drawn.proposal_q,
-            )
-
-        return sample
 
     def _leave(self, reuse: bool = False) -> None:
         """Drop finished rows; shrink the caches when the longest remaining need is under half.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -25,6 +26,34 @@ def committed_drafts(accepted: int, committed: int) -> int:
     budget commits fewer than it accepted, so real decoding and replay (which cannot see past the
     end) record the same histogram; `committed` includes the round's bonus token."""
     return min(accepted, committed - 1)
+
+
+class RoundCounters(Protocol):
+    """What `count_row_round` updates: a batch's `DecodeStats` or one request's `RequestStats`."""
+
+    accept_hist: Any  # [H+1] counts, indexable (a tensor or a list)
+    committed: int
+    rounds: int
+    drafted_rounds: int
+    verified_drafts: int
+
+
+def count_row_round(counters: RoundCounters, accepted: int, committed: int, verified: int | None) -> int:
+    """Count one row's round: the histogram bin of its committed drafts (`committed_drafts`), the tokens
+    it committed, and for a drafted round the drafts it verified (None: an AR round). The one rule for
+    a batch's and a request's counters, so their histograms and τ agree.
+
+    Returns:
+        the drafts counted as accepted (int).
+    """
+    if verified is not None:
+        counters.drafted_rounds += 1
+        counters.verified_drafts += verified
+    n = committed_drafts(accepted, committed)
+    counters.accept_hist[n] += 1
+    counters.committed += committed
+    counters.rounds += 1
+    return n
 
 
 @dataclass
@@ -109,13 +138,8 @@ class DecodeStats:
     def record_round(self, accepted: list[int], committed: list[int], verified: list[int] | None = None) -> None:
         """One step's row-rounds: drafts accepted and tokens committed per row, and for a drafted step
         the drafts each row submitted for verification (None: an AR step)."""
-        if verified is not None:
-            self.drafted_rounds += len(verified)
-            self.verified_drafts += sum(verified)
-        for n, c in zip(accepted, committed):
-            self.accept_hist[committed_drafts(n, c)] += 1
-            self.committed += c
-        self.rounds += len(accepted)
+        for i, (n, c) in enumerate(zip(accepted, committed, strict=True)):
+            count_row_round(self, n, c, None if verified is None else verified[i])
 
     @property
     def tau(self) -> float:

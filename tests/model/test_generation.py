@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from drelay_model.decoding import DEFAULT_MAX_NEW_TOKENS, DecodeStats, GenerationConfig, SettingsError
+from drelay_model.decoding.batcher import RequestStats
 from drelay_model.decoding.verify import accepted_prefix
 from drelay_model.errors import DRelayError
 
@@ -57,6 +58,30 @@ def test_accepted_prefix_is_the_leading_run_of_matches():
     assert accepted_prefix(match).tolist() == [2, 0, 4]
     assert int(accepted_prefix(torch.tensor([True, False]))) == 1  # 1-D: one round
     assert accepted_prefix(torch.zeros(2, 0, dtype=torch.bool)).tolist() == [0, 0]
+
+
+def test_a_batch_and_its_requests_count_rounds_by_one_rule():
+    """DecodeStats (per step) and RequestStats (per request) see the same row-rounds and agree: the
+    requests' histograms sum to the batch's, EOS-truncated rounds (4 accepted, 2 committed) included."""
+    batch = DecodeStats(num_slots=4)
+    requests = [RequestStats(num_slots=4, prompt_tokens=3) for _ in range(2)]
+    steps = [([0, 3], [1, 4], [4, 4]), ([4, 2], [2, 3], None), ([1, 4], [2, 5], [2, 4])]  # accepted, committed, verified
+    for accepted, committed, verified in steps:
+        batch.record_round(accepted, committed, verified)
+        for i, r in enumerate(requests):
+            r.record_round(accepted[i], committed[i], None if verified is None else verified[i])
+    assert batch.accept_hist.tolist() == [a + b for a, b in zip(*(r.accept_hist for r in requests))] == [1, 2, 1, 1, 1]
+    assert batch.committed == sum(r.committed for r in requests) == 17
+    assert batch.rounds == sum(r.rounds for r in requests) == 6
+    assert (
+        (batch.drafted_rounds, batch.verified_drafts)
+        == (4, 14)
+        == (
+            sum(r.drafted_rounds for r in requests),
+            sum(r.verified_drafts for r in requests),
+        )
+    )
+    assert requests[0].accepted == 0 + 1 + 1 and requests[0].bonus == requests[0].committed - 2
 
 
 def test_decode_stats_merge_and_json_round_trip():
