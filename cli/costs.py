@@ -43,12 +43,11 @@ def run(args: argparse.Namespace) -> int:
         raise DRelayError("--max-batch and --batch must be in [1, 1024]")
     target = load_target_spec(args.target, device=args.device, dtype=args.dtype)
     drafter, selector = load_method(spec, target)
-    key = dict(target_spec=args.target, method=spec.name, checkpoint=spec.checkpoint)
-    if args.show and not costs_path(target, drafter, **key).exists():
+    if args.show and not costs_path(target, drafter, selector, method=spec.name).exists():
         raise DRelayError(f"no cached costs for {args.target}/{args.method}; run without --show to measure them")
     max_batch = max([args.max_batch, *(args.batch or ())])
     costs = cached_costs(
-        target, drafter, selector, **key, remeasure=not args.show, reps=args.reps,
+        target, drafter, selector, target_spec=args.target, method=spec.name, remeasure=not args.show, reps=args.reps,
         max_batch=1 if args.show else max_batch,
     )  # fmt: skip
     if args.json:

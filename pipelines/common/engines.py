@@ -48,7 +48,7 @@ def build_engine(
 ) -> SpeculativeEngine:
     """The engine that decodes `spec` on `target` with `verify_length`.
 
-    target_spec: the target's spec string (it keys the cached cost curve); method: the spec's
+    target_spec: the target's spec string (named when the cost curve is measured); method: the spec's
     (drafter, selector) when the caller has loaded them already (None: loaded here); remeasure:
     measure the cost surface again instead of reading the cache; max_batch: the largest batch the
     engine decodes (the surface is measured up to it; larger batches are extrapolated); threads: the
@@ -59,6 +59,7 @@ def build_engine(
         threads.update()  # the costs below are measured on the thread count the rounds will start with
     costs = None
     if verify_length == "cost" and drafter is not None:
-        costs = cached_costs(target, drafter, selector, target_spec=target_spec, method=spec.name, checkpoint=spec.checkpoint,
-                             remeasure=remeasure, max_batch=max_batch)  # fmt: skip
+        costs = cached_costs(
+            target, drafter, selector, target_spec=target_spec, method=spec.name, remeasure=remeasure, max_batch=max_batch
+        )
     return SpeculativeEngine(target, drafter, selector, costs=costs, threads=threads)

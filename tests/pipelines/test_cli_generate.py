@@ -243,7 +243,7 @@ def test_cost_curves_are_kept_apart_by_the_cpu_kernels_that_take_effect():
     for label, kernels in {"on": CpuKernels(), "no-int8": CpuKernels(int8_draft=False), "off": CpuKernels(packed=False)}.items():
         target = tiny_target("tiny-llama", cpu_kernels=kernels)
         drafter = BlockDrafter(DrafterConfig.for_target(target), target)
-        names[label] = costs_path(target, drafter, target_spec="tiny-llama", method="native", checkpoint=None).name
+        names[label] = costs_path(target, drafter, None, method="native").name
     assert "-packed" in names["on"] and "int8-blocks" in names["on"]
     assert "-packed" in names["no-int8"] and "int8-blocks" not in names["no-int8"]
     assert "-packed" not in names["off"] and "rank" not in names["off"] and len(set(names.values())) == 3

@@ -1,9 +1,9 @@
 """The cost policy's round costs, cached per machine: measured once (`measure.py`), then read.
 
-One JSON file per (target, checkpoint, method, torch threads, device and its processor model, and
-the CPU kernels that take effect: packed linears or not and what the drafter runs below float32,
-`CpuKernels.active(...).cache_tag()`)
-under $DRELAY_CACHE_DIR/costs/ (default ~/.cache/drelay/costs/), holding the surface over the batch
+One JSON file per (target architecture and dtype, drafter architecture, selector and its size, torch
+threads, device and its processor model, and the CPU kernels that take effect: packed linears or not
+and what the drafter runs below float32, `CpuKernels.active(...).cache_tag()`; never a path: see
+`cost_key`) under $DRELAY_CACHE_DIR/costs/ (default ~/.cache/drelay/costs/), holding the surface over the batch
 sizes 1 … max_batch (`surface_batches`): measuring takes about `MEASURE_BUDGET_S` + one repetition
 (docs/verification-length.md has today's figure on the CPU default), and the costs belong to the
 machine, not to the repository (a home directory shared by cluster nodes of different CPU or GPU
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import platform
 import sys
 import time
@@ -44,18 +45,52 @@ def processor_model(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
-def costs_path(target, drafter, *, target_spec: str, method: str, checkpoint: str | None) -> Path:
-    """The cache file of the surface of `target` (loaded from `target_spec`) with `drafter` (loaded
-    from `checkpoint`; None: a random drafter) and the selector `method`. The CPU kernel settings
-    enter the name as they take effect there (the drafter's, which it takes from the target unless
-    given its own: `CpuKernels.active(...).cache_tag()`), since drafting and verification costs
-    differ by them."""
+def cost_key(target, drafter, selector, *, method: str) -> dict:
+    """What a round's costs depend on, as plain JSON values, and nothing else: no file paths, so two
+    copies of one checkpoint (or two checkouts of one commit) share a surface, while a drafter of
+    another width or depth, another selector head or another target architecture gets its own.
+
+    target    its architecture (model type, heads) and every parameter's name, shape and dtype;
+    drafter   its config (block size, layers, widths, draft vocabulary, ...) and parameter shapes;
+    selector  the method, its class and parameter shapes (trained values do not change the cost);
+    machine   device, processor model, torch threads and the CPU kernels that take effect."""
     device = str(target.embed_weight.device.type)
     kernels = drafter.cpu_kernels.active(device, target.dtype)
-    ckpt = str(Path(checkpoint).resolve()) if checkpoint else "random-drafter"
-    digest = hashlib.sha1(ckpt.encode()).hexdigest()[:10]
-    chip = hashlib.sha1(processor_model(device).encode()).hexdigest()[:6]
-    name = f"{target_spec}__{digest}__{method}__t{torch.get_num_threads()}__{device}-{chip}{kernels.cache_tag()}.json"
+    drafter_config = {k: v for k, v in dataclasses.asdict(drafter.config).items() if k != "target"}
+    return {
+        "target": {
+            "model_type": target.config.model_type,
+            "heads": [target.n_heads, target.n_kv_heads, target.head_dim],  # the shapes below fix the rest
+            "dtype": str(target.dtype),
+            "parameters": _shapes(target.hf),
+        },
+        "drafter": {"config": drafter_config, "parameters": _shapes(drafter)},
+        "selector": {"method": method, "class": type(selector).__name__, "parameters": _shapes(selector)},
+        "machine": {
+            "device": device,
+            "processor": processor_model(device),
+            "threads": torch.get_num_threads(),
+            "kernels": kernels.cache_tag(),
+        },
+    }
+
+
+def _shapes(module) -> list[str]:
+    """'name dtype shape' of each parameter of `module` ([] for None), in registration order."""
+    if module is None:
+        return []
+    return [f"{name} {p.dtype} {tuple(p.shape)}" for name, p in module.named_parameters()]
+
+
+def costs_path(target, drafter, selector, *, method: str) -> Path:
+    """The cache file of the surface of `target` with `drafter` and `selector` (the method `method`):
+    named by `cost_key`'s digest, after a readable prefix (architecture, method, threads, device and
+    the CPU kernel tag, since drafting and verification costs differ by them)."""
+    key = cost_key(target, drafter, selector, method=method)
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    machine = key["machine"]
+    arch = f"{target.config.model_type}-{target.num_layers}x{target.hidden_size}"
+    name = f"{arch}__{method}__{digest}__t{machine['threads']}__{machine['device']}{machine['kernels']}.json"
     return cache_root() / "costs" / name.replace("/", "_")
 
 
@@ -73,15 +108,15 @@ def cached_costs(
     *,
     target_spec: str,
     method: str,
-    checkpoint: str | None,
     remeasure: bool = False,
     reps: int = 9,
     max_batch: int = DEFAULT_MAX_BATCH,
 ) -> RoundCosts:
     """The cached cost surface over batch sizes 1 … max_batch, measured (and cached) on first use,
     when stale or too narrow, or when `remeasure` (the median of up to `reps` interleaved
-    repetitions per term, within `MEASURE_BUDGET_S`). The key: `costs_path`."""
-    path = costs_path(target, drafter, target_spec=target_spec, method=method, checkpoint=checkpoint)
+    repetitions per term, within `MEASURE_BUDGET_S`). The key: `costs_path`; `target_spec` names the
+    target in messages only."""
+    path = costs_path(target, drafter, selector, method=method)
     if path.exists() and not remeasure:
         try:
             costs = RoundCosts.load(path)
