@@ -143,10 +143,14 @@ class SpeculativeEngine:
         return GenerationResult(tokens=[out[i] for i in ids], stats=stats)
 
     # ---- the phases ----------------------------------------------------------------------------
-    def prefill(self, prompts: list[list[int]], rows: list[int], capacity: int) -> tuple[BatchState, torch.Tensor]:
+    def prefill(
+        self, prompts: list[list[int]], rows: list[int], capacity: int, into: BatchState | None = None
+    ) -> tuple[BatchState, torch.Tensor]:
         """Prefill prompts into fresh caches of `capacity` positions, as batch rows `rows`; returns
         the state (no anchor yet: the caller picks it) and the target's logits at each prompt's last
-        position [B, V] float32."""
+        position [B, V] float32. `into`: a state of these rows whose caches already hold the prompts'
+        first tokens (chunked prefill, `admission.py`): `prompts` are then each row's next tokens,
+        appended to its caches, its context and its verified history."""
         B, dev = len(prompts), self.device
         lengths = torch.tensor([len(p) for p in prompts])
         P = int(lengths.max())
@@ -154,15 +158,18 @@ class SpeculativeEngine:
         for b, p in enumerate(prompts):
             ids[b, : len(p)] = torch.tensor(p)
         ids, lengths = ids.to(dev), lengths.to(dev)  # one host→device copy each
-        state = BatchState(rows=list(rows), cache=self.target.new_cache(B, capacity))
+        state = into if into is not None else BatchState(rows=list(rows), cache=self.target.new_cache(B, capacity))
+        start = state.cache.lengths.clone()  # [B]: 0, or the tokens an earlier chunk prefilled
         res = self.target(ids, state.cache, feature_layers=self.feature_layers, logits_at=(lengths - 1)[:, None])
-        state.cache.crop(lengths)
+        state.cache.crop(start + lengths)
         if self.drafter is not None:
-            state.ctx = self.drafter.new_context_cache(B, capacity)
+            state.ctx = state.ctx if into is not None else self.drafter.new_context_cache(B, capacity)
             self.drafter.extend_context(res.features, state.ctx)
-            state.ctx.crop(lengths)
+            state.ctx.crop(start + lengths)
         if self.history_len:
-            state.history = VerifiedHistory(B, self.history_len, res.features.shape[-1], dtype=res.features.dtype, device=dev)
+            if into is None:
+                F = res.features.shape[-1]
+                state.history = VerifiedHistory(B, self.history_len, F, dtype=res.features.dtype, device=dev)
             state.history.push(res.features, lengths)
         return state, res.logits[:, 0]
 

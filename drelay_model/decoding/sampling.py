@@ -20,6 +20,7 @@ import torch
 from drelay_model.decoding.draws import RowDraws, inverse_cdf
 from drelay_model.decoding.generation import GenerationConfig
 from drelay_model.decoding.verify import accept_sampled_probs, accept_target_tokens
+from drelay_model.selectors.base import Selection
 
 
 def filtered_logits(logits: torch.Tensor, settings: GenerationConfig) -> torch.Tensor:
@@ -109,3 +110,31 @@ def _match_rows(path, target_logits, length, settings, draws) -> tuple[torch.Ten
         if not p.greedy:
             x[i] = pick_row(target_logits[i], p, draws[i])
     return accept_target_tokens(path, x, length, draws)
+
+
+def path_sampler(settings: Sequence[GenerationConfig], draws: Sequence[RowDraws | None], device: torch.device):
+    """A round's path sampler when some row `samples_paths` (T > 0 with `draft_sampling`), else None:
+    those rows draw their path at their own temperature from their own proposal numbers
+    (`Selector.sample`); the other rows of a mixed batch keep the selector's deterministic path
+    (`accept_rows` tests each row by the rule that matches how its path was chosen)."""
+    flags = [s.samples_paths for s in settings]
+    if not any(flags):
+        return None
+    temps = [s.temperature if f else 1.0 for s, f in zip(settings, flags)]
+    T = temps[0] if all(flags) and len(set(temps)) == 1 else torch.tensor(temps, device=device)
+    spare = None if all(flags) else torch.Generator(device=device)  # the unused draws of other rows
+    generators = [d.proposals if f else spare for d, f in zip(draws, flags)]
+
+    def sample(selector, block, ctx) -> Selection:
+        drawn = selector.sample(block, ctx, temperature=T, generators=generators)
+        if spare is None:
+            return drawn
+        chosen, keep = selector.select(block, ctx), torch.tensor(flags, device=device)  # keep [R]
+        return Selection(
+            pool_index=torch.where(keep[:, None], drawn.pool_index, chosen.pool_index),
+            path_ids=torch.where(keep[:, None], drawn.path_ids, chosen.path_ids),
+            length=torch.where(keep, drawn.length, chosen.length),
+            proposal_q=drawn.proposal_q,
+        )
+
+    return sample

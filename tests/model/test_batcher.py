@@ -305,3 +305,87 @@ def test_requests_arriving_as_others_finish_take_their_slots_and_decode_as_alone
     assert fills, "no admission reused a finished row's slot"
     for b, (p, n) in enumerate(zip(prompts, budgets)):
         assert out[b] == engine.generate([p], settings(n)).tokens[0], f"request {b}"
+
+
+def test_ttft_parts_are_non_negative_sum_to_it_and_show_a_wait_behind_a_full_batch(target, prompts_of):
+    """TTFT = queue + prefill + first round; the second request of a one-row batch waits for the
+    first to finish, and its queue wait says so."""
+    batcher = ContinuousBatcher(SpeculativeEngine(target), max_batch=1)
+    finals = {}
+    for p in prompts_of(target.vocab_size, (6, 9)):
+        batcher.submit(p, GenerationConfig(max_new_tokens=12), lambda u: u.finished and finals.setdefault(u.request_id, u))
+    batcher.run()
+    for u in finals.values():
+        s = u.stats
+        parts = (s.time_queue, s.time_prefill, s.time_first_round)
+        assert min(parts) >= 0 and s.time_prefill > 0
+        assert sum(parts) == pytest.approx(s.time_to_first_token, abs=1e-6)
+        assert s.time_to_first_token <= s.time_total
+    first, second = finals[0].stats, finals[1].stats
+    assert second.time_queue > max(first.time_total - 0.01, first.time_queue)
+
+
+def _budgeted_run(engine, prompts, settings, budget, max_batch, monkeypatch):
+    """All prompts submitted at once to a batcher with a prefill budget; returns (outputs, prompt
+    tokens prefilled per step, steps that ran a round, steps with running rows, the step each request's
+    prefill began in, by request)."""
+    per_step, first_step = [], {}
+    real = engine.prefill
+
+    def spy(prompts, rows, capacity, into=None):
+        per_step[-1] += sum(len(p) for p in prompts)
+        for r in rows:
+            first_step.setdefault(r, len(per_step))
+        return real(prompts, rows, capacity, into=into)
+
+    monkeypatch.setattr(engine, "prefill", spy)
+    batcher = ContinuousBatcher(engine, max_batch=max_batch, prefill_budget=budget)
+    for p in prompts:
+        batcher.submit(p, settings)
+    out, rounds, busy = {}, 0, 0
+    while not batcher.idle:
+        per_step.append(0)
+        running_before = batcher.num_running
+        steps_before = batcher.stats.steps
+        for u in batcher.step():
+            out.setdefault(u.request_id, []).extend(u.new_tokens)
+        busy += running_before > 0
+        rounds += running_before > 0 and batcher.stats.steps > steps_before
+    return out, per_step, rounds, busy, [first_step[i] for i in sorted(first_step)]
+
+
+@pytest.mark.parametrize("method,temperature", [("ar", 0.0), ("drelay", 0.0), ("drelay", 0.9)])
+def test_a_prefill_budget_bounds_each_step_keeps_fifo_and_decodes_as_alone(target, make_drafter, prompts_of,
+                                                                           tiny_selector_config, method, temperature,
+                                                                           monkeypatch):  # fmt: skip
+    """A burst of prompts (one longer than the budget: prefilled in chunks over three steps) under a
+    budget of 16 prompt tokens per step: no step prefills more, the running rows decode at every
+    step, requests are admitted in arrival order, and every output is the one decoded alone
+    (greedy, or a seeded sample)."""
+    lengths = (5, 9, 3, 40, 7, 12, 2)
+    prompts = prompts_of(target.vocab_size, lengths)
+    engine = _engine(target, make_drafter, method, config=tiny_selector_config(method))
+    settings = GenerationConfig(max_new_tokens=8, temperature=temperature, seed=3)
+    out, per_step, rounds, busy, began = _budgeted_run(engine, prompts, settings, 16, 4, monkeypatch)
+    assert max(per_step) <= 16 and sum(per_step) == sum(lengths)
+    assert rounds == busy  # no step with running rows went without its round
+    assert began == sorted(began) and len(set(began)) > 2  # first in, first prefilled, over several steps
+    monkeypatch.undo()
+    for b, p in enumerate(prompts):
+        assert out[b] == engine.generate([p], settings.with_seed(3)).tokens[0], f"request {b}"
+
+
+def test_admission_plan_fills_the_budget_in_order_and_chunks_only_what_cannot_fit():
+    from drelay_model.decoding.admission import AdmissionPlan, check_budget, plan_admission
+
+    assert plan_admission(None, [5, 9, 3], 8, None) == AdmissionPlan(whole=3)
+    assert plan_admission(None, [5, 9, 3], 2, None) == AdmissionPlan(whole=2)  # the batch's room
+    assert plan_admission(None, [5, 9, 3], 8, 16) == AdmissionPlan(whole=2)  # 14 of 16: the 3 waits its turn (FIFO)
+    assert plan_admission(None, [9, 9], 8, 16) == AdmissionPlan(whole=1)  # the second goes first next step
+    assert plan_admission(None, [5, 40, 3], 8, 16) == AdmissionPlan(whole=1, start_tokens=11)  # too long: chunks
+    assert plan_admission(29, [3], 8, 16) == AdmissionPlan(continue_tokens=16)  # nothing passes a chunked prompt
+    assert plan_admission(13, [3, 2], 8, 16) == AdmissionPlan(continue_tokens=13, whole=1)
+    assert plan_admission(None, [], 8, 16) == AdmissionPlan()
+    for bad in (0, -3, 1.5, True):
+        with pytest.raises(DRelayError, match="prefill_budget"):
+            check_budget(bad)
