@@ -30,10 +30,15 @@ keeps both threads (with 0.1 it dropped to one and lost a third of its throughpu
 their bursts pass 0.3 for half a second now and then, which a 1 s window smooths out.
 After an idle spell (no round for longer than the window, this process under half a core
 meanwhile) the first round decides on the spell (a competitor that ran meanwhile most likely still
-runs), and the window then restarts from that round: the spell no longer counts in the next
-decisions as well (in a paired benchmark, where the other endpoint's leg is the spell, it held a
-replica on one thread for the first 1–1.5 s of each leg; now 0.5 s). A fixed `threads` skips the
-measurement. Where /proc/stat is unreadable (not Linux) auto keeps every
+runs: two threads beside it would run the burst's first step several times slower), and the window
+then restarts from that round: the next decision comes `restart_s` (0.2 s) later, on what the burst's
+first step saw alone, then every `interval_s` again. Evidence from before the burst cannot tell a
+competitor that stays from one that stopped as the burst began (the other endpoint of a paired
+benchmark: busy until its leg ends, which is when this one's begins); the first step after the spell
+can, and the continuous batcher's prefill budget keeps that step short. So a replica beside a
+persistent competitor keeps one thread, and one whose spell was another endpoint's leg is back on two
+after its first step (one prefill budget and a round, or 0.2 s if longer). A fixed `threads` skips
+the measurement. Where /proc/stat is unreadable (not Linux) auto keeps every
 allowed core. The count changes between rounds only (torch.set_num_threads), so outputs do not
 depend on it; `benchmarks/bench_shared_cpu.py` measures it against fixed counts and vLLM-CPU.
 """
@@ -115,12 +120,15 @@ class ThreadPolicy:
     Building one changes nothing; the decoding loop calls `update()` once per round, which applies
     the count in the calling thread, and auto re-decides at most every `interval_s` (reading
     /proc/stat costs microseconds) from the other processes' use over the last `window` intervals,
-    calling torch.set_num_threads again only on a change."""
+    calling torch.set_num_threads again only on a change; after an idle spell, `restart_s` after its
+    first decision, on that short window alone."""
 
     threads: int | None = None
     interval_s: float = 0.5
     window: int = 2
+    restart_s: float = 0.2
     current: int = field(init=False, default=0)
+    _after_spell: bool = field(init=False, default=False, repr=False)  # the last decision was on an idle spell
     _samples: deque = field(init=False, default_factory=deque, repr=False)  # the last `window`, oldest first
     _applied_in: set[int] = field(init=False, default_factory=set, repr=False)  # OpenMP's count is per thread
 
@@ -131,6 +139,8 @@ class ThreadPolicy:
             raise DRelayError(f"threads must be a positive integer or auto, got {self.threads!r}")
         if not self.interval_s > 0:
             raise DRelayError(f"the thread policy's interval_s must be > 0, got {self.interval_s!r}")
+        if not self.restart_s > 0:
+            raise DRelayError(f"the thread policy's restart_s must be > 0, got {self.restart_s!r}")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise DRelayError(f"the thread policy's window must be a positive number of intervals, got {self.window!r}")
         self.current = self.threads if self.threads is not None else allowed_cores()
@@ -169,7 +179,7 @@ class ThreadPolicy:
         if self.threads is not None or not self._samples:
             return self.current
         now = time.monotonic()
-        if now - self._samples[-1].wall < self.interval_s:
+        if now - self._samples[-1].wall < (min(self.restart_s, self.interval_s) if self._after_spell else self.interval_s):
             return self.current
         sample = CpuSample.now()
         if sample is None:
@@ -177,7 +187,9 @@ class ThreadPolicy:
         last = self._samples[-1]
         others = sample.others_since(self._samples[0])  # over the last `window` intervals
         wanted = threads_for(others, allowed_cores(), slack_for(rows))
-        if sample.wall - last.wall > self.window * self.interval_s and sample.own - last.own < 0.5 * (sample.wall - last.wall):
+        spell = sample.wall - last.wall
+        self._after_spell = spell > self.window * self.interval_s and sample.own - last.own < 0.5 * spell
+        if self._after_spell:
             self._samples.clear()  # after an idle spell: decided on it once, then on what follows it
         self._samples.append(sample)
         if wanted != self.current:

@@ -134,3 +134,30 @@ def test_after_an_idle_spell_the_window_restarts_after_one_decision(monkeypatch)
     policy = ThreadPolicy(interval_s=0.5)
     seen = [policy.update() for _ in samples[1:]]
     assert seen == [1, 2, 2]
+
+
+@pytest.mark.parametrize(("others_after", "expected"), [(0.1, 2), (1.0, 1)])
+def test_after_an_idle_spell_the_burst_decides_within_restart_s(monkeypatch, others_after, expected):
+    """A spell of 10 s beside 1.5 cores of others, then a burst: the first round decides on the spell
+    (one thread), the next decision comes 0.2 s later on that short window alone: two threads if the
+    others stopped as the burst began (a paired benchmark's other endpoint), one if they stayed (a
+    persistent competitor). Before restart_s has passed nothing is re-measured."""
+    clock = [0.0]
+
+    def sample_now(cls):  # others: 1.5 cores until 10 s, then `others_after`; this process: a core from 10 s
+        t = clock[0]
+        own = 0.1 * min(t, 10.0) / 10.0 + max(t - 10.0, 0.0)
+        others = 1.5 * min(t, 10.0) - 0.1 * min(t, 10.0) / 10.0 + others_after * max(t - 10.0, 0.0)
+        return CpuSample(t, others + own, own)
+
+    monkeypatch.setattr(CpuSample, "now", classmethod(sample_now))
+    monkeypatch.setattr("drelay_model.kernels.threads.allowed_cores", lambda: 2)
+    monkeypatch.setattr("drelay_model.kernels.threads.time.monotonic", lambda: clock[0])
+    policy = ThreadPolicy(interval_s=0.5, restart_s=0.2)
+    seen = []
+    for t in (10.0, 10.1, 10.25, 10.75):
+        clock[0] = t
+        seen.append(policy.update(rows=8))
+    assert seen == [1, 1, expected, expected]
+    with pytest.raises(DRelayError, match="restart_s"):
+        ThreadPolicy(restart_s=0.0)
