@@ -6,6 +6,8 @@ import math
 
 import torch
 
+LR_FLOOR = 0.1  # where the decay ends, as a fraction of the base rate
+
 
 def slot_weights(H: int, decay: float | None) -> torch.Tensor:
     """[H] support-loss weight per slot: exp(-(i-1)/decay) (DFlash's decay), or uniform."""
@@ -14,8 +16,16 @@ def slot_weights(H: int, decay: float | None) -> torch.Tensor:
 
 
 def lr_at(step: int, *, base: float, warmup: int, total: int) -> float:
-    """Linear warm-up, then cosine decay to 10% of the base rate."""
+    """Linear warm-up, then cosine decay to `LR_FLOOR` of the base rate at step `total`."""
     if step < warmup:
         return base * (step + 1) / warmup
     progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    return base * (LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def lr_cooldown(fraction: float, *, start: float, base: float) -> float:
+    """A cool-down's rate: linear from `start` (the rate when it began) down to the floor
+    `LR_FLOOR · base` as `fraction` ∈ [0, 1] of it is done; a start already below the floor (a stop
+    during warm-up) stays where it is."""
+    end = min(LR_FLOOR * base, start)
+    return start + (end - start) * min(max(fraction, 0.0), 1.0)

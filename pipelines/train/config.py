@@ -145,9 +145,14 @@ class TrainSection(StrictConfig):
     validation_prompts: int = Field(8, ge=0)
     micro_batches: int = Field(1, ge=1, le=1024)  # gradient accumulation passes per step (memory ÷ micro_batches)
     chunk_tokens: int = Field(2048, ge=16)  # anchor slots per vocabulary-head chunk (peak ∝ chunk_tokens · V)
-    # Stop when held-out val/tau has not risen for this many validations in a row (None: never);
-    # the exported head is then the best validated one (selector stage only).
+    # Stop when held-out val/tau has not risen for this many validations in a row (None: never), after
+    # a cool-down (selector stage only).
     early_stop_patience: int | None = Field(None, ge=1)
+    # When that rule fires: restore the best validated head and train this many more steps with every
+    # ramp at its end value and the learning rate falling linearly to its floor, then export that head
+    # (pipelines/train/cooldown.py). None: a tenth of the steps run so far (at least one); 0: stop at
+    # once and export the best validated head.
+    cooldown_steps: int | None = Field(None, ge=0)
     # End the run at this step while every schedule still runs to max_steps (selector stage only):
     # an ablation stopped at the step where a longer run peaked sees that run's lr and credit ramps.
     stop_at_step: int | None = Field(None, ge=1)
@@ -201,9 +206,12 @@ class RunConfig(StrictConfig):
                 )
             if self.train.stop_at_step is not None and self.train.stop_at_step > self.train.max_steps:
                 raise ValueError("train.stop_at_step must be ≤ train.max_steps")
-        elif self.train.early_stop_patience is not None or self.train.stop_at_step is not None:
+            if self.train.cooldown_steps is not None and self.train.early_stop_patience is None:
+                raise ValueError("train.cooldown_steps follows an early stop: it needs train.early_stop_patience")
+        elif any(v is not None for v in (self.train.early_stop_patience, self.train.stop_at_step, self.train.cooldown_steps)):
             raise ValueError(
-                "train.early_stop_patience / train.stop_at_step: only the selector stage (train.stage=selector) stops early"
+                "train.early_stop_patience / train.stop_at_step / train.cooldown_steps: only the selector stage "
+                "(train.stage=selector) stops early"
             )
         return self
 

@@ -13,8 +13,10 @@
    all-reduce per parameter.
 3. Validation is held-out greedy replay τ, as in a joint run, on `validation_prompts` held-out
    sequences drawn across sources (`worker.spread`); native and oracle τ depend only on the frozen drafter,
-   so they are measured once. With `train.early_stop_patience: N` the run stops when
-   `val/tau` has not risen for N validations in a row and exports the best validated head.
+   so they are measured once. With `train.early_stop_patience: N`, when `val/tau` has not risen for
+   N validations in a row, the run restores the best validated head, cools down (`cooldown.py`:
+   every ramp at its end value, the learning rate falling to its floor over `train.cooldown_steps`)
+   and exports the cool-down's last head.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from drelay_model.training.selector_step import epoch_batches, selector_step_bac
 from pipelines.common.paths import repo_path
 from pipelines.train import block_cache
 from pipelines.train.config import RunConfig
+from pipelines.train.cooldown import Cooldown, cooldown_length
 from pipelines.train.features import FeatureSource
 from pipelines.train.model_io import restore_training_checkpoint, save_training_checkpoint
 from pipelines.train.worker import (
@@ -92,13 +95,8 @@ def selector_stage_loop(cfg_dict: dict) -> None:
     selector = module.selector
     params = [p for p in selector.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    start, clock, best = 0, train_clock(cfg), BestHead(cfg.train.early_stop_patience)
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as d:
-            start, clock.spent = restore_training_checkpoint(Path(d), module, optimizer, target)
-            if (Path(d) / STAGE_STATE).is_file():
-                best.load(torch.load(Path(d) / STAGE_STATE, weights_only=True))
+    clock, best = train_clock(cfg), BestHead(cfg.train.early_stop_patience)
+    start, cooldown = _resume(ray.train.get_checkpoint(), module, optimizer, target, clock, best)
     val = validation_set(cfg, target, val_seqs) if rank == 0 else ([], [])
     fixed = _fixed_validation(target, module, *val) if rank == 0 else {}
     logger = _metric_logger(cfg_dict) if rank == 0 else None
@@ -113,8 +111,7 @@ def selector_stage_loop(cfg_dict: dict) -> None:
         epoch, i = divmod(step, per_epoch)
         order = epoch_batches(len(cache), size, torch.Generator().manual_seed((cfg.train.seed * 7919 + epoch) * 101 + rank))
         batch = cache.take(order[i % len(order)])
-        progress = clock.progress(step)
-        lr = lr_at(clock.schedule_step(step), base=cfg.train.lr, warmup=cfg.train.warmup_steps, total=cfg.train.max_steps)
+        progress, lr = _schedule(cfg, clock, cooldown, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
@@ -128,25 +125,26 @@ def selector_stage_loop(cfg_dict: dict) -> None:
         metrics = {**out.metrics, "loss/total": float(out.loss), "lr": lr, "grad_norm": grad_norm, "step": step + 1}
         clock.tick(world)
         last = step + 1 in (cfg.train.max_steps, cfg.train.stop_at_step) or clock.spent_all(world)
+        last = last or (cooldown is not None and cooldown.ends_at(step))
         validating = (step + 1) % cfg.train.validate_every == 0 or last
         if validating:
             started = time.perf_counter()
             with clock.paused():
                 if rank == 0:
                     metrics.update(fixed, **_validate_selector(target, module, *val))
-                stop = _early_stop(best, metrics.get(HEADLINE_METRIC), selector, world, step + 1)
-                if stop or last:
-                    last = True
-                    if best.state is not None:
-                        selector.load_state_dict(best.state)  # export the best validated head
-                        metrics.update({"val/tau_best": best.best, "val/best_step": best.step})
+                if cooldown is None and _early_stop(best, metrics.get(HEADLINE_METRIC), selector, world, step + 1) and not last:
+                    cooldown = _begin_cooldown(cfg, best, selector, clock, step, lr, world)
+                    last = cooldown is None
+                if last:
+                    metrics.update(_export(best, selector, cooldown))
             t_last += time.perf_counter() - started
         checkpointing = (step + 1) % cfg.train.checkpoint_every == 0 or clock.checkpoint_due() or last
         if checkpointing:
             now = time.perf_counter()
             metrics["throughput/blocks_per_s"] = (step + 1 - step_last) * size * world / max(now - t_last, 1e-9)
         if checkpointing or validating:
-            _report(metrics, rank, module, optimizer, step + 1, cfg, best, checkpoint=checkpointing, clock=clock, final=last)
+            state = {**best.to_dict(), "cooldown": None if cooldown is None else cooldown.to_dict()}
+            _report(metrics, rank, module, optimizer, step + 1, cfg, state, checkpoint=checkpointing, clock=clock, final=last)
         if checkpointing:
             t_last, step_last = time.perf_counter(), step + 1
             clock.checkpointed()
@@ -156,6 +154,57 @@ def selector_stage_loop(cfg_dict: dict) -> None:
             line.update(step + 1, metrics, budget_left_s=clock.left(), last=last)
         if last:
             break
+
+
+def _resume(checkpoint, module, optimizer, target, clock, best: BestHead) -> tuple[int, Cooldown | None]:
+    """From Ray Train's latest checkpoint (if any): weights, optimizer, the clock's seconds, early
+    stopping's best head and a cool-down under way. → (the step to start at, that cool-down)."""
+    if checkpoint is None:
+        return 0, None
+    with checkpoint.as_directory() as d:
+        start, clock.spent = restore_training_checkpoint(Path(d), module, optimizer, target)
+        if not (Path(d) / STAGE_STATE).is_file():
+            return start, None
+        state = torch.load(Path(d) / STAGE_STATE, weights_only=True)
+    best.load(state)
+    return start, Cooldown.from_dict(state.get("cooldown"))
+
+
+def _schedule(cfg: RunConfig, clock, cooldown: Cooldown | None, step: int) -> tuple[float, float]:
+    """(progress, learning rate) at `step`: the run's schedules (steps, or the time budget when that
+    binds first), or during a cool-down every ramp at its end (progress 1) and its falling rate."""
+    if cooldown is not None:
+        return 1.0, cooldown.lr(step, clock.spent, base=cfg.train.lr)
+    lr = lr_at(clock.schedule_step(step), base=cfg.train.lr, warmup=cfg.train.warmup_steps, total=cfg.train.max_steps)
+    return clock.progress(step), lr
+
+
+def _begin_cooldown(cfg: RunConfig, best: BestHead, selector, clock, step: int, lr: float, world: int) -> Cooldown | None:
+    """The stop rule fired after `step` (0-based) at rate `lr`: the cool-down that follows, from the best
+    validated head on every rank (rank 0 holds it; one broadcast per tensor with several workers).
+    None when it has no steps (`train.cooldown_steps: 0`, or the run's last step is this one)."""
+    end = cfg.train.stop_at_step or cfg.train.max_steps
+    steps = cooldown_length(cfg.train.cooldown_steps, steps_run=step + 1, steps_left=end - step - 1)
+    if steps == 0:
+        return None
+    if best.state is not None:
+        selector.load_state_dict(best.state)
+    if world > 1:
+        for tensor in selector.state_dict().values():  # views of the parameters and buffers
+            torch.distributed.broadcast(tensor, src=0)
+    return Cooldown(start=step + 1, steps=steps, lr_start=lr, spent_start=clock.spent, budget_left=clock.left())
+
+
+def _export(best: BestHead, selector, cooldown: Cooldown | None) -> dict[str, float]:
+    """At the run's end: after a cool-down its last head is exported as it is; otherwise the best
+    validated head (when one was validated) is loaded for export. → the metrics that say which."""
+    if best.state is None:  # no validation on this rank (rank > 0) or none yet
+        return {}
+    out = {"val/tau_best": best.best, "val/best_step": best.step}
+    if cooldown is not None:
+        return {**out, "val/stop_step": cooldown.start, "val/cooldown_steps": cooldown.steps}
+    selector.load_state_dict(best.state)
+    return out
 
 
 def _fixed_validation(target, module, prompts, conts) -> dict[str, float]:
@@ -187,7 +236,7 @@ def _early_stop(best: BestHead, tau: float | None, selector, world: int, step: i
     return bool(flag.item())
 
 
-def _report(metrics, rank, module, optimizer, step, cfg, best: BestHead, *, checkpoint: bool, clock, final: bool) -> None:
+def _report(metrics, rank, module, optimizer, step, cfg, stage_state: dict, *, checkpoint: bool, clock, final: bool) -> None:
     import tempfile
 
     import ray.train
@@ -198,5 +247,5 @@ def _report(metrics, rank, module, optimizer, step, cfg, best: BestHead, *, chec
         return
     with tempfile.TemporaryDirectory() as tmp:
         save_training_checkpoint(Path(tmp), module, optimizer, step, cfg, train_seconds=clock.spent, final=final)
-        torch.save(best.to_dict(), Path(tmp) / STAGE_STATE)
+        torch.save(stage_state, Path(tmp) / STAGE_STATE)  # early stopping's best head and any cool-down under way
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp))
