@@ -6,7 +6,10 @@ in float32 (and a log-softmax of the same size for the pool, and another inside 
 R·H slot states go through the head in chunks of at most `chunk_tokens` rows:
 
     logq_c = log_softmax(W h_c)                [r, H, V] float32, one chunk at a time
-    nll_c  = −logq_c[y]                        (0 where the label is unsupervised / not draftable)
+    nll_c  = −Σ_j w_j logq_c[t_j]              targets t, weights w [r, H, k] (`losses.SupportTargets`):
+                                               k = 1, w = 1 at the label y (hard labels), or the
+                                               target's renormalised top-k (soft labels); 0 where the
+                                               slot is unsupervised / not draftable
     pool_c = top-K(logq_c)                     cand_ids, cand_logq [r, H, K]
 
 Each chunk runs under activation checkpointing, so the backward recomputes its logits instead of
@@ -22,15 +25,17 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from drelay_model.drafter.model import BlockDrafter, DraftBlock
+from drelay_model.training.losses import SoftLabels, hard_support_targets, soft_support_targets
 
 DEFAULT_CHUNK_TOKENS = 2048
 
 
 @dataclass(frozen=True)
 class HeadOutput:
-    """nll [R, H] float32 −log q(y) where counted, else 0; counted [R, H] bool (supervised and
-    draftable); out_of_vocab [] int64 supervised labels outside the draft vocabulary; block the
-    pool (hidden [R, H, D], cand_ids, cand_logq [R, H, K]) with gradients through cand_logq."""
+    """nll [R, H] float32 −log q(y) (soft labels: −Σ_j p̃(t_j) log q(t_j)) where counted, else 0;
+    counted [R, H] bool (supervised and draftable); out_of_vocab [] int64 supervised slots with nothing
+    draftable; block the pool (hidden [R, H, D], cand_ids, cand_logq [R, H, K]) with gradients through
+    cand_logq."""
 
     nll: torch.Tensor
     counted: torch.Tensor
@@ -38,25 +43,11 @@ class HeadOutput:
     block: DraftBlock
 
 
-def draft_labels(drafter: BlockDrafter, labels: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target-vocabulary labels [R, H] → (draft-vocabulary targets [R, H] with −100 where not
-    counted, inside [R, H] bool: the label is draftable)."""
-    d2t = drafter.draft_to_target
-    if d2t is None:
-        draft, inside = labels, torch.ones_like(mask)
-    else:
-        pos = torch.searchsorted(d2t, labels).clamp(max=d2t.shape[0] - 1)
-        inside = d2t[pos] == labels
-        draft = pos
-    return torch.where(mask & inside, draft, torch.full_like(draft, -100)), inside
-
-
-def _chunk(drafter: BlockDrafter, top_k: int, hidden: torch.Tensor, target: torch.Tensor):
-    """hidden [r, H, D], target [r, H] (−100 = ignore) → nll [r, H], cand_logq, cand [r, H, K]."""
+def _chunk(drafter: BlockDrafter, top_k: int, hidden: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor):
+    """hidden [r, H, D], ids/weight [r, H, k] support targets → nll [r, H], cand_logq, cand [r, H, K]."""
     logq = torch.log_softmax(drafter.logits(hidden), dim=-1)  # [r, H, V] float32
     cand_logq, cand = logq.topk(top_k, dim=-1)
-    picked = logq.gather(-1, target.clamp(min=0)[..., None])[..., 0]
-    nll = torch.where(target >= 0, -picked, torch.zeros_like(picked))
+    nll = -(weight * logq.gather(-1, ids)).sum(dim=-1)
     return nll, cand_logq, cand
 
 
@@ -67,20 +58,26 @@ def chunked_head(
     mask: torch.Tensor,
     *,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    soft: SoftLabels | None = None,
 ) -> HeadOutput:
-    """Support CE and pool of R blocks. hidden [R, H, D]; labels [R, H] target ids; mask [R, H] bool."""
+    """Support CE and pool of R blocks. hidden [R, H, D]; labels [R, H] target ids; mask [R, H] bool;
+    soft [R, H, k] the target's top-k at each slot (soft labels), or None (hard labels)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be ≥ 1, got {chunk_tokens}")
     R, H, _ = hidden.shape
-    target, inside = draft_labels(drafter, labels, mask)
+    d2t = drafter.draft_to_target
+    if soft is None:
+        tgt = hard_support_targets(labels, mask, draft_to_target=d2t)
+    else:
+        tgt = soft_support_targets(soft, mask, draft_to_target=d2t)
     rows = max(1, chunk_tokens // H)
     outs = []
     for s in range(0, R, rows):
-        h, t = hidden[s : s + rows], target[s : s + rows]
+        h, ids, w = hidden[s : s + rows], tgt.ids[s : s + rows], tgt.weight[s : s + rows]
         if torch.is_grad_enabled() and h.requires_grad:
-            outs.append(checkpoint(_chunk, drafter, drafter.config.top_k, h, t, use_reentrant=False))
+            outs.append(checkpoint(_chunk, drafter, drafter.config.top_k, h, ids, w, use_reentrant=False))
         else:
-            outs.append(_chunk(drafter, drafter.config.top_k, h, t))
+            outs.append(_chunk(drafter, drafter.config.top_k, h, ids, w))
     nll, cand_logq, cand = (torch.cat(parts) for parts in zip(*outs))
     block = DraftBlock(hidden=hidden, cand_ids=drafter.to_target_ids(cand), cand_logq=cand_logq)
-    return HeadOutput(nll=nll, counted=mask & inside, out_of_vocab=(mask & ~inside).sum(), block=block)
+    return HeadOutput(nll=nll, counted=tgt.counted, out_of_vocab=tgt.out_of_vocab, block=block)

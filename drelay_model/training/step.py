@@ -2,11 +2,13 @@
 
     L_t = Σ_{b,i} m_{b,i} [ w_slot(i) · (−log q_{b,i}(y_{b,i})) + α_t w_{b,i} ℓ^sel_{b,i} ] / Σ_{b,i} m_{b,i}
 
-b runs over anchor blocks (B sequences × M anchors, flattened), i over the H slots. The selector sees
-the block's pool (top-K of the drafter's softmax), the block's hidden states, the last N verified
-target features before the anchor, and a prefix memory of the target-greedy labels under a strict
-j < i mask; teacher tokens never enter Global Read. Gradients of the selector term flow into the
-backbone through the slot states and pool log-probabilities (joint training).
+b runs over anchor blocks (B sequences × M anchors, flattened), i over the H slots. With soft labels
+(`soft`: the target's top-k at each position), −log q(y) becomes −Σ_j p̃(t_j) log q(t_j) over the
+target's own top-k, renormalised over the ids the draft vocabulary holds (`losses.soft_support_targets`).
+The selector sees the block's pool (top-K of the drafter's softmax), the block's hidden states, the
+last N verified target features before the anchor, and a prefix memory of the target-greedy labels
+under a strict j < i mask; teacher tokens never enter Global Read. Gradients of the selector term flow
+into the backbone through the slot states and pool log-probabilities (joint training).
 
 `DraftTrainModule` holds drafter + selector so that one DDP wrapper syncs both.
 """
@@ -37,9 +39,10 @@ class DraftTrainModule(nn.Module):
         self.selector = selector
 
     def forward(self, anchor_ids, anchor_pos, features, labels, valid, sel_inputs: SelectorTrainInputs | None = None,
-                chunk_tokens=DEFAULT_CHUNK_TOKENS):  # fmt: skip
-        """anchors [B, M]; features [B, N, F]; labels, valid [B·M, H] → (HeadOutput over B·M blocks,
-        the selector's own `SelectorTrainLoss` on the drafted blocks, or None).
+                chunk_tokens=DEFAULT_CHUNK_TOKENS, soft: losses.SoftLabels | None = None):  # fmt: skip
+        """anchors [B, M]; features [B, N, F]; labels, valid [B·M, H]; soft [B·M, H, k] the target's
+        top-k per slot (soft support labels) or None → (HeadOutput over B·M blocks, the selector's own
+        `SelectorTrainLoss` on the drafted blocks, or None).
 
         The vocabulary head runs in chunks (`chunked_head`): no [B, M, H, V] logits are ever built.
         `sel_inputs` carries labels, valid mask, history and loss knobs; the block and anchors are
@@ -48,7 +51,7 @@ class DraftTrainModule(nn.Module):
         d = self.drafter
         hidden = d(anchor_ids, anchor_pos, features)[:, :, 1:]  # [B, M, H, D]
         B, M, H, D = hidden.shape
-        head = chunked_head(d, hidden.reshape(B * M, H, D), labels, valid, chunk_tokens=chunk_tokens)
+        head = chunked_head(d, hidden.reshape(B * M, H, D), labels, valid, chunk_tokens=chunk_tokens, soft=soft)
         sel = None
         if self.selector is not None and sel_inputs is not None:
             sel = self.selector.training_loss(sel_inputs.with_block(head.block, anchor_ids.reshape(-1)))
@@ -113,9 +116,21 @@ class _Plan:
     blocks: Blocks  # labels/valid [B, M, H]
     denom: torch.Tensor  # [] Σ m over the whole step
     native_fraction: float  # realised share of scout anchors among the step's anchors (vs the schedule)
+    soft: losses.SoftLabels | None = None  # [B, M, H, k] the target's top-k at each block slot
 
 
-def _plan(core: DraftTrainModule, input_ids, loss_mask, features, labels_src, cfg: StepConfig, generator) -> _Plan:
+def block_soft_labels(soft: losses.SoftLabels, anchors: torch.Tensor, H: int) -> losses.SoftLabels:
+    """Per-position soft labels [B, N, k] → per block slot [B, M, H, k]: slot i of the block anchored at
+    a reads position a + i (as `make_blocks` reads labels; positions past the end are clamped and
+    masked by the blocks' `valid`)."""
+    B, N, k = soft.ids.shape
+    M = anchors.shape[1]
+    pos = (anchors[:, :, None] + torch.arange(1, H + 1, device=anchors.device)).clamp(max=N - 1)  # [B, M, H]
+    index = pos.reshape(B, M * H, 1).expand(-1, -1, k)
+    return losses.SoftLabels(ids=soft.ids.gather(1, index).view(B, M, H, k), logp=soft.logp.gather(1, index).view(B, M, H, k))
+
+
+def _plan(core: DraftTrainModule, input_ids, loss_mask, features, labels_src, cfg: StepConfig, generator, soft=None) -> _Plan:
     B, N = input_ids.shape
     drafter, selector = core.drafter, core.selector
     n_native = int(round(cfg.anchors_per_seq * cfg.native_fraction))
@@ -133,7 +148,8 @@ def _plan(core: DraftTrainModule, input_ids, loss_mask, features, labels_src, cf
         n_scout = int(nat_ok.sum())
     blocks = make_blocks(labels_src, loss_mask, anchors, ok, drafter.config.num_slots)
     share = n_scout / max(int(ok.sum()), 1)
-    return _Plan(anchors=anchors, blocks=blocks, denom=blocks.valid.sum(), native_fraction=share)
+    soft_blocks = None if soft is None else block_soft_labels(soft, anchors, drafter.config.num_slots)
+    return _Plan(anchors=anchors, blocks=blocks, denom=blocks.valid.sum(), native_fraction=share, soft=soft_blocks)
 
 
 def _micro_step(model, core: DraftTrainModule, input_ids, features, plan: _Plan, rows: slice, cfg: StepConfig) -> StepOutput:
@@ -146,6 +162,9 @@ def _micro_step(model, core: DraftTrainModule, input_ids, features, plan: _Plan,
     anchors, feats = plan.anchors[rows], features[rows]
     blocks = Blocks(anchors=anchors, labels=plan.blocks.labels[rows], valid=plan.blocks.valid[rows])
     labels, valid = blocks.labels.reshape(-1, H), blocks.valid.reshape(-1, H)  # [B·M, H]
+    soft = None
+    if plan.soft is not None:  # [B·M, H, k]
+        soft = losses.SoftLabels(ids=plan.soft.ids[rows].flatten(0, 1), logp=plan.soft.logp[rows].flatten(0, 1))
     sel_inputs = None
     if selector is not None:
         history = hmask = None
@@ -159,7 +178,8 @@ def _micro_step(model, core: DraftTrainModule, input_ids, features, plan: _Plan,
             progress=cfg.progress,
         )
         sel_inputs = SelectorTrainInputs(labels=labels, valid=valid, history=history, history_mask=hmask, knobs=knobs)
-    head, sel_out = model(torch.gather(input_ids[rows], 1, anchors), anchors, feats, labels, valid, sel_inputs, cfg.chunk_tokens)
+    anchor_ids = torch.gather(input_ids[rows], 1, anchors)
+    head, sel_out = model(anchor_ids, anchors, feats, labels, valid, sel_inputs, cfg.chunk_tokens, soft)
     w_slot = slot_weights(H, cfg.slot_decay).to(device=head.nll.device, dtype=head.nll.dtype)
     support = losses.SupportLoss(nll=head.nll * w_slot, counted=head.counted, out_of_vocab=head.out_of_vocab)
     metrics = _support_metrics(head.block.cand_ids[..., 0].view_as(blocks.labels), blocks, support)
@@ -193,16 +213,19 @@ def training_step(
     generator: torch.Generator,
     *,
     label_ids: torch.Tensor | None = None,
+    soft: losses.SoftLabels | None = None,
 ) -> StepOutput:
     """Anchors (uniform + scout) → blocks → Eq. 4 in one pass; the caller runs the backward.
     `model` may be the DDP wrapper of `core`.
 
     input_ids, loss_mask [B, N]; features [B, N, F]; label_ids [B, N] (default input_ids: the
-    response is the target's own greedy output). Ignores `cfg.micro_batches` (see
-    `training_step_backward`).
+    response is the target's own greedy output); soft [B, N, k] the target's top-k at each position
+    (soft support labels, `losses.soft_support_targets`; None: hard labels). The selector term always
+    uses the hard labels: decoding verifies against the target's greedy token. Ignores
+    `cfg.micro_batches` (see `training_step_backward`).
     """
     labels_src = input_ids if label_ids is None else label_ids
-    plan = _plan(core, input_ids, loss_mask, features, labels_src, cfg, generator)
+    plan = _plan(core, input_ids, loss_mask, features, labels_src, cfg, generator, soft)
     return _micro_step(model, core, input_ids, features, plan, slice(None), cfg)
 
 
@@ -216,12 +239,13 @@ def training_step_backward(
     generator,
     *,
     label_ids=None,
+    soft: losses.SoftLabels | None = None,
     autocast_dtype: torch.dtype | None = None,
 ) -> StepOutput:
     """`training_step` plus its backward, in `cfg.micro_batches` passes over disjoint sequences.
 
-    `autocast_dtype` (e.g. torch.bfloat16): forwards run under autocast on the batch's device type
-    (CPU or CUDA alike); backwards run outside it, as torch recommends.
+    `soft` as in `training_step`. `autocast_dtype` (e.g. torch.bfloat16): forwards run under autocast
+    on the batch's device type (CPU or CUDA alike); backwards run outside it, as torch recommends.
 
     Anchors are drawn once for the whole step and every pass divides by the whole step's Σ m, so the
     accumulated gradients equal one pass's. DDP syncs gradients only on the last pass. Returns the
@@ -233,7 +257,7 @@ def training_step_backward(
     bounds = [round(i * B / n) for i in range(n + 1)]
     amp = dict(device_type=input_ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
     with torch.autocast(**amp):
-        plan = _plan(core, input_ids, loss_mask, features, labels_src, cfg, generator)
+        plan = _plan(core, input_ids, loss_mask, features, labels_src, cfg, generator, soft)
     total, parts = None, []
     for i in range(n):
         rows = slice(bounds[i], bounds[i + 1])

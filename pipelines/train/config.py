@@ -112,6 +112,11 @@ class TrainSection(StrictConfig):
     # Support weight of slot i: None = uniform, Eq. 4 as written (the paper); a float d = DFlash's
     # exp(-(i-1)/d), which tilts Eq. 4 towards the selector term and weakens late-slot coverage.
     slot_decay: float | None = Field(None, gt=0.0)
+    # Support term's target: None = the target's greedy token (hard labels, Eq. 4 as written); k = the
+    # target's own distribution restricted to its top k (1 ≤ k ≤ 64) and renormalised over the ids the
+    # draft vocabulary holds, taken from the feature forward and cached beside the features
+    # (drelay_model/training/losses.py `soft_support_targets`).
+    soft_labels: int | None = Field(None, ge=1, le=64)
     native_anchor_fraction: FractionSchedule = FractionSchedule(start=0.3, end=0.5)  # share of native anchors
     # The scout's path under teacher prefixes: "selector" (the selector's own teacher-forced Eq. 2
     # choices: the prefix it follows is the one incremental selection writes, so "the scout and
@@ -204,6 +209,8 @@ class RunConfig(StrictConfig):
                 raise ValueError(
                     "train.stage: 'selector' caches anchors traced once by the argmax; it needs train.scout_policy=native"
                 )
+            if self.train.soft_labels is not None:
+                raise ValueError("train.soft_labels shapes the drafter's support term; the selector stage has none")
             if self.train.stop_at_step is not None and self.train.stop_at_step > self.train.max_steps:
                 raise ValueError("train.stop_at_step must be ≤ train.max_steps")
             if self.train.cooldown_steps is not None and self.train.early_stop_patience is None:

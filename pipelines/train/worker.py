@@ -166,7 +166,8 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
     cfg, rank, world, device, target, train_seqs, val_seqs, module = start_worker(cfg_dict)
     cache_dir = repo_path(cfg.data.feature_cache_dir) if cfg.data.feature_cache == "disk" else None
     autocast = cfg.train.bf16  # bfloat16 autocast on CPU and CUDA alike: the feature forward and the step
-    features = FeatureSource(target, module.drafter.config.target_layer_ids, cache_dir, bf16=autocast)
+    layers, soft_k = module.drafter.config.target_layer_ids, cfg.train.soft_labels
+    features = FeatureSource(target, layers, cache_dir, bf16=autocast, soft_k=soft_k)
     model = ray.train.torch.prepare_model(
         module,
         parallel_strategy=cfg.ray.strategy if world > 1 else None,
@@ -196,7 +197,8 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
         batch = [train_seqs[j] for j in order[(i * world + rank) % len(order)]]
         ids, mask = (t.to(device) for t in collate(batch))
         labels = _labels(target, ids) if cfg.data.fallback_reference_answers else None
-        feats = features(batch).to(device)
+        got = features.batch(batch)  # context features (and the target's top-k with soft labels)
+        feats, soft = got.features.to(device), (got.soft.to(device) if got.soft is not None else None)
         progress = clock.progress(step)  # steps, or the time budget when that binds first
         lr = lr_at(clock.schedule_step(step), base=cfg.train.lr, warmup=cfg.train.warmup_steps, total=cfg.train.max_steps)
         for group in optimizer.param_groups:
@@ -211,6 +213,7 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
             step_config(cfg, progress),
             gen,
             label_ids=labels,
+            soft=soft,
             autocast_dtype=torch.bfloat16 if autocast else None,
         )
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip).item()

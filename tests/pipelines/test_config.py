@@ -20,7 +20,8 @@ def test_shipped_configs_validate(path):
 
 def test_overrides_are_typed_and_nested():
     cfg = load_config(None, ["train.lr=1e-3", "ray.num_workers=2", "drafter.target_layer_ids=[0,1]", "selector.name=drelay"])
-    assert cfg.train.lr == 1e-3 and cfg.ray.num_workers == 2
+    assert cfg.train.lr == 1e-3 and cfg.ray.num_workers == 2 and cfg.train.soft_labels is None
+    assert load_config(None, ["train.soft_labels=64"]).train.soft_labels == 64
     assert cfg.drafter.target_layer_ids == (0, 1) and cfg.selector.name == "drelay"
 
 
@@ -28,6 +29,18 @@ def test_overrides_are_typed_and_nested():
     "override, message",
     [
         (["train.colour=1"], "train.colour: Extra inputs are not permitted"),
+        (["train.soft_labels=1.5"], "train.soft_labels"),
+        (
+            [
+                "train.stage=selector",
+                "drafter.freeze=true",
+                "drafter.init_checkpoint=x",
+                "selector.name=drelay",
+                "train.scout_policy=native",
+                "train.soft_labels=8",
+            ],
+            "train.soft_labels shapes the drafter's support term",
+        ),
         (["train.lr=0"], "train.lr: Input should be greater than 0"),
         (["drafter.top_k=0"], "drafter.top_k"),
         (["selector.name=magic"], "selector.name"),
@@ -71,6 +84,8 @@ BOUNDS = [
     ("train.selector_alpha", {"start": 0.1, "end": 1.0, "ramp_fraction": 0}, "greater than 0"),  # progress / ramp
     ("train.credit_blend", {"start": 0.0, "end": 1.0, "ramp_fraction": 1.5}, "less than or equal to 1"),
     ("train.slot_decay", 0, "greater than 0"),
+    ("train.soft_labels", 0, "greater than or equal to 1"),
+    ("train.soft_labels", 65, "less than or equal to 64"),  # the top-k the feature forward keeps
     ("train.lr", 0, "greater than 0"),
     ("train.grad_clip", 0, "greater than 0"),
     ("train.max_steps", 0, "greater than or equal to 1"),

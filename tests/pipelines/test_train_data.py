@@ -303,3 +303,45 @@ def test_training_checkpoint_keeps_the_seconds_spent(tmp_path):
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad])
     save_training_checkpoint(tmp_path / "ck", module, optimizer, 7, cfg, train_seconds=42.5)
     assert restore_training_checkpoint(tmp_path / "ck", module, optimizer, target) == (7, 42.5)
+
+
+def test_soft_labels_are_the_targets_top_k_at_each_response_position(tmp_path):
+    from pipelines.train.features import target_outputs
+
+    target = tiny_target("tiny-llama")
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    response = torch.zeros(2, 12, dtype=torch.bool)
+    response[0, 4:], response[1, 7:10] = True, True
+    got = target_outputs(target, ids, response, (0, 1), top_k=5)
+    torch.testing.assert_close(got.features, target_features(target, ids, (0, 1)))  # the last layer rides along, dropped
+    full = target(ids, target.new_cache(2, 12)).logits.log_softmax(-1)  # [B, N, V]: position p − 1 predicts p
+    for b, p in response.nonzero().tolist():
+        top = full[b, p - 1].topk(5)
+        assert got.soft.ids[b, p].tolist() == top.indices.tolist()
+        torch.testing.assert_close(got.soft.logp[b, p], top.values, atol=1e-4, rtol=1e-4)
+    assert torch.isinf(got.soft.logp[~response]).all() and (got.soft.ids[~response] == 0).all()
+
+
+def test_disk_cache_round_trips_the_top_k_beside_the_features(tmp_path):
+    target = tiny_target("tiny-llama")
+    rows = [
+        {"seq_id": f"s{i}", "input_ids": torch.randint(0, 256, (6 + i,)).tolist(), "response_start": 2 + i % 2} for i in range(4)
+    ]
+    seqs = read_sequences(_write(tmp_path / "d.jsonl", rows), max_seq_len=32)
+    FeatureSource(target, (0, 1), tmp_path / "cache")(seqs[:2])  # a cache built without soft labels
+    source = FeatureSource(target, (0, 1), tmp_path / "cache", soft_k=4)
+    built = source.batch(seqs)  # every sequence misses: two lack their top-k file
+    read = source.batch(seqs)
+    assert (source.misses, source.hits) == (4, 4)
+    assert len(list((tmp_path / "cache").rglob("*.top4.pt"))) == 4 and len(list((tmp_path / "cache").rglob("*.tmp"))) == 0
+    online = FeatureSource(target, (0, 1), soft_k=4).batch(seqs)
+    for b, s in enumerate(seqs):
+        resp = slice(s.response_start, len(s.input_ids))
+        assert torch.equal(read.soft.ids[b], built.soft.ids[b]) and torch.equal(read.soft.logp[b], built.soft.logp[b])
+        assert read.soft.ids[b, resp].tolist() == online.soft.ids[b, resp].tolist()
+        torch.testing.assert_close(read.soft.logp[b, resp], online.soft.logp[b, resp], atol=0.05, rtol=0.02)  # bf16
+        assert (
+            torch.isinf(read.soft.logp[b, : s.response_start]).all() and torch.isinf(read.soft.logp[b, len(s.input_ids) :]).all()
+        )
+        n = len(s.input_ids)  # padding rows: zeros from the cache, the pad tokens' features online
+        torch.testing.assert_close(read.features[b, :n], online.features[b, :n], atol=0.05, rtol=0.02)
