@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from deploy.vllm.serve import VllmSection
+from drelay_model.decoding.admission import DEFAULT_PREFILL_BUDGET
 from drelay_model.decoding.generation import DEFAULT_MAX_NEW_TOKENS, MAX_TEMPERATURE
 from pipelines.common.config_base import StrictConfig, validate_config
 from pipelines.common.yaml_file import read_mapping
@@ -35,6 +36,11 @@ class EngineSection(StrictConfig):
     # (drelay_model/kernels/threads.py), never Ray's OMP_NUM_THREADS = the replica's `num_cpus` (1 in
     # the shipped configs); `num_cpus` stays Ray's scheduling reservation. A count fixes it.
     threads: int | None = Field(None, ge=1, le=1024)
+    # prompt tokens the continuous batcher prefills per step, first in first out, between the running
+    # rows' rounds; a prompt longer than it is prefilled in chunks over several steps
+    # (drelay_model/decoding/admission.py, docs/serving.md). It bounds how long a burst of arrivals
+    # stalls the rows already decoding, and how long an arrival waits for the prefills ahead of it.
+    prefill_budget: int = Field(DEFAULT_PREFILL_BUDGET, ge=16, le=1_000_000)
     # cost (default): each round verifies as many drafts as pay off on this machine at the batch's
     # current size (0: an AR round for the whole batch; the cost surface over batch sizes 1 … max_batch
     # is measured once per machine at the first start and cached, `drelay costs`); fixed: the

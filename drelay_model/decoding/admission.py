@@ -26,6 +26,8 @@ from typing import Any
 
 from drelay_model.errors import DRelayError
 
+DEFAULT_PREFILL_BUDGET = 512  # prompt tokens per step: a serving endpoint's default (docs/serving.md)
+
 
 @dataclass(frozen=True)
 class AdmissionPlan:

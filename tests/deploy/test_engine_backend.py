@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.serve.backends.base import GenRequest, Overloaded
+from deploy.serve.backends.base import TTFT_PARTS, GenRequest, Overloaded
 from deploy.serve.backends.engine import EngineBackend
 from deploy.serve.config import parse_config
 from drelay_model.decoding import GenerationConfig
@@ -49,6 +49,8 @@ def test_stream_and_slots(backend):
     assert sum(len(c.token_ids) for c in chunks) == 6 == chunks[-1].spec.completion_tokens
     assert chunks[-1].finish_reason == "length" and chunks[-1].spec.verify_ct == sum(chunks[-1].spec.accept_histogram)
     assert not backend._queues  # both slots freed, the unread one included
+    ext = chunks[-1].spec.sglext("ar")
+    assert all(ext[k] >= 0 for k in TTFT_PARTS) and ext["prefill_time_s"] > 0  # the engine's TTFT, split
 
 
 def test_overloaded_beyond_batch_plus_waiting(backend):

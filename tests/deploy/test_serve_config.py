@@ -60,6 +60,8 @@ def test_direct_ingress_environment_is_ray_serves_throughput_mode_with_the_confi
     [
         ({"model_id": "m", "enigne": {}}, "enigne: Extra inputs are not permitted"),
         ({"model_id": "m", "engine": {"max_batch": 0}}, "engine.max_batch"),
+        ({"model_id": "m", "engine": {"prefill_budget": 8}}, "engine.prefill_budget"),
+        ({"model_id": "m", "engine": {"prefill_budget": "all"}}, "engine.prefill_budget"),
         ({"model_id": "m", "limits": {"max_tokens": 8, "default_max_tokens": 16}}, "default_max_tokens"),
         ({"model_id": "m", "autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "min_replicas"),
         ({"model_id": "m", "backend": "sglang"}, "needs an `sglang:` section"),

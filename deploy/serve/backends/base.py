@@ -14,6 +14,10 @@ from drelay_model.decoding.logprobs import TokenLogprob
 from drelay_model.errors import DRelayError
 
 
+# `sglext` keys of the engine's time-to-first-token parts (seconds; they sum to its TTFT)
+TTFT_PARTS = ("queue_time_s", "prefill_time_s", "first_round_time_s")
+
+
 class Overloaded(DRelayError):
     """The backend's queue is full; the app answers 503 with Retry-After."""
 
@@ -37,6 +41,9 @@ class SpecStats:
     completion_tokens generated tokens; accept_length = completion_tokens / verify_ct (SGLang's rule).
     drafted_ct        rounds that drafted (the rest were AR rounds of cost-aware verification; None:
                       the backend does not say); verified_drafts: drafts verified in them.
+    ttft_parts        the engine's time to first token in seconds, split (`RequestStats`): queue wait
+                      (submitted → its prefill starts), prefill, first round (prefill end → first
+                      token out); None: the backend does not say.
     """
 
     verify_ct: int
@@ -44,6 +51,7 @@ class SpecStats:
     completion_tokens: int = 0
     drafted_ct: int | None = None
     verified_drafts: int = 0
+    ttft_parts: tuple[float, float, float] | None = None
 
     @property
     def verify_length(self) -> float:
@@ -56,7 +64,8 @@ class SpecStats:
 
     def sglext(self, method: str) -> dict:
         """The response's `sglext` object: SGLang's field names (its `SpecTokensDetails`), plus
-        `spec_drafted_ct` / `spec_verify_length` when the backend reports them and the method."""
+        `spec_drafted_ct` / `spec_verify_length` and the TTFT parts (`TTFT_PARTS`) when the backend
+        reports them, and the method."""
         ext = {
             "spec_verify_ct": self.verify_ct,
             "spec_accept_length": self.accept_length,
@@ -64,6 +73,8 @@ class SpecStats:
         }
         if self.drafted_ct is not None:
             ext |= {"spec_drafted_ct": self.drafted_ct, "spec_verify_length": self.verify_length}
+        if self.ttft_parts is not None:
+            ext |= dict(zip(TTFT_PARTS, self.ttft_parts))
         return ext | {"method": method}
 
 

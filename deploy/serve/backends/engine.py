@@ -69,7 +69,7 @@ class EngineBackend(Backend):
         self.method = cfg.method
         self.engine = build_engine(target, spec, cfg.verify_length, target_spec=cfg.target, max_batch=cfg.max_batch,
                                    threads=ThreadPolicy.parse(cfg.threads))  # fmt: skip
-        self.batcher = ContinuousBatcher(self.engine, max_batch=cfg.max_batch)
+        self.batcher = ContinuousBatcher(self.engine, max_batch=cfg.max_batch, prefill_budget=cfg.prefill_budget)
         self.tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else target.tokenizer
         if self.tokenizer is None:
             raise DRelayError(f"engine.tokenizer: target '{cfg.target}' has no tokenizer; name one")
@@ -98,7 +98,8 @@ class EngineBackend(Backend):
         for loop, queue in list(self._queues.values()):
             _deliver(loop, queue.put_nowait, exc)
         self._queues.clear()
-        self.batcher = ContinuousBatcher(self.engine, max_batch=self.batcher.max_batch)
+        old = self.batcher
+        self.batcher = ContinuousBatcher(self.engine, max_batch=old.max_batch, prefill_budget=old.prefill_budget)
 
     # ---- the interface -------------------------------------------------------------------------
     def load(self) -> dict[str, int]:
@@ -161,7 +162,8 @@ class EngineBackend(Backend):
                 if finished:
                     s = update.stats
                     spec = SpecStats(verify_ct=s.rounds, accept_histogram=list(s.accept_hist), completion_tokens=s.generated,
-                                     drafted_ct=s.drafted_rounds, verified_drafts=s.verified_drafts)  # fmt: skip
+                                     drafted_ct=s.drafted_rounds, verified_drafts=s.verified_drafts,
+                                     ttft_parts=(s.time_queue, s.time_prefill, s.time_first_round))  # fmt: skip
                 reason = update.finish_reason if finished else None
                 yield GenChunk(token_ids=ids, finish_reason=reason, spec=spec, logprobs=lps)
         finally:
