@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import os
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ray.serve.schema import TargetGroup
 
 DIRECT_PORTS = 1000  # the range Ray Serve allocates replica ports from: direct_port … direct_port + 999
 
@@ -47,20 +51,38 @@ def prepare_ray(cfg) -> None:
 def direct_urls(app_name: str, host: str, *, timeout: float = 0.0) -> list[str]:
     """Base URLs of `app_name`'s running replicas' own HTTP servers, [] when the Ray instance runs
     without direct ingress (or, after `timeout` seconds, when no replica has started yet). Read from
-    the controller's target groups, the list Ray Serve publishes for external load balancers."""
+    the target groups Ray Serve publishes for external load balancers (`serve_target_groups`)."""
     from ray import serve
-    from ray.serve.context import _get_global_client
 
     deadline = time.time() + timeout
     while True:
-        details = _get_global_client().get_serve_details()
         urls = [
-            f"http://{host}:{t['port']}{g['route_prefix'].rstrip('/')}"
-            for g in details.get("target_groups", [])
-            if g.get("app_name") == app_name and g.get("ingress_deployment_name") and g.get("protocol") == "HTTP"
-            for t in g.get("targets", [])
+            f"http://{host}:{t.port}{g.route_prefix.rstrip('/')}"
+            for g in serve_target_groups()
+            if g.app_name == app_name and g.ingress_deployment_name and g.protocol == "HTTP"
+            for t in g.targets
         ]
-        app = serve.status().applications.get(app_name)
+        app = serve.status().applications.get(app_name)  # public API
         if urls or time.time() >= deadline or (app is not None and str(app.status).endswith("DEPLOY_FAILED")):
             return sorted(urls)
         time.sleep(0.5)
+
+
+# The Ray versions `serve_target_groups` was checked on against a running application
+# (tests/deploy/test_serve_app.py, which fails on any other version until it is checked there too).
+RAY_VERSIONS_CHECKED = ("2.60.0",)
+
+
+def serve_target_groups() -> list["TargetGroup"]:
+    """Ray Serve's target groups (`ray.serve.schema.TargetGroup`, a public schema): per application
+    and protocol, the route prefix and each replica's own address. Ray publishes them as
+    `ServeInstanceDetails.target_groups` through the dashboard's REST API (GET
+    /api/serve/applications/), which a Ray instance started without its dashboard does not serve; the
+    controller's client returns the same details in process. That client (`_get_global_client`) is
+    private: this function is the one place that reads it, and it parses what it gets with the public
+    schema, so a change of shape fails here, by name, rather than as a wrong URL."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import TargetGroup
+
+    details = _get_global_client().get_serve_details()
+    return [TargetGroup.model_validate(g) for g in details.get("target_groups", [])]

@@ -132,6 +132,22 @@ def test_the_replica_answers_on_its_own_port_as_through_the_proxy(server, client
     assert requests.get(f"{urls[0]}/v1/models", timeout=10).status_code == 401
 
 
+def test_the_target_groups_adapter_holds_on_this_ray_version(server):
+    """`serve_target_groups` reads Ray Serve's private controller client (the one such place): checked
+    against this running app on the Ray versions it names; another version fails here until checked."""
+    from ray.serve.schema import TargetGroup
+
+    from deploy.serve.ingress import RAY_VERSIONS_CHECKED, serve_target_groups
+
+    assert ray.__version__ in RAY_VERSIONS_CHECKED, (
+        f"Ray {ray.__version__}: check deploy/serve/ingress.py's serve_target_groups on it, then add it to RAY_VERSIONS_CHECKED"
+    )
+    groups = [g for g in serve_target_groups() if g.app_name == "drelay-test" and g.protocol == "HTTP"]
+    assert groups and all(isinstance(g, TargetGroup) for g in groups)
+    ingress = [g for g in groups if g.ingress_deployment_name == "drelay"]
+    assert len(ingress) == 1 and len(ingress[0].targets) == 1 and ingress[0].targets[0].port >= 33000
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_chat_greedy_equals_offline_engine(client, offline, stream):
     generate, chat_ids, _ = offline
