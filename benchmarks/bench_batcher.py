@@ -4,14 +4,17 @@ without HTTP, Ray Serve or a client process beside it.
 C clients each keep one request in flight: a client submits its next GSM8K chat prompt on its last
 request's final update (from the batcher's own callback, as the endpoint's clients do over HTTP), so
 requests arrive while others still decode and rows finish at different rounds. Per method and
-concurrency: output tokens/s over the whole loop (prefill included), τ, the rounds, and the wall
-time the batcher spends outside its rounds and admissions (joining and dropping rows, Python),
-the median of --repeats loops; methods alternate within a repeat and every ratio is method ÷ the
-first method at the same concurrency, from the same run.
+concurrency: output tokens/s over the whole loop (prefill included), τ, the rounds, the wall
+time the batcher spends outside its rounds and admissions (joining and dropping rows, Python), and
+the requests' time to first token, p50 / p99, with its parts (queue wait, prefill, first round:
+`RequestStats`), the median of --repeats loops. An arm is a method at a prefill budget
+(`--prefill-budget`, several to compare: prompt tokens per step, `none` = unbounded); arms alternate
+within a repeat and every ratio is arm ÷ the first arm at the same concurrency, from the same run.
 
 Run:  .venv/bin/python benchmarks/bench_batcher.py                                    # AR, DRelay; C = 4, 16; 48 requests of 64 tokens
       .venv/bin/python benchmarks/bench_batcher.py --concurrency 16 --requests 48 --repeats 2
       .venv/bin/python benchmarks/bench_batcher.py --methods ar native drelay --max-new-tokens 32
+      .venv/bin/python benchmarks/bench_batcher.py --methods ar --concurrency 8 16 --prefill-budget none 512
       .venv/bin/python benchmarks/bench_batcher.py --methods ar --concurrency 16 --threads 1 --duty 0.5
                                   # beside a competitor busy half of every 10 ms (`bench_shared_cpu.py`'s)
 Engines are built as the endpoint builds them (`build_engine`: cost-aware verification length,
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import statistics
 import sys
 import time
@@ -33,6 +37,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from cli import guarded  # noqa: E402
+from drelay_model.decoding.admission import DEFAULT_PREFILL_BUDGET, check_budget  # noqa: E402
+from drelay_model.errors import DRelayError  # noqa: E402
+
+TTFT_KEYS = ("ttft", "queue", "prefill", "first_round")  # RequestStats' time_to_first_token and its parts
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -43,6 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="loops per (method, concurrency); the median is reported")
     p.add_argument("--threads", default="auto", help="the engine's thread policy: auto or a count")
+    p.add_argument(
+        "--prefill-budget", nargs="+", default=[str(DEFAULT_PREFILL_BUDGET)],
+        help="prompt tokens prefilled per step, or none (unbounded); several: one arm each",
+    )  # fmt: skip
     p.add_argument(
         "--duty", type=float, default=None, help="run every loop beside one competing process busy this share of every 10 ms"
     )
@@ -57,6 +69,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     for c in args.concurrency:
         if not 1 <= c <= args.requests:
             p.error(f"--concurrency must be between 1 and --requests ({args.requests}), got {c}")
+    try:
+        args.budgets = [None if b == "none" else check_budget(int(b)) for b in args.prefill_budget]
+    except (ValueError, DRelayError):
+        p.error(f"--prefill-budget: positive token counts or none, got {' '.join(args.prefill_budget)}")
     return args
 
 
@@ -65,10 +81,13 @@ def closed_loop(batcher, prompts: list[list[int]], settings, concurrency: int) -
     submitting the next; returns tokens, wall seconds, rounds and the batcher's own phase time."""
     queue = list(prompts)
     tokens = 0
+    firsts = []  # each request's RequestStats, on its final update
 
     def on_update(update):
         nonlocal tokens
         tokens += len(update.new_tokens)
+        if update.finished:
+            firsts.append(update.stats)
         if update.finished and queue:
             batcher.submit(queue.pop(0), settings, on_update)
 
@@ -79,8 +98,19 @@ def closed_loop(batcher, prompts: list[list[int]], settings, concurrency: int) -
         batcher.step()
     wall = time.perf_counter() - t0
     stats = batcher.stats
-    return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "rounds": stats.steps, "tau": stats.tau,
-            "outside_s": wall - stats.time_total, "prefill_s": stats.time_prefill}  # fmt: skip
+    out = {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "rounds": stats.steps, "tau": stats.tau,
+           "outside_s": wall - stats.time_total, "prefill_s": stats.time_prefill}  # fmt: skip
+    parts = {"ttft": "time_to_first_token", "queue": "time_queue", "prefill": "time_prefill", "first_round": "time_first_round"}
+    for key, name in parts.items():
+        values = sorted(getattr(s, name) for s in firsts)
+        out[f"{key}_p50_s"], out[f"{key}_p99_s"] = percentile(values, 50), percentile(values, 99)
+    return out
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """The nearest-rank q-th percentile (serve-bench's rule)."""
+    i = min(len(sorted_values) - 1, max(0, math.ceil(q / 100 * len(sorted_values)) - 1))
+    return sorted_values[i]
 
 
 def competitor(duty: float | None):
@@ -91,6 +121,19 @@ def competitor(duty: float | None):
     from bench_shared_cpu import Competitor
 
     return Competitor(duty)
+
+
+def print_table(table: dict, args: argparse.Namespace) -> None:
+    """The medians per arm and concurrency, with ÷ the first arm (adds each row's `ratio`)."""
+    base = next(iter(table))
+    print(f"\n{args.requests} GSM8K prompts, {args.max_new_tokens} tokens, greedy; medians of {args.repeats}")
+    parts = "".join(f" {k + ' p50/p99':>19}" for k in TTFT_KEYS)
+    print(f"{'arm':<12} {'C':>3} {'tok/s':>8} {'÷ ' + base:>13} {'τ':>5} {'outside s':>10}{parts}")
+    for arm, by_c in table.items():
+        for c, r in by_c.items():
+            r["ratio"] = r["tok_s"] / table[base][c]["tok_s"]
+            times = "".join(f" {r[f'{k}_p50_s']:>9.3f}/{r[f'{k}_p99_s']:<9.3f}" for k in TTFT_KEYS)
+            print(f"{arm:<12} {c:>3} {r['tok_s']:>8.1f} {r['ratio']:>12.2f}× {r['tau']:>5.2f} {r['outside_s']:>10.2f}{times}")
 
 
 def main(argv=None) -> int:
@@ -111,26 +154,22 @@ def main(argv=None) -> int:
     engines = {m: build_engine(target, spec, target_spec=SMOLLM2, max_batch=max(args.concurrency), threads=threads)
                for m, spec in specs.items()}  # fmt: skip
     settings = GenerationConfig(max_new_tokens=args.max_new_tokens)
-    runs: dict[str, dict[int, list[dict]]] = {m: {c: [] for c in args.concurrency} for m in args.methods}
+    arms = [(m, b) for m in args.methods for b in args.budgets]
+    label = {a: a[0] if len(args.budgets) == 1 else f"{a[0]}/{a[1] or 'none'}" for a in arms}
+    runs: dict[str, dict[int, list[dict]]] = {label[a]: {c: [] for c in args.concurrency} for a in arms}
     with competitor(args.duty):
         for rep in range(args.repeats):
             for c in args.concurrency:
-                for m in args.methods if rep % 2 == 0 else args.methods[::-1]:
-                    r = closed_loop(ContinuousBatcher(engines[m], max_batch=c), prompts, settings, c)
-                    runs[m][c].append(r)
-                    print(f"repeat {rep + 1} C={c:<3} {m:<8} {r['tok_s']:7.1f} tok/s  τ {r['tau']:.2f}  "
-                          f"{r['rounds']} rounds  outside {r['outside_s']:.2f} s", flush=True)  # fmt: skip
+                for m, b in arms if rep % 2 == 0 else arms[::-1]:
+                    r = closed_loop(ContinuousBatcher(engines[m], max_batch=c, prefill_budget=b), prompts, settings, c)
+                    runs[label[m, b]][c].append(r)
+                    print(f"repeat {rep + 1} C={c:<3} {label[m, b]:<12} {r['tok_s']:7.1f} tok/s  τ {r['tau']:.2f}  "
+                          f"TTFT p50/p99 {r['ttft_p50_s']:.2f}/{r['ttft_p99_s']:.2f} s  {r['rounds']} rounds  "
+                          f"outside {r['outside_s']:.2f} s", flush=True)  # fmt: skip
     table = {
         m: {c: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for c, rs in by_c.items()} for m, by_c in runs.items()
     }
-    base = args.methods[0]
-    print(f"\n{args.requests} GSM8K prompts, {args.max_new_tokens} tokens, greedy; medians of {args.repeats}")
-    print(f"{'method':<8} {'C':>3} {'tok/s':>8} {'÷ ' + base:>9} {'τ':>5} {'outside s':>10}")
-    for m in args.methods:
-        for c in args.concurrency:
-            r = table[m][c]
-            r["ratio"] = r["tok_s"] / table[base][c]["tok_s"]
-            print(f"{m:<8} {c:>3} {r['tok_s']:>8.1f} {r['ratio']:>8.2f}× {r['tau']:>5.2f} {r['outside_s']:>10.2f}")
+    print_table(table, args)
     result = {"args": vars(args), "table": {m: {str(c): r for c, r in by_c.items()} for m, by_c in table.items()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -8,6 +8,9 @@ been sent or `time_limit` seconds have passed. A level's result merges its legs 
   tau          mean of the responses' tokens per verification round (SGLang's sglext, or vLLM's
                per-request `metrics.speculative_decoding.mean_acceptance_length`; absent elsewhere)
   failures     requests that got no 200 or an in-band error; status counts by code
+  TTFT parts   p50 / p99 of the engine's split of its time to first token (our `sglext`: queue wait,
+               prefill, first round) and of the rest of the client's TTFT (serving: HTTP, rendering
+               the prompt, streaming); None for servers that do not report the split
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PROMPTS = Path(__file__).resolve().parents[2] / "data" / "benchmarks" / "gsm8k" / "test.jsonl"
+# the client's TTFT in parts: the engine's own (sglext keys, deploy/serve/backends/base.py) and the rest
+TTFT_PARTS = {"queue": "queue_time_s", "prefill": "prefill_time_s", "first_round": "first_round_time_s"}
 
 
 @dataclass
@@ -31,6 +36,7 @@ class Sample:
     ttft: float = 0.0
     tokens: int = 0
     tau: float | None = None
+    ttft_parts: dict[str, float] | None = None  # TTFT_PARTS' keys + "serving" (the client's TTFT − the engine's)
 
 
 @dataclass
@@ -63,6 +69,10 @@ class LevelResult:
             "ttft_p99_s": _pct(ttft, 99),
             "tau_mean": statistics.fmean(taus) if taus else None,  # None: the server reports no sglext
         }
+        split = [s.ttft_parts for s in ok if s.ttft_parts is not None]
+        for part in (*TTFT_PARTS, "serving"):
+            values = sorted(p[part] for p in split)
+            out[f"{part}_p50_s"], out[f"{part}_p99_s"] = (_pct(values, 50), _pct(values, 99)) if values else (None, None)
         for code in sorted({s.status for s in self.samples}):
             out[f"status_{code}"] = sum(s.status == code for s in self.samples)
         return out
@@ -114,10 +124,14 @@ def one_request(url: str, model: str, prompt: str, max_tokens: int, api_key: str
                     ext = event.get("sglext")
                     if ext and ext["spec_verify_ct"]:
                         sample.tau = (sample.tokens - 1) / ext["spec_verify_ct"]
+                    if ext and all(k in ext for k in TTFT_PARTS.values()):
+                        sample.ttft_parts = {part: float(ext[k]) for part, k in TTFT_PARTS.items()}
                 spec = (event.get("metrics") or {}).get("speculative_decoding")  # vLLM, with per-request spec metrics
                 if spec and spec.get("num_spec_steps"):
                     sample.tau = spec["mean_acceptance_length"]
             sample.latency = time.perf_counter() - t0
+            if sample.ttft_parts is not None:
+                sample.ttft_parts["serving"] = max(sample.ttft - sum(sample.ttft_parts.values()), 0.0)
             return sample
     except requests.RequestException:
         return Sample(status=599, latency=time.perf_counter() - t0)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 TAGS = ("A", "B")
 # the ratios reported per level: B's value ÷ A's (> 1 on tokens/s: B is faster; < 1 on p99: B is faster)
 RATIO_KEYS = ("tokens_per_s", "latency_p99_s", "ttft_p99_s")
+# the client's TTFT in parts (`bench.TTFT_PARTS` + the serving path), as the reports name them
+TTFT_PART_NAMES = {"queue": "queue", "prefill": "prefill", "first_round": "first round", "serving": "serving"}
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,10 @@ def level_lines(rows: list[dict], endpoints: list[Endpoint], level_ratios: dict 
             f"  TTFT p50/p99 {r['ttft_p50_s']:.3f}/{r['ttft_p99_s']:.3f} s"
             f"  τ {_num(r['tau_mean'], '.2f')}  requests {r['requests']} ({r['failures']} failed)"
         )
+        if r.get("queue_p50_s") is not None:
+            lines.append(f"{'':6}   TTFT p50/p99: " + "  ".join(
+                f"{name} {r[f'{part}_p50_s']:.3f}/{r[f'{part}_p99_s']:.3f}" for part, name in TTFT_PART_NAMES.items()
+            ) + " s")  # fmt: skip
     if level_ratios is not None:
         lines.append(
             f"{'':6} B÷A tokens/s {_num(level_ratios['ratio_tokens_per_s'], '.2f')}×"
@@ -108,4 +114,21 @@ def markdown_table(levels: list[tuple[list[dict], dict | None]], endpoints: list
                     else " | |"
                 )
             out.append(line)
+    return "\n".join(out)
+
+
+def ttft_table(levels: list[tuple[list[dict], dict | None]], endpoints: list[Endpoint]) -> str | None:
+    """The TTFT breakdown of every level as one Markdown table (p50 / p99 seconds of each part: the
+    engine's queue wait, prefill and first round, and the serving path's rest of the client's TTFT);
+    None when no endpoint reported the split."""
+    rows = [(e, r) for level, _ in levels for e, r in zip(endpoints, level) if r.get("queue_p50_s") is not None]
+    if not rows:
+        return None
+    head = (
+        "| endpoint | concurrency | TTFT p50 / p99 (s) | " + " | ".join(f"{n} p50 / p99" for n in TTFT_PART_NAMES.values()) + " |"
+    )
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    for e, r in rows:
+        parts = " | ".join(f"{r[f'{p}_p50_s']:.3f} / {r[f'{p}_p99_s']:.3f}" for p in TTFT_PART_NAMES)
+        out.append(f"| {e.tag} {e.label} | {r['concurrency']} | {r['ttft_p50_s']:.3f} / {r['ttft_p99_s']:.3f} | {parts} |")
     return "\n".join(out)

@@ -29,7 +29,7 @@ from dataclasses import replace
 from urllib.parse import urlsplit
 
 from deploy.serve.bench import LevelResult, load_prompts, run_level
-from deploy.serve.bench_pairing import TAGS, Endpoint, leg_schedule, level_lines, markdown_table, order_name, ratios
+from deploy.serve.bench_pairing import TAGS, Endpoint, leg_schedule, level_lines, markdown_table, order_name, ratios, ttft_table
 from deploy.serve.bench_plot import check_plot_path, write_plot
 from drelay_model.errors import DRelayError
 
@@ -241,6 +241,10 @@ def _measure(args: argparse.Namespace, endpoints: list[Endpoint], targets: list[
         if len(endpoints) == 2:
             run.log_table([{"concurrency": rows[0]["concurrency"], **rat} for rows, rat in levels], "serve_bench_ratios.json")
         print("\n" + markdown_table(levels, endpoints), flush=True)
+        breakdown = ttft_table(levels, endpoints)
+        if breakdown is not None:
+            print("\nTime to first token, in parts (the engine's queue wait, prefill and first round; serving: the rest)\n"
+                  + breakdown, flush=True)  # fmt: skip
         if args.plot:
             write_plot(args.plot, levels, endpoints)
             run.log_artifact(args.plot)

@@ -165,3 +165,54 @@ def test_probe_urls_resolves_models_and_refuses_mismatches(openai_models):
         probe_urls([url, url + "/"], ["m-ar", "m-ar"], None)
     with pytest.raises(DRelayError, match="answered HTTP 404"):
         probe_urls([url + "/elsewhere"], ["m-ar"], None)
+
+
+# ---- the TTFT breakdown --------------------------------------------------------------------------
+@pytest.fixture
+def streaming_server():
+    """A local server answering a streamed chat completion as our endpoint does: a content chunk, then
+    the usage chunk with `sglext` and the engine's TTFT parts."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            ext = {"spec_verify_ct": 3, "queue_time_s": 0.05, "prefill_time_s": 0.02, "first_round_time_s": 0.001}
+            events = [
+                {"choices": [{"delta": {"content": "Hi"}}]},
+                {"choices": [], "usage": {"completion_tokens": 4}, "sglext": ext},
+            ]
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for e in events:
+                self.wfile.write(f"data: {json.dumps(e)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *_):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_the_ttft_breakdown_is_read_pooled_and_reported(streaming_server):
+    from deploy.serve.bench import one_request
+    from deploy.serve.bench_pairing import ttft_table
+
+    s = one_request(streaming_server, "m", "hello", 4, None)
+    assert s.status == 200 and s.tau == pytest.approx(1.0)
+    assert (s.ttft_parts["queue"], s.ttft_parts["prefill"], s.ttft_parts["first_round"]) == (0.05, 0.02, 0.001)
+    assert s.ttft_parts["serving"] >= 0
+    split = {"queue": 0.5, "prefill": 0.2, "first_round": 0.01, "serving": 0.05}
+    level = LevelResult(4, 2.0, [Sample(200, 1.0, 0.76, 8, ttft_parts=split), Sample(200, 1.0, 0.2, 8)])
+    row = level.summary()
+    assert row["queue_p50_s"] == row["queue_p99_s"] == 0.5 and row["serving_p99_s"] == 0.05  # samples without a split skipped
+    assert LevelResult(1, 1.0, [Sample(200, 1.0, 0.1, 4)]).summary()["queue_p50_s"] is None  # a server without it
+    endpoints = [Endpoint("A", "m-ar", "u", "m-ar", "ar", "a.yaml")]
+    lines = level_lines([row], endpoints, None)
+    assert len(lines) == 2 and "queue 0.500/0.500" in lines[1] and "first round 0.010/0.010" in lines[1]
+    table = ttft_table([([row], None)], endpoints).splitlines()
+    assert len(table) == 3 and "0.500 / 0.500" in table[2] and table[0].count("|") == table[2].count("|")
+    assert ttft_table([([_row(1, 1.0, 1.0, 1.0)], None)], endpoints) is None

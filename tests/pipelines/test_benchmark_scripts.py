@@ -27,6 +27,7 @@ BAD_INPUTS = [
     ("benchmarks/bench_batcher.py", ["--concurrency", "0"], "--concurrency must be between 1 and --requests (48), got 0"),
     ("benchmarks/bench_batcher.py", ["--threads", "zero"], "threads must be a positive integer or auto, got 'zero'"),
     ("benchmarks/bench_batcher.py", ["--duty", "1.5"], "--duty: a share in (0, 1], got 1.5"),
+    ("benchmarks/bench_batcher.py", ["--prefill-budget", "0"], "--prefill-budget: positive token counts or none, got 0"),
     ("analysis/budget_study.py", ["--hours", "0"], "--hours and --fit-from must be > 0"),
 ]
 
@@ -106,3 +107,4 @@ def test_the_batcher_benchmark_keeps_its_clients_in_flight_and_decodes_every_req
     assert max(seen) == 3 and batcher.stats.requests == len(prompts) and batcher.idle
     assert len(prompts) <= r["tokens"] == batcher.stats.generated <= 6 * len(prompts)
     assert r["rounds"] == batcher.stats.steps and r["wall_s"] > 0 and r["tok_s"] == r["tokens"] / r["wall_s"]
+    assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and r["prefill_p50_s"] > 0 and r["queue_p99_s"] >= 0
