@@ -26,11 +26,14 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipelines.study.runner import compare_and_ship, dry_run, end_study_run, plan, study_parent_run, train_runs
+    from pipelines.study.runner import (check_compare_checkpoints, compare_and_ship, dry_run, end_study_run, plan,
+                                        study_parent_run, train_runs)  # fmt: skip
     from pipelines.study.spec import load_study
 
     spec = load_study(args.spec)
     configs, todo = plan(spec, args.only)
+    if not (args.no_compare or args.only):
+        check_compare_checkpoints(spec)  # before anything trains
     if args.dry_run:
         dry_run(configs, todo)
         return 0

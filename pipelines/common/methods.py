@@ -2,6 +2,9 @@
 
     resolve_method(name, target_spec=…, checkpoint=…)  → MethodSpec   (names and paths checked once,
                                                                       the bundled default filled in)
+    check_selector_weights(checkpoint, name)           the checkpoint runs selector `name`: its own
+                                                       trained selector, or a head installed beside it
+                                                       (`heads/<name>.safetensors`, `drelay heads add`)
     load_method(spec, target)                          → (drafter, selector); (None, None) for AR
 
 Every command (generate, eval, compare, study) resolves its methods here; nothing else spells "ar",
@@ -90,7 +93,24 @@ def resolve_method(name: str, *, target_spec: str, checkpoint: str | None = None
         raise DRelayError(f"method '{name}' needs a drafter checkpoint: none is bundled for target '{target_spec}'; {hint}")
     if not Path(path).is_dir():
         raise DRelayError(f"checkpoint '{path}' not found (method '{name}')")
+    check_selector_weights(path, name)
     return MethodSpec(name, str(path))
+
+
+def needs_head(name: str, meta: dict) -> bool:
+    """Selector `name` runs on a head beside the checkpoint (`heads/<name>.safetensors`, installed by
+    `drelay heads add`) when it is trainable and the checkpoint's own selector (`meta`) is another."""
+    return default_registry().factory(name).capabilities.trainable and (meta.get("selector") or {}).get("name") != name
+
+
+def check_selector_weights(checkpoint: str | Path, name: str) -> None:
+    """Fail now, with the one-line error `load_method` would give, when `checkpoint` cannot run selector
+    `name`: neither its own trained selector nor an installed head that fits its drafter."""
+    if not default_registry().factory(name).capabilities.trainable:
+        return  # a rule runs on any drafter
+    _, _, meta = read_checkpoint(checkpoint)  # a missing or corrupt checkpoint is a DRelayError
+    if needs_head(name, meta):
+        read_head(checkpoint, name)
 
 
 def load_method(spec: MethodSpec, target: TargetModel) -> tuple[BlockDrafter | None, Selector | None]:
@@ -103,7 +123,7 @@ def load_method(spec: MethodSpec, target: TargetModel) -> tuple[BlockDrafter | N
         drafter = BlockDrafter(DrafterConfig.for_target(target), target).to(target.device).eval()
         return drafter, registry.create(spec.name, drafter=drafter).to(target.device).eval()
     drafter, extra, meta = load_drafter(spec.checkpoint, target)
-    if registry.factory(spec.name).capabilities.trainable and (meta.get("selector") or {}).get("name") != spec.name:
+    if needs_head(spec.name, meta):
         extra, meta = read_head(spec.checkpoint, spec.name)  # a head beside the checkpoint's own (`drelay heads add`)
     return drafter, registry.from_checkpoint(spec.name, drafter=drafter, tensors=extra, meta=meta).to(target.device)
 

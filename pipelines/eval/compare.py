@@ -11,8 +11,13 @@ A variant is a label, a checkpoint and the selector to run on its pool (by defau
 checkpoint was trained with, else `native`). `LABEL=DIR:native` runs a DRelay-trained drafter with
 native selection, which separates what the selector adds from what joint training did to the drafter.
 
+A variant's selector may also be a head installed beside the checkpoint (`drelay heads add`), found as
+`drelay generate --method` finds it (`pipelines.common.methods.check_selector_weights`).
+
 Summary: τ per benchmark per variant, the mean over benchmarks, and each variant's ratio to the
-baseline: mean τ(variant) / mean τ(baseline), and per benchmark τ(variant) / τ(baseline).
+baseline: mean τ(variant) / mean τ(baseline), and per benchmark τ(variant) / τ(baseline), with the
+share of the baseline's oracle headroom; every ratio with its paired-bootstrap interval over prompts
+and a verdict (pipelines/eval/compare_intervals.py).
 """
 
 from __future__ import annotations
@@ -30,12 +35,13 @@ from tqdm.auto import tqdm
 
 from drelay_model.errors import DRelayError
 from drelay_model.selectors import SelectionContext, default_registry
-from pipelines.common.methods import MethodSpec, trained_selector
+from pipelines.common.methods import MethodSpec, check_selector_weights, trained_selector
 from pipelines.common.paths import NAME_PATTERN
 from pipelines.common.store import JsonStore
 from pipelines.data.eval_sets import BenchmarkPrompt
 from pipelines.eval.prompts import PromptEncoder
-from pipelines.eval.results import CellResult, ReplayResult, fingerprint
+from pipelines.eval.compare_intervals import Bootstrap, VariantIntervals, compare_intervals, headroom, interval_table
+from pipelines.eval.results import PROMPT_COUNTS, CellResult, ReplayResult, fingerprint
 from pipelines.eval.runner import MethodUnderTest, checkpoint_identity, replay_cell
 
 _LABEL = re.compile(NAME_PATTERN)
@@ -58,7 +64,8 @@ class Variant:
 
 
 def parse_variant(text: str) -> Variant:
-    """`LABEL=DIR` or `LABEL=DIR:SELECTOR` → Variant (DIR must be a checkpoint directory)."""
+    """`LABEL=DIR` or `LABEL=DIR:SELECTOR` → Variant (DIR must be a checkpoint directory; SELECTOR a rule,
+    the selector DIR was trained with, or a head installed in `DIR/heads/` by `drelay heads add`)."""
     label, eq, rest = text.partition("=")
     if not eq or not rest:
         raise DRelayError(f"--variant {text!r}: expected LABEL=DIR or LABEL=DIR:SELECTOR")
@@ -72,10 +79,12 @@ def parse_variant(text: str) -> Variant:
     names = list(default_registry().names())
     if selector is not None and selector not in names:
         raise DRelayError(f"--variant {label}: unknown selector '{selector}' (choose from: {', '.join(names)})")
-    saved = trained_selector(path)
-    if selector is not None and selector != saved and default_registry().factory(selector).capabilities.trainable:
-        raise DRelayError(f"--variant {label}: checkpoint '{path}' holds no trained '{selector}' selector (it has: {saved})")
-    return Variant(label, MethodSpec(selector or saved, path))
+    selector = selector or trained_selector(path)
+    try:  # its own trained selector or a head installed beside it, as `drelay generate --method` finds it
+        check_selector_weights(path, selector)
+    except DRelayError as exc:
+        raise DRelayError(f"--variant {label}: {exc}") from None
+    return Variant(label, MethodSpec(selector, path))
 
 
 def parse_variants(texts: Sequence[str], baseline: str | None) -> tuple[list[Variant], str]:
@@ -95,19 +104,21 @@ def parse_variants(texts: Sequence[str], baseline: str | None) -> tuple[list[Var
 
 @dataclass
 class VariantCell:
-    """Replay of one variant on one benchmark: the counts (they merge exactly across prompts) and
-    pool diagnostics of `replay_cell`, and τ / oracle τ per prompt turn."""
+    """Replay of one variant on one benchmark: the counts of `replay_cell`, in total and per prompt turn
+    (they merge exactly across prompts; the bootstrap resamples them), and its pool diagnostics."""
 
     benchmark: str
     label: str
     fingerprint: str
     replay: ReplayResult
-    per_prompt: dict[str, list[float]]  # "prompt_id#turn" → [τ, oracle τ]
     elapsed_s: float
 
     @classmethod
     def from_dict(cls, d: dict) -> "VariantCell":
-        return cls(**{**d, "replay": ReplayResult.from_dict(d["replay"])})
+        replay = ReplayResult.from_dict(d["replay"])
+        if not replay.per_prompt:
+            raise ValueError("a replay cell without per-prompt counts")  # the store replays it again
+        return cls(**{**d, "replay": replay})
 
 
 def replay_store(out_dir: Path) -> JsonStore[VariantCell]:
@@ -136,6 +147,7 @@ def replay_variants(
                 fp = fingerprint({
                     "checkpoint": checkpoint_identity(v.checkpoint), "selector": v.selector,
                     "reference": ar_cells[bench].fingerprint, "prompts": [p.prompt_id for p in bench_prompts],
+                    "per_prompt": PROMPT_COUNTS,
                 })  # fmt: skip
                 cell = store.load(bench, v.label, fp)
                 if cell is None:
@@ -178,47 +190,54 @@ def _replay_one(target, method, bench, prompts, ar_cell, encoder, fp, progress) 
     with tqdm(
         total=len(prompts), desc=f"{bench}/{method.name}", unit="prompt", leave=False, disable=not progress, file=sys.stderr
     ) as bar:
-        res, per_prompt = replay_cell(target, method, prompts, encoder, ar_cell.outputs, bar=bar)
-    return VariantCell(
-        benchmark=bench, label=method.name, fingerprint=fp, replay=res,
-        per_prompt={f"{pid}#{turn}": [t, o] for (pid, turn), (t, o) in per_prompt.items()},
-        elapsed_s=time.perf_counter() - t0,
-    )  # fmt: skip
+        res, _ = replay_cell(target, method, prompts, encoder, ar_cell.outputs, bar=bar)
+    return VariantCell(benchmark=bench, label=method.name, fingerprint=fp, replay=res, elapsed_s=time.perf_counter() - t0)
 
 
 @dataclass
 class ComparisonSummary:
     """Flat metrics per variant (`<benchmark>/tau`, `<benchmark>/oracle_tau`, `mean_tau`,
-    `mean_oracle_tau`, `ratio_vs_baseline`, `<benchmark>/ratio_vs_baseline`) and the tables."""
+    `mean_oracle_tau`, `ratio_vs_baseline`, `<benchmark>/ratio_vs_baseline`, `headroom_share`, and for
+    every variant but the baseline each ratio's `_ci_low` / `_ci_high`), the intervals, and the tables."""
 
     baseline: str
     benchmarks: list[str]
     metrics: dict[str, dict[str, float]]
+    intervals: dict[str, VariantIntervals]
+    bootstrap: Bootstrap
 
     def markdown(self) -> str:
         from pipelines.eval.report import BENCHMARK_LABELS
 
         labels = list(self.metrics)
-        head = ["benchmark", *[f"τ {v}" for v in labels], *[f"{v} ÷ {self.baseline}" for v in labels if v != self.baseline]]
+        head = ["benchmark", *[f"τ {v}" for v in labels], *[f"{v} ÷ {self.baseline} [95% CI]" for v in self.intervals]]
         costs = all("select_ms" in self.metrics[v] for v in labels)
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for b in [*self.benchmarks, "mean"]:
             key = "mean_tau" if b == "mean" else f"{b}/tau"
-            rkey = "ratio_vs_baseline" if b == "mean" else f"{b}/ratio_vs_baseline"
             name = "**mean**" if b == "mean" else BENCHMARK_LABELS.get(b, b)
             row = [name, *[f"{self.metrics[v][key]:.3f}" for v in labels]]
-            row += [f"{self.metrics[v][rkey]:.3f}" for v in labels if v != self.baseline]
+            row += [(iv.mean_ratio if b == "mean" else iv.per_benchmark[b]).format() for iv in self.intervals.values()]
             lines.append("| " + " | ".join(row) + " |")
         extra = " select ms/round | params |" if costs else ""
         lines += ["", "| variant | mean τ | mean oracle τ | τ ÷ oracle τ | coverage @ 1st error | one-edit gain |" + extra,
                   "|---|---|---|---|---|---|" + ("---|---|" if costs else "")]  # fmt: skip
         for v in labels:
             m = self.metrics[v]
-            eff = m["mean_tau"] / m["mean_oracle_tau"] if m["mean_oracle_tau"] else 0.0
             cost = f" {m['select_ms']:.2f} | {int(m['params']):,} |" if costs else ""
-            lines.append(f"| {v} | {m['mean_tau']:.3f} | {m['mean_oracle_tau']:.3f} | {eff:.3f} | "
+            lines.append(f"| {v} | {m['mean_tau']:.3f} | {m['mean_oracle_tau']:.3f} | {m['mean_efficiency']:.3f} | "
                          f"{m['mean_coverage_first_error']:.3f} | {m['mean_one_edit_gain']:.3f} |{cost}")  # fmt: skip
-        return "\n".join(lines) + "\n"
+        text = "\n".join(lines) + "\n"
+        return text + ("\n" + interval_table(self.baseline, self.intervals, self.bootstrap) if self.intervals else "")
+
+    def as_json(self) -> dict:
+        """compare.json's results: the metrics, each variant's verdict, the power figures, the bootstrap."""
+        return {
+            "metrics": self.metrics,
+            "verdicts": {v: iv.verdict for v, iv in self.intervals.items()},
+            "power": {v: iv.power() for v, iv in self.intervals.items()},
+            "bootstrap": {"resamples": self.bootstrap.resamples, "seed": self.bootstrap.seed, "level": self.bootstrap.level},
+        }
 
 
 def summarize(
@@ -227,9 +246,11 @@ def summarize(
     benchmarks: Sequence[str],
     baseline: str,
     costs: Mapping[str, dict[str, float]] | None = None,
+    *,
+    bootstrap: Bootstrap,
 ) -> ComparisonSummary:
-    """Means over benchmarks (each benchmark weighs the same, as in the paper's Avg. column), plus
-    each variant's `select_cost` when given."""
+    """Means over benchmarks (each benchmark weighs the same, as in the paper's Avg. column), each
+    variant's `select_cost` when given, and every ratio's paired-bootstrap interval."""
     metrics: dict[str, dict[str, float]] = {}
     for v in variants:
         m: dict[str, float] = {}
@@ -245,9 +266,14 @@ def summarize(
     base = metrics[baseline]
     for m in metrics.values():
         m["ratio_vs_baseline"] = m["mean_tau"] / base["mean_tau"] if base["mean_tau"] else 0.0
+        m["headroom_share"] = headroom(m["mean_tau"], base["mean_tau"], base["mean_oracle_tau"])
         for b in benchmarks:
             m[f"{b}/ratio_vs_baseline"] = m[f"{b}/tau"] / base[f"{b}/tau"] if base[f"{b}/tau"] else 0.0
-    return ComparisonSummary(baseline, list(benchmarks), metrics)
+    replays = {key: cell.replay for key, cell in cells.items()}
+    intervals = compare_intervals(replays, list(metrics), benchmarks, baseline, metrics, bootstrap)
+    for label, iv in intervals.items():
+        metrics[label].update(iv.metrics())
+    return ComparisonSummary(baseline, list(benchmarks), metrics, intervals, bootstrap)
 
 
 __all__ = [

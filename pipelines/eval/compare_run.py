@@ -15,9 +15,11 @@ from drelay_model.decoding import GenerationConfig
 from drelay_model.errors import DRelayError
 from pipelines.common.methods import AR, MethodSpec, load_target_spec
 from pipelines.common.outputs import ensure_writable_dir, local_dir, resolve_path
+from pipelines.common.intervals import DEFAULT_LEVEL, DEFAULT_RESAMPLES, DEFAULT_SEED, check_bootstrap_options
 from pipelines.common.signals import sigterm_as_exit
 from pipelines.data.eval_sets import load_benchmarks, parse_benchmarks
 from pipelines.eval.compare import parse_variants, replay_store, replay_variants, select_cost, summarize
+from pipelines.eval.compare_intervals import Bootstrap
 from pipelines.eval.plots import plot_comparison
 from pipelines.eval.prompts import encoder_for
 from pipelines.eval.results import cell_store
@@ -46,12 +48,24 @@ class CompareJob:
     mlflow: bool = True
     progress: bool = True
     parent_run_id: str | None = None  # nest the MLflow run under this run (a study's parent)
+    bootstrap_resamples: int = DEFAULT_RESAMPLES  # behind every ratio's 95% interval
+    bootstrap_seed: int = DEFAULT_SEED
 
     def __post_init__(self) -> None:
         if not self.decode.greedy:
             raise DRelayError("compare replays greedy decoding; temperature must be 0")
         if self.limit is not None and self.limit < 1:
             raise DRelayError(f"--limit must be ≥ 1, got {self.limit}")
+        try:
+            check_bootstrap_options(self.bootstrap_resamples, DEFAULT_LEVEL)
+        except ValueError as exc:
+            raise DRelayError(f"--bootstrap-resamples: {exc}") from None
+        if not isinstance(self.bootstrap_seed, int) or self.bootstrap_seed < 0:
+            raise DRelayError(f"--bootstrap-seed must be ≥ 0, got {self.bootstrap_seed!r}")
+
+    @property
+    def bootstrap(self) -> Bootstrap:
+        return Bootstrap(self.bootstrap_resamples, self.bootstrap_seed)
 
     def default_run_name(self, labels: list[str]) -> str:
         return f"{self.target}-{'+'.join(labels)}-{self.decode.max_new_tokens}tok" + (f"-n{self.limit}" if self.limit else "")
@@ -84,7 +98,7 @@ def run_compare(job: CompareJob) -> int:
         # 3. What each selector costs to run (batch 1, one real block of the first prompt).
         first = encoder.encode(next(iter(prompts.values()))[0].turns[:1], [])
         costs = {v.label: select_cost(target, MethodUnderTest.load(v.spec, target, label=v.label), first) for v in variants}
-        summary = summarize(cells, variants, benchmarks, baseline, costs)
+        summary = summarize(cells, variants, benchmarks, baseline, costs, bootstrap=job.bootstrap)
         n = sum(len(p) for p in prompts.values())
         title = f"{job.target}: greedy replay τ, {n} prompts over {len(benchmarks)} benchmarks, ≤ {job.decode.max_new_tokens} new tokens"
         text = f"# {title}\n\n" + summary.markdown()
@@ -92,7 +106,7 @@ def run_compare(job: CompareJob) -> int:
         files = [out_dir / "compare.md", out_dir / "compare.json"]
         files[0].write_text(text)
         described = [{"label": v.label, "checkpoint": v.checkpoint, "selector": v.selector} for v in variants]
-        files[1].write_text(json.dumps({"baseline": baseline, "variants": described, "metrics": summary.metrics}, indent=1))
+        files[1].write_text(json.dumps({"baseline": baseline, "variants": described, **summary.as_json()}, indent=1))
         plot = plot_comparison(summary, out_dir / "compare.png", title)
         if job.mlflow:
             _track(stack, job, run_name, variants, baseline, benchmarks, summary, [*files, plot])
@@ -109,13 +123,15 @@ def _track(stack, job: CompareJob, run_name, variants, baseline, benchmarks, sum
 
     client = connect(job.experiment, run_name)
     params = {"target": job.target, "benchmarks": ",".join(benchmarks), "limit": job.limit, "max_new_tokens": job.decode.max_new_tokens,
-              "baseline": baseline, **{f"variant.{v.label}": f"{v.checkpoint}:{v.selector}" for v in variants}}  # fmt: skip
+              "baseline": baseline, "bootstrap_resamples": job.bootstrap_resamples, "bootstrap_seed": job.bootstrap_seed,
+              **{f"variant.{v.label}": f"{v.checkpoint}:{v.selector}" for v in variants}}  # fmt: skip
     tags = run_tags("compare", target=job.target, method=",".join(v.label for v in variants))
     parent = attach(client, job.parent_run_id) if job.parent_run_id else None
     run = stack.enter_context(
         tracked_run(job.experiment, run_name=run_name, tags=tags, params=params, client=client, parent=parent)
     )
     run.log_metrics({f"{v}/{k}": x for v, m in summary.metrics.items() for k, x in m.items()})
+    run.set_tags({f"verdict.{v}": iv.verdict for v, iv in summary.intervals.items()})  # ahead / behind / unresolved
     for f in files:
         run.log_artifact(f)
     print(f"MLflow: run '{run_name}' ({run.run_id}) in experiment '{job.experiment}' at {client.tracking_uri}", file=sys.stderr)

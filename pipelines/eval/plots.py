@@ -4,7 +4,8 @@
     slot_acceptance.png  P(draft at slot i accepted), pooled over benchmarks, one line per method
     latency.png          ms per round split into draft / select / verify / other (stacked bars)
     throughput.png       tokens/s against concurrency, one line per method (AR included)
-    compare.png          `drelay compare`: replay τ per benchmark per variant, oracle τ as ticks
+    compare.png          `drelay compare`: replay τ per benchmark per variant, oracle τ as ticks;
+                         below, τ ÷ baseline with its 95% interval as error bars
 
 Inputs are the metric dicts of pipelines/eval/metrics.py, so plots can be redrawn from MLflow.
 """
@@ -166,23 +167,46 @@ def plot_all(methods: dict[str, dict[str, float]], benchmarks: Sequence[str], ou
 
 
 def plot_comparison(summary, path: Path, title: str) -> Path:
-    """Grouped bars: τ per benchmark (and the mean) per variant, with each variant's oracle τ as a tick."""
+    """Top: grouped bars of τ per benchmark (and the mean) per variant, each variant's oracle τ as a tick.
+    Bottom: each variant's τ ÷ baseline with its 95% interval as error bars (when there is a variant
+    besides the baseline)."""
     plt = pyplot()
     labels = [BENCHMARK_LABELS.get(b, b) for b in summary.benchmarks] + ["Avg."]
     variants = list(summary.metrics)
-    fig, ax = plt.subplots(figsize=(max(7.0, 1.2 * len(labels) + 2), 4.2))
+    panels = 2 if summary.intervals else 1
+    fig, axes = plt.subplots(panels, 1, figsize=(max(7.0, 1.2 * len(labels) + 2), 4.2 * panels), sharex=True, squeeze=False)
+    ax = axes[0][0]
     width = 0.8 / max(len(variants), 1)
+    colors = {}
     for i, v in enumerate(variants):
         m = summary.metrics[v]
         taus = [m[f"{b}/tau"] for b in summary.benchmarks] + [m["mean_tau"]]
         oracle = [m[f"{b}/oracle_tau"] for b in summary.benchmarks] + [m["mean_oracle_tau"]]
         xs = [j + (i - (len(variants) - 1) / 2) * width for j in range(len(labels))]
         bars = ax.bar(xs, taus, width, label=v)
-        ax.scatter(xs, oracle, marker="_", s=120, color=bars.patches[0].get_facecolor(), linewidths=2)
+        colors[v] = bars.patches[0].get_facecolor()
+        ax.scatter(xs, oracle, marker="_", s=120, color=colors[v], linewidths=2)
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
-    ax.set_xticks(range(len(labels)), labels, rotation=20)
     ax.set_ylabel("replay τ (bars) · oracle τ (ticks)")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(ncols=min(len(variants), 4), fontsize=8, loc="upper left")
     ax.set_title(title, fontsize=10)
+    if summary.intervals:
+        _plot_ratio_intervals(axes[1][0], summary, colors)
+    axes[-1][0].set_xticks(range(len(labels)), labels, rotation=20)
     return save_figure(fig, path)
+
+
+def _plot_ratio_intervals(ax, summary, colors) -> None:
+    """Points at τ ÷ baseline per benchmark and for the mean, error bars spanning the 95% interval."""
+    n = len(summary.intervals)
+    for i, (v, iv) in enumerate(summary.intervals.items()):
+        ivs = [iv.per_benchmark[b] for b in summary.benchmarks] + [iv.mean_ratio]
+        xs = [j + (i - (n - 1) / 2) * (0.6 / max(n, 1)) for j in range(len(ivs))]
+        points = [x.point for x in ivs]
+        errs = [[max(x.point - x.low, 0.0) for x in ivs], [max(x.high - x.point, 0.0) for x in ivs]]
+        ax.errorbar(xs, points, yerr=errs, fmt="o", ms=4, capsize=3, color=colors.get(v), label=f"{v} ({iv.verdict})")
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_ylabel(f"τ ÷ {summary.baseline} (95% interval)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(ncols=min(n, 4), fontsize=8, loc="best")

@@ -55,15 +55,25 @@ class PromptRecord:
     oracle_tau: float | None = None
 
 
+PROMPT_COUNTS = ("rounds", "committed", "oracle_rounds", "oracle_committed")  # ReplayResult.per_prompt's columns
+
+
+def prompt_key(prompt_id: str, turn: int) -> str:
+    return f"{prompt_id}#{turn}"
+
+
 @dataclass
 class ReplayResult:
-    """Greedy replay of a speculative method over AR's cached continuations."""
+    """Greedy replay of a speculative method over AR's cached continuations: the totals, and the same
+    counts per prompt turn (they sum to the totals; the bootstrap behind `drelay compare`'s intervals
+    resamples them). Cells written before `per_prompt` existed read back with it empty."""
 
     rounds: int
     committed: int
     oracle_rounds: int
     oracle_committed: int
     diagnostics: PoolDiagnostics
+    per_prompt: dict[str, list[int]] = field(default_factory=dict)  # "prompt_id#turn" → PROMPT_COUNTS
 
     @property
     def tau(self) -> float:

@@ -41,7 +41,7 @@ from pipelines.eval.prompts import PromptEncoder
 from pipelines.common.engines import DEFAULT_VERIFY_LENGTH, build_engine, check_verify_length
 from pipelines.common.methods import AR, MethodSpec, load_method
 from pipelines.common.store import JsonStore
-from pipelines.eval.results import CellResult, PassResult, PromptRecord, ReplayResult, fingerprint
+from pipelines.eval.results import CellResult, PassResult, PromptRecord, ReplayResult, fingerprint, prompt_key
 from pipelines.eval.timing import TIMINGS, CpuMeter
 
 CellKey = tuple[str, str]  # (benchmark, method)
@@ -219,11 +219,12 @@ def replay_cell(
     bar=None,
 ) -> tuple[ReplayResult, dict[tuple[str, int], tuple[float, float]]]:
     """Greedy replay of `method` (its selector, then the pool oracle) over AR's continuations, with
-    pool diagnostics from the selector's trace. Returns the totals and (τ, oracle τ) per (prompt, turn).
+    pool diagnostics from the selector's trace. Returns the totals (with the counts per prompt turn in
+    `per_prompt`) and (τ, oracle τ) per (prompt, turn).
 
     Prompts are replayed `REPLAY_BATCH` at a time (`replay(batch_size=…)`: each row's rounds are
     exactly those of replaying it alone); per-row counters come from the round hook."""
-    diag, per_prompt = PoolDiagnostics(), {}
+    diag, per_prompt, prompt_counts = PoolDiagnostics(), {}, {}
     counts = [0, 0, 0, 0]  # rounds, committed, oracle rounds, oracle committed
     for lo in range(0, len(prompts), REPLAY_BATCH):
         chunk = prompts[lo : lo + REPLAY_BATCH]
@@ -249,9 +250,11 @@ def replay_cell(
         counts = [a + b for a, b in zip(counts, (st.rounds, st.committed, ost.rounds, ost.committed))]
         for row, key in enumerate(keys):
             per_prompt[key] = (sel_rows.tau(row), ora_rows.tau(row))
+            sel, ora = (sel_rows.rounds[row], sel_rows.committed[row]), (ora_rows.rounds[row], ora_rows.committed[row])
+            prompt_counts[prompt_key(*key)] = [*sel, *ora]  # PROMPT_COUNTS
         if bar is not None:
             bar.update(len(chunk))
-    return ReplayResult(*counts, diagnostics=diag), per_prompt
+    return ReplayResult(*counts, diagnostics=diag, per_prompt=prompt_counts), per_prompt
 
 
 REPLAY_BATCH = 8  # prompts (turns) per replay call

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 from drelay_model.atomic import atomic_directory
 from drelay_model.drafter.heads import carry_heads
 from drelay_model.errors import DRelayError
+from pipelines.common.methods import check_selector_weights, trained_selector
 from pipelines.common.outputs import rooted, shipped_checkpoints_dir
 from pipelines.common import paths
 from pipelines.common.paths import repo_path
@@ -93,6 +95,27 @@ def compare_and_ship(spec: StudySpec, configs: dict[str, RunConfig], *, progress
         _ship(configs[spec.ship], final_checkpoint(configs[spec.ship], repo_path))
 
 
+def check_compare_checkpoints(spec: StudySpec) -> None:
+    """The comparison's checkpoints from outside the study exist and run their selectors (their own, a
+    rule, or a head installed beside them by `drelay heads add`): checked before anything trains."""
+    for label, (folder, selector) in _outside(spec).items():
+        if not folder.is_dir():
+            raise DRelayError(f"compare.checkpoints.{label}: checkpoint directory '{folder}' not found")
+        try:
+            check_selector_weights(folder, selector or trained_selector(folder))
+        except DRelayError as exc:
+            raise DRelayError(f"compare.checkpoints.{label}: {exc}") from None
+
+
+def _outside(spec: StudySpec) -> dict[str, tuple[Path, str | None]]:
+    """compare.checkpoints: label → (the directory, the selector it names or None)."""
+    out = {}
+    for label, ref in (spec.compare.checkpoints if spec.compare is not None else {}).items():
+        folder, sep, selector = ref.rpartition(":") if ":" in ref else (ref, "", "")
+        out[label] = (repo_path(folder), selector if sep else None)
+    return out
+
+
 def _compare(spec: StudySpec, configs: dict[str, RunConfig], progress: bool, parent_run_id: str | None) -> None:
     c = spec.compare
     variants = []
@@ -100,14 +123,13 @@ def _compare(spec: StudySpec, configs: dict[str, RunConfig], progress: bool, par
         run_label, _, selector = ref.partition(":")
         path = final_checkpoint(configs[run_label], repo_path)
         variants.append(f"{label}={path}" + (f":{selector}" if selector else ""))
-    for label, ref in c.checkpoints.items():
-        folder, sep, selector = ref.rpartition(":") if ":" in ref else (ref, "", "")
-        variants.append(f"{label}={repo_path(folder)}" + (f":{selector}" if sep else ""))
+    for label, (folder, selector) in _outside(spec).items():
+        variants.append(f"{label}={folder}" + (f":{selector}" if selector is not None else ""))
     run_compare(CompareJob(
         variants=tuple(variants), baseline=c.baseline, target=configs[spec.run_labels()[0]].target.spec,
         benchmarks=c.benchmarks, limit=c.limit, data_dir=str(repo_path(c.data_dir)) if c.data_dir else None,
         decode=c.decode, run_name=f"{spec.name}-compare", out=str(repo_path(c.out or f"outputs/compare/{spec.name}")), progress=progress,
-        parent_run_id=parent_run_id,
+        parent_run_id=parent_run_id, bootstrap_resamples=c.bootstrap_resamples, bootstrap_seed=c.bootstrap_seed,
     ))  # fmt: skip
 
 

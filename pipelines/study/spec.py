@@ -31,6 +31,7 @@ from pydantic import Field, field_validator, model_validator
 from drelay_model.errors import DRelayError
 from drelay_model.decoding import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
 from pipelines.common.config_base import StrictConfig, validate_config
+from pipelines.common.intervals import DEFAULT_RESAMPLES, DEFAULT_SEED
 from pipelines.common.paths import NAME_PATTERN
 from pipelines.train.config import RunConfig, load_config
 
@@ -55,6 +56,8 @@ class CompareSpec(StrictConfig):
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     data_dir: str | None = None  # benchmark prompts (default: the bundled data/benchmarks)
     out: str | None = None  # default: outputs/compare/<study name>
+    bootstrap_resamples: int = Field(DEFAULT_RESAMPLES, ge=100)  # behind every ratio's 95% interval
+    bootstrap_seed: int = Field(DEFAULT_SEED, ge=0)
 
     @field_validator("max_new_tokens")
     @classmethod
