@@ -1,6 +1,7 @@
-"""`drelay export --format {sglang,vllm} CHECKPOINT OUT`: a drafter checkpoint as a draft-model
+"""`drelay export --format {sglang,vllm} [--target T] CHECKPOINT OUT`: a drafter checkpoint as a draft-model
 directory for a serving framework: `sglang`, loaded by the SGLang plugin (`deploy/sglang/export.py`,
-docs/sglang.md); `vllm`, vLLM's own DFlash format (`deploy/vllm/export.py`, docs/vllm.md)."""
+docs/sglang.md), carrying the target's context length; `vllm`, vLLM's own DFlash format
+(`deploy/vllm/export.py`, docs/vllm.md)."""
 
 from __future__ import annotations
 
@@ -13,20 +14,19 @@ def add_parser(sub) -> None:
     p = sub.add_parser("export", help="export a drafter checkpoint for a serving framework", description=__doc__)
     p.add_argument("--format", required=True, choices=FORMATS, help="output format")
     p.add_argument("--target", default="smollm2-135m",
-                   help="vllm: the target the drafter runs on (checked; its LM-head rows become a draft vocabulary's head)")  # fmt: skip
+                   help="the target the drafter runs on (checked against the checkpoint; vllm: its LM-head rows become a draft "
+                        "vocabulary's head; sglang: its config gives the context length)")  # fmt: skip
     p.add_argument("--context-length", type=int, default=None,
-                   help="sglang (required): the target's context length, its config's max_position_embeddings (40960 for Qwen3-4B/8B)")  # fmt: skip
+                   help="sglang: the context length the export carries (default: the target's max_position_embeddings, "
+                        "40960 for Qwen3-4B/8B; at most that)")  # fmt: skip
     p.add_argument("checkpoint", help="drafter checkpoint directory, or models:/<name>@<alias>")
     p.add_argument("out", help="new (or empty) output directory")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from drelay_model.errors import DRelayError
     from pipelines.common.registry import resolve_checkpoint
 
-    if args.format == "sglang" and args.context_length is None:
-        raise DRelayError("--context-length: --format sglang needs the target's context length (its max_position_embeddings)")
     checkpoint = resolve_checkpoint(args.checkpoint)
     if args.format == "vllm":
         from deploy.vllm.export import ARCHITECTURE, export_vllm
@@ -35,7 +35,9 @@ def run(args: argparse.Namespace) -> int:
         path = export_vllm(checkpoint, args.out, target=load_target(args.target, pack=False))
     else:
         from deploy.sglang.export import ARCHITECTURE, export_sglang
+        from drelay_model.target.loading import load_target_config
 
-        path = export_sglang(checkpoint, args.out, context_length=args.context_length)
+        target_config = load_target_config(args.target)  # no weights: the architecture and context length
+        path = export_sglang(checkpoint, args.out, context_length=args.context_length, target_config=target_config)
     print(f"exported {args.checkpoint} → {path} ({ARCHITECTURE})")
     return 0

@@ -1,8 +1,8 @@
-"""`drelay export --format sglang --context-length N <checkpoint> <out>`: a drafter checkpoint → an HF-style draft-model
-directory that SGLang loads through the plugin's `DRelayDraftModel` (model.py).
+"""`drelay export --format sglang [--target T] [--context-length N] <checkpoint> <out>`: a drafter checkpoint →
+an HF-style draft-model directory that SGLang loads through the plugin's `DRelayDraftModel` (model.py).
 
 Output: `config.json` (HF fields + `architectures = ["DRelayDraftModel"]`, `max_position_embeddings`
-= the target's context length, our drafter config under
+= the target's context length, by default read from the target's config, our drafter config under
 `drelay_drafter`, the trained selector's name/config under `drelay_selector`) and
 `model.safetensors` (the drafter's trainable weights, the draft-vocab map and the selector's weights,
 under model.py's exported names; never the target's frozen embedding or LM head). Written into a
@@ -25,6 +25,7 @@ from deploy.draft_config import architecture_fields
 from deploy.sglang.model import ARCHITECTURE, CONFIG, MODEL_TYPE, WEIGHTS, exported_name
 from drelay_model.atomic import atomic_directory
 from drelay_model.drafter import DrafterConfig, read_checkpoint
+from drelay_model.drafter.config import TargetFingerprint
 from drelay_model.errors import DRelayError
 
 FORMATS = ("sglang",)
@@ -65,16 +66,25 @@ def hf_config(config: DrafterConfig, meta: dict, *, dtype: torch.dtype, has_sele
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def export_sglang(checkpoint: str | Path, out: str | Path, *, context_length: int, dtype: str = "bfloat16") -> Path:
+def export_sglang(
+    checkpoint: str | Path, out: str | Path, *, context_length: int | None = None, target_config=None, dtype: str = "bfloat16"
+) -> Path:
     """Export `checkpoint` to the new directory `out` (must not exist or be empty), its floating
     weights cast to `dtype` (bfloat16 by default: the serving dtype of the Qwen3 targets; give the
     target's dtype otherwise). `torch_dtype` in config.json says the same, so SGLang's `--dtype auto`
     loads the draft in it (a float32 draft config would become float16 beside a bf16 target).
     `context_length` is the target's (its config's `max_position_embeddings`: 40,960 for
-    Qwen3-4B/8B); the export carries it so SGLang accepts the draft beside that target."""
+    Qwen3-4B/8B); the export carries it so SGLang accepts the draft beside that target.
+    `target_config` (the target's Hugging Face config, `load_target_config`): the checkpoint must
+    have been trained for that target; `context_length` then defaults to the target's and may not
+    exceed it. One of the two is needed."""
     if dtype not in EXPORT_DTYPES:
         raise DRelayError(f"--dtype: unknown dtype '{dtype}' (choose from: {', '.join(EXPORT_DTYPES)})")
-    if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length < 1:
+    if context_length is None and target_config is None:
+        raise DRelayError("--context-length: needed without a target config (the target's max_position_embeddings)")
+    if context_length is not None and (
+        isinstance(context_length, bool) or not isinstance(context_length, int) or context_length < 1
+    ):
         raise DRelayError(f"--context-length: expected the target's context length, a positive integer (got {context_length!r})")
     from safetensors.torch import save_file
 
@@ -82,6 +92,8 @@ def export_sglang(checkpoint: str | Path, out: str | Path, *, context_length: in
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DRelayError(f"output '{out}' already exists and is not an empty directory")
     config, tensors, meta = read_checkpoint(checkpoint)
+    if target_config is not None:
+        context_length = _target_context_length(config, target_config, context_length)
     ids = list(config.target_layer_ids)
     if ids != sorted(set(ids)):  # SGLang concatenates the captured layers in layer order
         raise DRelayError(
@@ -105,6 +117,20 @@ def export_sglang(checkpoint: str | Path, out: str | Path, *, context_length: in
         doc = hf_config(config, meta, dtype=cast, has_selector=has_selector, context_length=context_length)
         (tmp / CONFIG).write_text(json.dumps(doc, indent=2))
     return out
+
+
+def _target_context_length(config: DrafterConfig, target_config, given: int | None) -> int:
+    """The context length an export for this target carries: the target's `max_position_embeddings`,
+    or `given` where it is no larger; the drafter must have been trained for the target."""
+    fingerprint = TargetFingerprint(
+        target_config.model_type, target_config.hidden_size, target_config.vocab_size, target_config.num_hidden_layers
+    )
+    if config.target is not None and config.target != fingerprint:
+        raise DRelayError(f"--target: the drafter was trained for another target ({config.target}) than this one ({fingerprint})")
+    have = int(target_config.max_position_embeddings)
+    if given is not None and given > have:
+        raise DRelayError(f"--context-length: {given} exceeds the target's context length {have} (its max_position_embeddings)")
+    return have if given is None else given
 
 
 class _Parser(argparse.ArgumentParser):

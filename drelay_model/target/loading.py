@@ -64,25 +64,59 @@ def _load(spec: str, dtype: torch.dtype, cpu_kernels: CpuKernels | None) -> Targ
         return _load_hf_dir(_smollm2_dir(), name=SMOLLM2, dtype=dtype, cpu_kernels=cpu_kernels)
     if base in TINY_SPECS:
         return tiny_target(base, cpu_kernels=cpu_kernels, **_parse_options(spec, options))
+    source = _hf_source(spec)
+    name = source.name if isinstance(source, Path) else source
+    return _load_hf_dir(source, name=name, dtype=dtype, cpu_kernels=cpu_kernels)
+
+
+def _hf_source(spec: str) -> Path | str:
+    """A spec that is neither the bundled default nor a tiny model: a HF directory or a hub id."""
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise DRelayError(f"target directory '{spec}' has no config.json")
-        return _load_hf_dir(path, name=path.name, dtype=dtype, cpu_kernels=cpu_kernels)
+        return path
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
-        return _load_hf_dir(spec, name=spec, dtype=dtype, cpu_kernels=cpu_kernels)
+        return spec
     raise DRelayError(
         f"unknown target '{spec}': expected {SMOLLM2}, {', '.join(TINY_SPECS)}, "
         "a Hugging Face model directory, or a hub id 'org/name'"
     )
 
 
+def load_target_config(spec: str):
+    """The Hugging Face config of the target `spec` names (architecture, sizes, context length),
+    without loading its weights: what a command needs to know about a target it does not run."""
+    from transformers import AutoConfig
+
+    base, _, options = spec.partition(":")
+    if base in TINY_SPECS:
+        return _tiny_config(base, {**_TINY_DEFAULTS, **_parse_options(spec, options)})
+    source = _smollm2_dir() if base == SMOLLM2 else _hf_source(spec)
+    try:
+        return AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DRelayError(f"cannot load target '{spec}': {first_line}") from exc
+
+
 def tiny_target(arch: str = "tiny-llama", *, cpu_kernels: CpuKernels | None = None, **options: int) -> TargetModel:
     """A deterministic random target for tests (2 layers, width 64 by default; GQA with 4/2 heads),
     with `cpu_kernels` (default: `CpuKernels.from_env()`)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
     o = {**_TINY_DEFAULTS, **options}
+    config = _tiny_config(arch, o)
+    torch.manual_seed(o["seed"])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    name = f"{arch}:" + ",".join(f"{k}={v}" for k, v in sorted(options.items()))
+    return TargetModel(model, name=name, cpu_kernels=cpu_kernels)
+
+
+def _tiny_config(arch: str, o: dict[str, int]):
+    """The HF config of a tiny test target with options `o` (`_TINY_DEFAULTS` filled in)."""
+    from transformers import LlamaConfig, Qwen3Config
+
     common = dict(
         vocab_size=o["vocab"],
         hidden_size=o["hidden"],
@@ -100,13 +134,8 @@ def tiny_target(arch: str = "tiny-llama", *, cpu_kernels: CpuKernels | None = No
         initializer_range=0.2,
     )
     if arch == "tiny-qwen3":
-        config = Qwen3Config(**common, head_dim=o["hidden"] // o["heads"])
-    else:
-        config = LlamaConfig(**common)
-    torch.manual_seed(o["seed"])
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    name = f"{arch}:" + ",".join(f"{k}={v}" for k, v in sorted(options.items()))
-    return TargetModel(model, name=name, cpu_kernels=cpu_kernels)
+        return Qwen3Config(**common, head_dim=o["hidden"] // o["heads"])
+    return LlamaConfig(**common)
 
 
 def _parse_options(spec: str, options: str) -> dict[str, int]:

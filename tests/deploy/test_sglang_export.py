@@ -159,22 +159,34 @@ def test_export_into_an_empty_directory_and_function_api(target, tmp_path):
 
 
 def test_drelay_export_command_writes_the_same_directory(tmp_path, capsys):
-    """`drelay export` (the CLI entry users run) exports, and refuses to overwrite in one line."""
+    """`drelay export` (the CLI entry users run) exports, and refuses to overwrite in one line. The
+    context length defaults to the target's (`--target`), and a given one is checked against it."""
     from drelay_model.drafter import BlockDrafter, DrafterConfig, save_drafter
     from drelay_model.target import tiny_target
     from cli import main
 
-    tiny = tiny_target("tiny-llama", layers=4)
+    tiny = tiny_target("tiny-llama", layers=4)  # max_position_embeddings 1024
     save_drafter(BlockDrafter(DrafterConfig.for_target(tiny, num_layers=1), tiny), tmp_path / "ckpt")
-    assert main(["export", "--format", "sglang", "--context-length", "4096", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
-    assert (tmp_path / "out" / "config.json").is_file()
-    assert main(["export", "--format", "sglang", "--context-length", "4096", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert "already exists" in err and err.count("\n") == 1
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["max_position_embeddings"] == 4096
-    assert main(["export", "--format", "sglang", str(tmp_path / "ckpt"), str(tmp_path / "out2")]) == 2
-    err = capsys.readouterr().err
-    assert "--context-length" in err and err.count("\n") == 1 and not (tmp_path / "out2").exists()
+    ckpt, target = str(tmp_path / "ckpt"), ["--target", "tiny-llama:layers=4"]
+
+    def export(*args: str) -> tuple[int, str]:
+        rc = main(["export", "--format", "sglang", *args])
+        return rc, capsys.readouterr().err
+
+    def carried(out: str) -> int:
+        return json.loads((tmp_path / out / "config.json").read_text())["max_position_embeddings"]
+
+    assert export(*target, ckpt, str(tmp_path / "out"))[0] == 0 and carried("out") == 1024  # the target's own
+    rc, err = export(*target, ckpt, str(tmp_path / "out"))
+    assert rc == 2 and "already exists" in err and err.count("\n") == 1
+    assert export(*target, "--context-length", "512", ckpt, str(tmp_path / "short"))[0] == 0 and carried("short") == 512
+    rc, err = export(*target, "--context-length", "4096", ckpt, str(tmp_path / "long"))
+    assert rc == 2 and "--context-length: 4096 exceeds the target's context length 1024" in err and err.count("\n") == 1
+    rc, err = export(*target, "--context-length", "0", ckpt, str(tmp_path / "zero"))
+    assert rc == 2 and "--context-length" in err and err.count("\n") == 1
+    rc, err = export("--target", "tiny-llama:layers=6", ckpt, str(tmp_path / "other"))  # not the drafter's target
+    assert rc == 2 and err.startswith("drelay: error: --target:") and err.count("\n") == 1
+    assert not any((tmp_path / name).exists() for name in ("long", "zero", "other"))
 
 
 def test_export_is_bf16_by_default_with_a_matching_torch_dtype(target, tmp_path):

@@ -205,3 +205,12 @@ def test_packed_linear_built_under_inference_mode_runs_unpacked(packed_target):
         torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
         lin.weight.mul_(2.0)
         torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+
+
+def test_a_target_config_loads_without_weights():
+    from drelay_model.target.loading import load_target_config
+
+    config = load_target_config("tiny-qwen3:layers=3")
+    assert (config.model_type, config.num_hidden_layers, config.max_position_embeddings) == ("qwen3", 3, 1024)
+    with pytest.raises(DRelayError, match="unknown target 'no-such-model'"):
+        load_target_config("no-such-model")
