@@ -4,7 +4,8 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-DEMO_MESSAGE ?= Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?
+# A held-out prompt: a GSM8K test question, in no training file (tests/pipelines/test_demo_prompt.py).
+DEMO_MESSAGE ?= A treasure hunter found a buried treasure chest filled with gems. There were 175 diamonds, 35 fewer rubies than diamonds, and twice the number of emeralds than the rubies. How many of the gems were there in the chest?
 
 .PHONY: install demo test test-heavy lint bench clean vllm-env test-vllm sglang-env test-sglang gpu-versions-env test-gpu-versions
 

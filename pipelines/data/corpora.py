@@ -192,6 +192,17 @@ _SOURCES: dict[str, _Source] = {
 }
 
 
+def source_file(name: str, *, data_dir: str | Path | None = None, benchmarks_dir: str | Path | None = None) -> Path:
+    """The file a built-in source is read from: under `data_dir` (default `default_train_dir()`), or
+    under `benchmarks_dir` (default `eval_sets.default_data_dir()`) for a file shared with an eval set."""
+    spec = _SOURCES[name]
+    if spec.root == "train":
+        root = default_train_dir() if data_dir is None else Path(data_dir).expanduser()
+    else:
+        root = default_data_dir() if benchmarks_dir is None else Path(benchmarks_dir).expanduser()
+    return root / spec.relpath
+
+
 # --- ShareGPT-style files ------------------------------------------------------------------------
 
 
@@ -349,13 +360,11 @@ def load_training_corpus(
         )
     if len(set(names)) != len(names):
         raise DRelayError(f"training sources repeated: {list(names)}")
-    train_dir = default_train_dir() if data_dir is None else Path(data_dir).expanduser()
     bench_dir = default_data_dir() if benchmarks_dir is None else Path(benchmarks_dir).expanduser()
     conversations: list[Conversation] = []
     for name in names:
-        spec = _SOURCES[name]
-        path = (train_dir if spec.root == "train" else bench_dir) / spec.relpath
-        loaded = spec.parse(list(read_rows(path)))
+        path = source_file(name, data_dir=data_dir, benchmarks_dir=bench_dir)
+        loaded = _SOURCES[name].parse(list(read_rows(path)))
         if not loaded:
             raise DRelayError(f"no {name} training conversations in {path}")
         conversations.extend(loaded)
