@@ -15,8 +15,9 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from drelay_model.errors import DRelayError
-from cli.options import (add_benchmark_set, add_max_new_tokens, add_run_outputs, add_target, add_threads, add_verify_length,
-                                   check_limit, decode_config, parse_ints, split_list, thread_policy)  # fmt: skip
+from cli.options import (add_benchmark_set, add_bootstrap_options, add_max_new_tokens, add_run_outputs, add_target, add_threads,
+                         add_verify_length, bootstrap_options, check_limit, decode_config, parse_ints, split_list,
+                         thread_policy)  # fmt: skip
 from pipelines.common.methods import AR, NATIVE, MethodSpec, check_method, load_target_spec, method_names, resolve_method
 from pipelines.common.outputs import ensure_writable_dir, local_dir, resolve_path
 from pipelines.common.signals import sigterm_as_exit
@@ -47,8 +48,10 @@ def add_parser(sub) -> None:
     p.add_argument("--concurrency", default="1", help="comma list of simultaneous requests; the first gives τ and S")
     p.add_argument("--no-diagnostics", action="store_true", help="skip greedy replay (replay τ, oracle τ, coverage)")
     p.add_argument("--timing", choices=TIMINGS, default="paired",
-                   help="paired (default): AR re-decodes each prompt back to back with the method, S = median of paired "
-                        "ratios; phased: S from AR's own cell (half the AR time, but other load can skew it)")  # fmt: skip
+                   help="paired (default): AR re-decodes each prompt back to back with the method, S = the method's "
+                        "tokens/s ÷ AR's, each pooled over those prompt-turns; phased: S from AR's own cell (half the "
+                        "AR time, but other load can skew it)")  # fmt: skip
+    add_bootstrap_options(p)
     add_run_outputs(p, kind="eval", experiment=DEFAULT_EXPERIMENT)
     p.set_defaults(run=run)
 
@@ -97,6 +100,7 @@ def build_config(args: argparse.Namespace) -> EvalConfig:
 
 def run(args: argparse.Namespace) -> int:
     config = build_config(args)
+    bootstrap = bootstrap_options(args)
     run_name = args.run_name or config.default_run_name()
     if any(q in run_name for q in "'\"`"):
         raise DRelayError(f"--run-name must not contain quotes, got {run_name!r}")
@@ -111,7 +115,12 @@ def run(args: argparse.Namespace) -> int:
     evaluation.check_prompt_lengths()
     with sigterm_as_exit(), ExitStack() as stack:
         summary = run_session(
-            evaluation, run_name=run_name, out_dir=out_dir, experiment=None if args.no_mlflow else args.experiment, stack=stack
+            evaluation,
+            run_name=run_name,
+            out_dir=out_dir,
+            experiment=None if args.no_mlflow else args.experiment,
+            stack=stack,
+            bootstrap=bootstrap,
         )
     print(summary.text)
     for line in summary.warnings:

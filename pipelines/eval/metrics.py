@@ -2,9 +2,12 @@
 
 Per cell (one benchmark, one method), at the primary concurrency (the first `--concurrency`):
     tau, tau_std             committed tokens per round, mean ± std over seeds (real decoding)
-    speedup                  paired timing (the default, timing.py): the median over prompt-turns of
-                             S_p = method tokens/s ÷ AR tokens/s on the same prompt-turn, back to back;
-                             speedup_p25, speedup_p75 its spread. Phased timing: as speedup_phased.
+    speedup                  paired timing (the default, timing.py): method tokens/s ÷ AR tokens/s,
+                             each pooled over the prompt-turns (Σ tokens ÷ Σ seconds) that the two
+                             decoded back to back; mean over seeds. Phased timing: as speedup_phased.
+    tau_ci_low, tau_ci_high, speedup_ci_low, speedup_ci_high
+                             the 95% intervals of τ and S, resampled over the benchmark's prompts,
+                             paired with AR for S (prompt_intervals.py); absent without per-prompt counts
     speedup_phased, speedup_std   S = method tokens/s ÷ AR tokens/s of whole passes (AR's own cell),
                              same benchmark, seed and concurrency, prefill included; mean ± std over seeds
     other_cpu_share          CPU share of other processes while the cell ran (0 = a quiet machine)
@@ -20,22 +23,24 @@ Per cell (one benchmark, one method), at the primary concurrency (the first `--c
     coverage_first_error, coverage_first_base_error, one_edit_gain   (drelay_model.diagnostics)
 
 Per method, over benchmarks: `<benchmark>/<name>` for the headline names, `mean_<name>` (the
-arithmetic mean over benchmarks, as in the paper's Avg. column) and pooled `slot_acceptance/NN`,
+arithmetic mean over benchmarks, as in the paper's Avg. column; `mean_tau` and `mean_speedup` with
+their `_ci_low` / `_ci_high`, every benchmark resampled at once) and pooled `slot_acceptance/NN`,
 `ms_*`, `throughput/cN`, `speedup/cN` (all benchmarks' rounds and seconds summed).
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from drelay_model.diagnostics import selection_efficiency
 from drelay_model.decoding.stats import DecodeStats
+from pipelines.eval.prompt_intervals import cell_intervals, interval_metrics, mean_intervals
 from pipelines.eval.results import CellResult
-from pipelines.eval.timing import median_spread, paired_ratios
 
 BENCHMARK_METRICS = (
-    "tau", "tau_std", "speedup", "speedup_std", "speedup_p25", "speedup_p75", "speedup_phased",
+    "tau", "tau_std", "tau_ci_low", "tau_ci_high", "speedup", "speedup_std", "speedup_ci_low", "speedup_ci_high",
+    "speedup_phased",
     "other_cpu_share", "tokens_per_s", "matches_ar",
     "tau_replay", "tau_replay_gap", "oracle_tau", "efficiency",
     "coverage_first_error", "coverage_first_base_error", "one_edit_gain",
@@ -79,16 +84,31 @@ def timing_metrics(totals: DecodeStats) -> dict[str, float]:
     return out
 
 
-def cell_metrics(cell: CellResult, ar: CellResult, concurrency_levels: Sequence[int]) -> dict[str, float]:
-    """The flat metrics of one cell (names in the module docstring); AR's own cell has S = 1."""
+def _paired(cell: CellResult) -> bool:
+    """Whether the cell's prompt-turns were timed back to back with AR (paired timing)."""
+    return any(r.ar_wall_s is not None for r in cell.prompts)
+
+
+def _interval_names(cell: CellResult, concurrency_levels: Sequence[int]) -> tuple[str, ...]:
+    """Which intervals match the cell's printed point: S's only when it is paired, or phased with each
+    prompt decoded alone (then the prompts' times sum to the passes' that phased S divides)."""
+    return ("tau", "speedup") if _paired(cell) or concurrency_levels[0] == 1 else ("tau",)
+
+
+def cell_metrics(
+    cell: CellResult, ar: CellResult, concurrency_levels: Sequence[int], *, bootstrap: Mapping[str, int] | None = None
+) -> dict[str, float]:
+    """The flat metrics of one cell (names in the module docstring); AR's own cell has S = 1.
+    `bootstrap`: the intervals' `resamples` and `seed` (default: `pipelines.common.intervals`')."""
     c0 = concurrency_levels[0]
     at_c0 = _passes_at(cell, c0)
     tau, tau_std = mean_std([t.tau for t in at_c0.values()])
     s, s_std = mean_std(speedups(cell, ar, c0))
     out = {"tau": tau, "tau_std": tau_std, "speedup": s, "speedup_std": s_std, "speedup_phased": s}
-    paired = paired_ratios(cell.prompts)
-    if paired:
-        out["speedup"], out["speedup_p25"], out["speedup_p75"] = median_spread(paired)
+    intervals = cell_intervals(cell, ar, _interval_names(cell, concurrency_levels), **(bootstrap or {}))
+    if _paired(cell) and "speedup" in intervals:
+        out["speedup"] = intervals["speedup"].point
+    out.update(interval_metrics(intervals))
     if cell.other_cpu_share is not None:
         out["other_cpu_share"] = cell.other_cpu_share
     out["tokens_per_s"] = statistics.fmean(t.tokens_per_second for t in at_c0.values()) if at_c0 else 0.0
@@ -130,17 +150,23 @@ def _matches(cell: CellResult, ar: CellResult) -> float | None:
 
 
 def method_metrics(
-    cells: Sequence[CellResult], ar_cells: dict[str, CellResult], concurrency_levels: Sequence[int]
+    cells: Sequence[CellResult],
+    ar_cells: dict[str, CellResult],
+    concurrency_levels: Sequence[int],
+    *,
+    bootstrap: Mapping[str, int] | None = None,
 ) -> dict[str, float]:
     """One method's row over benchmarks: `<benchmark>/<name>`, `mean_<name>` and pooled metrics."""
     out: dict[str, float] = {}
-    per_bench = {c.benchmark: cell_metrics(c, ar_cells[c.benchmark], concurrency_levels) for c in cells}
+    per_bench = {c.benchmark: cell_metrics(c, ar_cells[c.benchmark], concurrency_levels, bootstrap=bootstrap) for c in cells}
     for bench, m in per_bench.items():
         out.update({f"{bench}/{k}": m[k] for k in BENCHMARK_METRICS if k in m})
     for k in MEAN_METRICS:
         values = [m[k] for m in per_bench.values() if k in m]
         if values and len(values) == len(per_bench):
             out[f"mean_{k}"] = statistics.fmean(values)
+    names = [n for n in ("tau", "speedup") if all(f"{n}_ci_low" in m for m in per_bench.values())]
+    out.update(interval_metrics(mean_intervals(cells, ar_cells, names, **(bootstrap or {}))))
     c0 = concurrency_levels[0]
     totals = pooled(cells, c0)
     if totals is not None:

@@ -6,8 +6,9 @@ pipelines/eval/metrics.py). The same rows come from an evaluation in memory or f
 (`rows_from_mlflow`), so `drelay eval` and `drelay report` print the same table.
 
 Layout: one row per speculative method (AR is the reference, S = τ = 1, and is left out);
-per benchmark `S` then `τ`; `Avg.` = the arithmetic mean over the listed benchmarks. At T > 0 each
-number is mean ± std over seeds. A second table gives each method's relative improvement over each
+per benchmark `S` then `τ`; `Avg.` = the arithmetic mean over the listed benchmarks. A number with
+its 95% interval (`_ci_low`, `_ci_high`, pipelines/eval/prompt_intervals.py) reads `1.21× [1.15, 1.27]`;
+at T > 0 each number is mean ± std over seeds. A second table gives each method's relative improvement over each
 other in mean S and mean τ: (a / b − 1) × 100 %.
 """
 
@@ -45,12 +46,24 @@ class ComparisonTable:
 
 
 def _fmt(m: dict[str, float], key: str, *, times: bool) -> str:
+    """`1.21× ± 0.03 [1.15, 1.27]`: the value, ± its std over seeds when non-zero, its 95% interval when logged."""
     v = m.get(key)
     if v is None:
         return "–"
-    text = f"{v:.2f}{'×' if times else ''}"
+    unit = "×" if times else ""
+    text = f"{v:.2f}{unit}"
     std = m.get(f"{key}_std")
-    return f"{text} ± {std:.2f}" if std else text
+    text += f" ± {std:.2f}" if std else ""
+    low, high = m.get(f"{key}_ci_low"), m.get(f"{key}_ci_high")
+    return text + (f" [{low:.2f}, {high:.2f}]" if low is not None and high is not None else "")
+
+
+def interval_note(bootstrap: dict[str, object]) -> str:
+    """The note under a table whose numbers carry intervals; `bootstrap`: its `resamples` and `seed`."""
+    return (
+        "[low, high]: 95% interval, bootstrap over each benchmark's prompts (paired with AR for S; Avg.: every "
+        f"benchmark resampled at once), {bootstrap['resamples']} resamples, seed {bootstrap['seed']}."
+    )
 
 
 def markdown_table(table: ComparisonTable) -> str:
@@ -70,15 +83,16 @@ def markdown_table(table: ComparisonTable) -> str:
 
 
 def csv_rows(table: ComparisonTable) -> list[dict[str, object]]:
-    """One dict per method: <bench>_S, <bench>_tau (and _std), avg_S, avg_tau."""
+    """One dict per method: <bench>_S, <bench>_tau (each with _std, _ci_low, _ci_high), avg_S, avg_tau (with _ci_…)."""
     out = []
     for row in table.rows:
+        columns = [(f"{b}/{key}", f"{b}_{col}") for b in table.benchmarks for key, col in (("speedup", "S"), ("tau", "tau"))]
+        columns += [("mean_speedup", "avg_S"), ("mean_tau", "avg_tau")]
         d: dict[str, object] = {"method": row.label}
-        for b in table.benchmarks:
-            for key, col in ((f"{b}/speedup", f"{b}_S"), (f"{b}/tau", f"{b}_tau")):
-                d[col] = row.metrics.get(key)
-                d[f"{col}_std"] = row.metrics.get(f"{key}_std")
-        d["avg_S"], d["avg_tau"] = row.metrics.get("mean_speedup"), row.metrics.get("mean_tau")
+        for key, col in columns:
+            for suffix in ("", "_std", "_ci_low", "_ci_high"):
+                if suffix != "_std" or not key.startswith("mean_"):
+                    d[f"{col}{suffix}"] = row.metrics.get(f"{key}{suffix}")
         out.append(d)
     return out
 

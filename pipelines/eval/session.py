@@ -11,6 +11,7 @@ Files under `out_dir` (also logged to the parent MLflow run):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,8 @@ from pipelines.eval.plots import plot_all
 from pipelines.eval.results import CellResult
 from pipelines.eval.tracking import KIND, LEVEL_TAG, EvalTracker, write_json
 from pipelines.eval.runner import CellKey, EvalConfig, Evaluation
-from pipelines.eval.report import ComparisonTable, MethodRow, render, write_report
+from pipelines.eval.report import ComparisonTable, MethodRow, interval_note, render, write_report
+from pipelines.common.intervals import DEFAULT_RESAMPLES, DEFAULT_SEED
 from pipelines.common.methods import AR
 from pipelines.common.tracking import fail_stale_runs, get_client, git_commit, hardware_description, tracked_run
 
@@ -74,17 +76,26 @@ def connect(experiment: str, run_name: str):
 
 
 def run_session(
-    evaluation: Evaluation, *, run_name: str, out_dir: Path, experiment: str | None, stack: ExitStack
+    evaluation: Evaluation,
+    *,
+    run_name: str,
+    out_dir: Path,
+    experiment: str | None,
+    stack: ExitStack,
+    bootstrap: Mapping[str, int] | None = None,
 ) -> SessionSummary:
-    """Run all cells; with `experiment`, inside a tracked parent run (ended by `stack`'s owner)."""
+    """Run all cells; with `experiment`, inside a tracked parent run (ended by `stack`'s owner).
+    `bootstrap`: the 95% intervals' `resamples` and `seed` (default: `pipelines.common.intervals`')."""
     c = evaluation.config
+    bootstrap = with_defaults(bootstrap)
+    params = {**c.as_params(), "bootstrap_resamples": str(bootstrap["resamples"]), "bootstrap_seed": str(bootstrap["seed"])}
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / "config.json", {"run_name": run_name, **c.as_params()})
+    write_json(out_dir / "config.json", {"run_name": run_name, **params})
     tracker, ar_cells, loaded_count = None, {}, [0]
     if experiment is not None:
         client = connect(experiment, run_name)
         parent = stack.enter_context(
-            tracked_run(experiment, run_name=run_name, tags=eval_tags(c, run_name, out_dir), params=c.as_params(), client=client)
+            tracked_run(experiment, run_name=run_name, tags=eval_tags(c, run_name, out_dir), params=params, client=client)
         )
         tracker = EvalTracker(parent, stack, dict(c.checkpoints))
 
@@ -93,12 +104,12 @@ def run_session(
             ar_cells[cell.benchmark] = cell
         loaded_count[0] += int(loaded)
         if tracker is not None:
-            metrics = cell_metrics(cell, ar_cells[cell.benchmark], c.concurrency)
+            metrics = cell_metrics(cell, ar_cells[cell.benchmark], c.concurrency, bootstrap=bootstrap)
             store_path = evaluation.store.path(cell.benchmark, cell.method)
             tracker.log_cell(cell, metrics, loaded=loaded, cell_file=store_path, work_dir=out_dir)
 
     cells = evaluation.run(on_cell=on_cell)
-    summary = summarize(evaluation, cells, out_dir, run_name)
+    summary = summarize(evaluation, cells, out_dir, run_name, bootstrap)
     summary.resumed_cells = loaded_count[0]
     if tracker is not None:
         tracker.parent.set_tags({"drelay.resumed_cells": summary.resumed_cells})
@@ -110,11 +121,24 @@ def run_session(
     return summary
 
 
-def summarize(evaluation: Evaluation, cells: dict[CellKey, CellResult], out_dir: Path, run_name: str) -> SessionSummary:
+def with_defaults(bootstrap: Mapping[str, int] | None) -> dict[str, int]:
+    """The intervals' bootstrap options, `pipelines.common.intervals`' defaults filled in."""
+    return {"resamples": DEFAULT_RESAMPLES, "seed": DEFAULT_SEED, **(bootstrap or {})}
+
+
+def summarize(
+    evaluation: Evaluation,
+    cells: dict[CellKey, CellResult],
+    out_dir: Path,
+    run_name: str,
+    bootstrap: Mapping[str, int] | None = None,
+) -> SessionSummary:
     """Per-method metrics, summary.json, report files and plots; warnings for broken invariants."""
-    c = evaluation.config
+    c, bootstrap = evaluation.config, with_defaults(bootstrap)
     ar_cells = {b: cells[(b, AR)] for b in c.benchmarks}
-    per_method = {m: method_metrics([cells[(b, m)] for b in c.benchmarks], ar_cells, c.concurrency) for m in c.methods}
+    per_method = {
+        m: method_metrics([cells[(b, m)] for b in c.benchmarks], ar_cells, c.concurrency, bootstrap=bootstrap) for m in c.methods
+    }
     n_prompts = sum(len(evaluation.prompts[b]) for b in c.benchmarks)
     title = title_of(c, n_prompts)
     ar_tps = per_method[AR].get(f"throughput/c{c.concurrency[0]}", 0.0)
@@ -124,6 +148,8 @@ def summarize(evaluation: Evaluation, cells: dict[CellKey, CellResult], out_dir:
         "τ = committed tokens per verification round (accepted drafts + the target's token)"
         + (f"; mean ± std over seeds {list(c.run_seeds)}." if len(c.run_seeds) > 1 else "."),
     ]
+    if any(k.endswith("_ci_low") for m in per_method.values() for k in m):
+        notes.append(interval_note(bootstrap))
     table = ComparisonTable(c.benchmarks, [MethodRow(m, per_method[m]) for m in c.methods if m != AR], notes)
     files = [write_json(out_dir / "summary.json", per_method), out_dir / "config.json"]
     files += write_report(table, out_dir, title)

@@ -2,10 +2,11 @@
 
     <run-name>                  parent (drelay.level=evaluation): tags target, methods, checkpoint,
     │                           hardware, git commit, temperature; params = the EvalConfig;
-    │                           metrics `<method>/mean_tau`, `<method>/mean_speedup`; artifacts:
+    │                           metrics `<method>/mean_tau`, `<method>/mean_speedup` (+ _ci_low,
+    │                           _ci_high: their 95% intervals); artifacts:
     │                           report.md/csv, relative.csv, plots/*.png, config.json, summary.json
     └── <method>                one per method (drelay.level=method) = one Table-1 row:
-        │                       `<benchmark>/tau`, `<benchmark>/speedup` (+ _std, tokens_per_s,
+        │                       `<benchmark>/tau`, `<benchmark>/speedup` (+ _std, _ci_low, _ci_high, tokens_per_s,
         │                       tau_replay, oracle_tau, efficiency, coverage…, one_edit_gain),
         │                       `mean_tau`, `mean_speedup` (headline copies: `tau`, `speedup`), `mean_…`, pooled slot_acceptance/NN,
         │                       ms_draft|select|verify|other, throughput/cN, speedup/cN
@@ -29,10 +30,11 @@ from drelay_model.errors import DRelayError
 from pipelines.common.methods import AR
 from pipelines.common.provenance import checkpoint_run_tag
 from pipelines.common.tracking import PARENT_TAG, TrackedRun
-from pipelines.eval.report import ComparisonTable, MethodRow
+from pipelines.eval.report import ComparisonTable, MethodRow, interval_note
 from pipelines.eval.results import CellResult
 
 LEVEL_TAG = "drelay.level"
+HEADLINE = tuple(f"mean_{n}{suffix}" for n in ("tau", "speedup") for suffix in ("", "_ci_low", "_ci_high"))
 KIND = ("drelay.kind", "eval")
 
 
@@ -74,8 +76,10 @@ class EvalTracker:
 
     def log_summary(self, method_metrics: dict[str, dict[str, float]], files: list[Path], plots: list[Path]) -> None:
         for method, m in method_metrics.items():
-            self.method_run(method).log_metrics({**m, "tau": m.get("mean_tau"), "speedup": m.get("mean_speedup")})  # headline
-            self.parent.log_metrics({f"{method}/mean_tau": m.get("mean_tau"), f"{method}/mean_speedup": m.get("mean_speedup")})
+            # headline copies: tau, speedup (and their _ci_low / _ci_high) = the means over benchmarks
+            headline = {k[len("mean_") :]: m[k] for k in HEADLINE if k in m}
+            self.method_run(method).log_metrics({**m, **headline})
+            self.parent.log_metrics({f"{method}/mean_{k}": v for k, v in headline.items()})
         for f in files:
             self.parent.log_artifact(f)
         for p in plots:
@@ -161,4 +165,9 @@ def build_table(client, experiment: str, refs: list[str]) -> tuple[ComparisonTab
         titles.append(f"{name} ({tags.get('drelay.target', '?')}, T={tags.get('drelay.temperature', '?')}, "
                       f"checkpoint {tags.get('drelay.checkpoint', '?')}, {tags.get('drelay.hardware', '?')})")  # fmt: skip
     notes = ["S = tokens/s ÷ AR tokens/s (same engine and hardware, prefill included); τ = tokens committed per round."]
+    if any(k.endswith("_ci_low") for r in rows for k in r.metrics):
+        params = parents[0].data.params
+        notes.append(
+            interval_note({"resamples": params.get("bootstrap_resamples", "?"), "seed": params.get("bootstrap_seed", "?")})
+        )
     return ComparisonTable(benchmarks, rows, notes), "; ".join(titles), everything

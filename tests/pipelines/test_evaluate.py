@@ -84,7 +84,7 @@ def test_speedup_is_the_tokens_per_second_ratio_per_seed():
     assert row["speedup/c4"] == pytest.approx((150 / 2.0) / (150 / 3.0))  # pooled tokens/s ratio
 
 
-def test_paired_speedup_is_the_median_of_per_prompt_ratios():
+def test_paired_speedup_is_the_pooled_rate_ratio_with_its_interval():
     from pipelines.eval.results import PromptRecord
 
     ar = _cell("gsm8k", "ar", {(0, 1): (100, 10.0, 99, 99)})
@@ -96,9 +96,10 @@ def test_paired_speedup_is_the_median_of_per_prompt_ratios():
     ]
     m.other_cpu_share = 0.25
     got = cell_metrics(m, ar, (1,))
-    ratios = sorted([1.5, 1.0, 3.0, 0.5, 1.2])
-    assert got["speedup"] == pytest.approx(statistics.median(ratios)) and got["speedup_phased"] == pytest.approx(5.0)
-    assert got["speedup_p25"] == pytest.approx(1.0) and got["speedup_p75"] == pytest.approx(1.5)
+    pooled = (55 / 6.0) / (55 / 7.7)  # Σ tokens ÷ Σ seconds, the method's over AR's
+    assert got["speedup"] == pytest.approx(pooled) and got["speedup_phased"] == pytest.approx(5.0)
+    assert got["speedup_ci_low"] < pooled < got["speedup_ci_high"]
+    assert "tau_ci_low" not in got  # these records carry no rounds
     assert got["other_cpu_share"] == 0.25
 
 
@@ -270,6 +271,12 @@ def test_mlflow_layout_of_an_evaluation(uri, data_dir, tmp_path, capsys):
     cell = cells["gsm8k/native"]
     assert cell.data.tags["mlflow.parentRunId"] == methods["native"].info.run_id
     assert {"tau", "speedup", "tau_replay", "oracle_tau", "slot_acceptance"} <= set(cell.data.metrics)
+    for name in ("tau", "speedup"):  # 95% intervals beside each, in every run that logs the metric
+        assert cell.data.metrics[f"{name}_ci_low"] <= cell.data.metrics[name] <= cell.data.metrics[f"{name}_ci_high"]
+        assert native[f"gsm8k/{name}_ci_low"] == cell.data.metrics[f"{name}_ci_low"]
+        assert native[f"mean_{name}_ci_low"] <= native[f"mean_{name}"] <= native[f"mean_{name}_ci_high"]
+        assert parent.data.metrics[f"native/mean_{name}_ci_high"] == native[f"mean_{name}_ci_high"] == native[f"{name}_ci_high"]
+    assert parent.data.params["bootstrap_resamples"] == "2000" and parent.data.params["bootstrap_seed"] == "0"
     assert {"prompts.json", "prompts", "cells"} <= {f.path for f in client.list_artifacts(cell.info.run_id)}
     assert parent.data.metrics["native/mean_tau"] == native["mean_tau"]
     plots = {f.path for f in client.list_artifacts(parent.info.run_id, "plots")}
@@ -317,6 +324,7 @@ def test_interrupted_evaluation_leaves_no_running_run_and_resumes(uri, data_dir,
         (["--seeds", "a,b"], "--seeds: expected integers"),
         (["--max-new-tokens", "1000"], "leaves room for at most"),
         (["--run-name", "it's"], "must not contain quotes"),
+        (["--bootstrap-resamples", "99"], "--bootstrap-resamples must be ≥ 100, got 99"),
     ],
 )
 def test_bad_input_is_one_line_and_starts_no_run(uri, data_dir, tmp_path, capsys, extra, message):
@@ -397,3 +405,7 @@ def test_eval_resumes_from_cell_files_of_an_older_layout(tmp_path, capsys, monke
     assert summary.keys() == old.keys()
     for method, metrics in old.items():  # each of those metrics, unchanged (the summary may add more)
         assert {k: summary[method][k] for k in metrics} == pytest.approx(metrics), method
+    # the old cells carry each prompt's rounds and times: τ and S get their intervals from them
+    native = summary["native"]
+    for name in ("gsm8k/tau", "gsm8k/speedup", "mean_tau", "mean_speedup"):
+        assert native[f"{name}_ci_low"] <= native[name] <= native[f"{name}_ci_high"], name

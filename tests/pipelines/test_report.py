@@ -56,7 +56,7 @@ def test_report_files(tmp_path):
     assert [p.name for p in paths] == ["report.md", "report.csv", "relative.csv"]
     rows = list(csv.DictReader((tmp_path / "report.csv").open()))
     assert rows[0]["method"] == "native" and float(rows[0]["gsm8k_S"]) == 2.0 and float(rows[1]["avg_tau"]) == 4.5
-    assert list(rows[0])[:5] == ["method", "gsm8k_S", "gsm8k_S_std", "gsm8k_tau", "gsm8k_tau_std"]
+    assert list(rows[0])[:6] == ["method", "gsm8k_S", "gsm8k_S_std", "gsm8k_S_ci_low", "gsm8k_S_ci_high", "gsm8k_tau"]
     assert csv_rows(_table())[1]["mbpp_S"] is None
     rel = list(csv.DictReader((tmp_path / "relative.csv").open()))
     assert len(rel) == 2 and {"rel_S_pct", "rel_tau_pct"} <= set(rel[0])
@@ -95,7 +95,11 @@ def test_report_reads_the_latest_or_a_named_evaluation(store, capsys, monkeypatc
     assert out.startswith("## second (tiny-llama, T=0, checkpoint random")
     assert "| Method | GSM8K S | GSM8K τ | Avg. S | Avg. τ |" in out and "| native | " in out
     expected = json.loads((root / "second" / "summary.json").read_text())["native"]
-    assert f"| native | {expected['gsm8k/speedup']:.2f}× | {expected['gsm8k/tau']:.2f} |" in out
+    s, tau = (f"{expected[f'gsm8k/{k}']:.2f} [{expected[f'gsm8k/{k}_ci_low']:.2f}, {expected[f'gsm8k/{k}_ci_high']:.2f}]"
+              for k in ("speedup", "tau"))  # fmt: skip
+    assert s.startswith(f"{expected['gsm8k/speedup']:.2f} [")
+    assert f"| native | {s.replace(' [', '× [', 1)} | {tau} |" in out  # each with its 95% interval
+    assert "95% interval, bootstrap over each benchmark's prompts" in out and "2000 resamples, seed 0" in out
     first_id = (
         get_client()
         .search_runs([get_client().get_experiment_by_name("drelay-eval").experiment_id], "attributes.run_name = 'first'")[0]
