@@ -15,10 +15,15 @@ def slot_weights(H: int, decay: float | None) -> torch.Tensor:
     return torch.ones(H) if decay is None else torch.exp(-i / decay)
 
 
-def lr_at(step: int, *, base: float, warmup: int, total: int) -> float:
-    """Linear warm-up, then cosine decay to `LR_FLOOR` of the base rate at step `total`."""
-    if step < warmup:
-        return base * (step + 1) / warmup
+def lr_at(step: int, *, base: float, warmup: int, total: int, taken: int | None = None) -> float:
+    """Linear warm-up over the first `warmup` optimizer steps, then cosine decay to `LR_FLOOR` of the
+    base rate at step `total`. `step` is the schedule's step; `taken` the optimizer steps actually
+    taken (default: `step`). They differ under a time budget, where the schedule's step follows the
+    budget spent (`max_steps · spent / budget`) and runs far ahead of the steps taken: the warm-up
+    still lasts `warmup` real steps."""
+    taken = step if taken is None else taken
+    if taken < warmup:
+        return base * (taken + 1) / warmup
     progress = min((step - warmup) / max(total - warmup, 1), 1.0)
     return base * (LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress)))
 

@@ -175,7 +175,7 @@ def _schedule(cfg: RunConfig, clock, cooldown: Cooldown | None, step: int) -> tu
     binds first), or during a cool-down every ramp at its end (progress 1) and its falling rate."""
     if cooldown is not None:
         return 1.0, cooldown.lr(step, clock.spent, base=cfg.train.lr)
-    lr = lr_at(clock.schedule_step(step), base=cfg.train.lr, warmup=cfg.train.warmup_steps, total=cfg.train.max_steps)
+    lr = lr_at(clock.schedule_step(step), base=cfg.train.lr, warmup=cfg.train.warmup_steps, total=cfg.train.max_steps, taken=step)
     return clock.progress(step), lr
 
 

@@ -282,6 +282,30 @@ def test_cpu_budget_counts_the_process_cpu_time_and_checkpoints_follow_wall_minu
         clocks.TrainClock(1.0, 10, kind="gpu")
 
 
+def test_warm_up_counts_steps_taken_under_a_time_budget():
+    """Under a budget the schedule's step follows the budget (max_steps · spent / budget) and runs far
+    ahead of the optimizer steps taken; the warm-up still lasts `warmup` real steps."""
+    from drelay_model.training.schedules import lr_at
+
+    ahead = 40_000  # the schedule's step 40% into a 100,000-step, time-bound run, at real step 10
+    assert lr_at(ahead, base=1.0, warmup=50, total=100_000, taken=10) == pytest.approx(11 / 50)
+    assert lr_at(ahead, base=1.0, warmup=50, total=100_000, taken=60) == lr_at(ahead, base=1.0, warmup=50, total=100_000)
+    assert lr_at(10, base=1.0, warmup=50, total=100) == lr_at(10, base=1.0, warmup=50, total=100, taken=10)
+
+
+def test_training_falls_back_to_float32_where_bfloat16_is_not_native(monkeypatch, capfd):
+    from pipelines.train import worker
+    from pipelines.train.config import load_config
+
+    cfg = load_config(None, ["train.bf16=true"])
+    monkeypatch.setattr(worker, "bf16_native", lambda: False)
+    got = worker.training_precision(cfg, torch.device("cpu"), announce=True)
+    assert got.train.bf16 is False and cfg.train.bf16 is True and "training in float32" in capfd.readouterr().out
+    monkeypatch.setattr(worker, "bf16_native", lambda: True)
+    assert worker.training_precision(cfg, torch.device("cpu")) is cfg
+    assert worker.training_precision(load_config(None, ["train.bf16=false"]), torch.device("cpu")).train.bf16 is False
+
+
 def test_training_checkpoint_keeps_the_seconds_spent(tmp_path):
     from drelay_model.target import tiny_target
     from pipelines.train.config import load_config
