@@ -63,22 +63,24 @@ class LevelResult:
             "wall_s": self.wall_s,
             "tokens_per_s": tokens / self.wall_s if self.wall_s else 0.0,
             "req_per_s": len(ok) / self.wall_s if self.wall_s else 0.0,
-            "latency_p50_s": _pct(lat, 50),
-            "latency_p99_s": _pct(lat, 99),
-            "ttft_p50_s": _pct(ttft, 50),
-            "ttft_p99_s": _pct(ttft, 99),
+            "latency_p50_s": percentile(lat, 50),
+            "latency_p99_s": percentile(lat, 99),
+            "ttft_p50_s": percentile(ttft, 50),
+            "ttft_p99_s": percentile(ttft, 99),
             "tau_mean": statistics.fmean(taus) if taus else None,  # None: the server reports no sglext
         }
         split = [s.ttft_parts for s in ok if s.ttft_parts is not None]
         for part in (*TTFT_PARTS, "serving"):
             values = sorted(p[part] for p in split)
-            out[f"{part}_p50_s"], out[f"{part}_p99_s"] = (_pct(values, 50), _pct(values, 99)) if values else (None, None)
+            out[f"{part}_p50_s"], out[f"{part}_p99_s"] = (
+                (percentile(values, 50), percentile(values, 99)) if values else (None, None)
+            )
         for code in sorted({s.status for s in self.samples}):
             out[f"status_{code}"] = sum(s.status == code for s in self.samples)
         return out
 
 
-def _pct(sorted_values: list[float], q: float) -> float:
+def percentile(sorted_values: list[float], q: float) -> float:
     """The nearest-rank q-th percentile: the smallest value with at least q% of the values ≤ it."""
     if not sorted_values:
         return 0.0

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipelines.common.intervals import MIN_PAIRS
+
 TAGS = ("A", "B")
 # the ratios reported per level: B's value ÷ A's (> 1 on tokens/s: B is faster; < 1 on p99: B is faster)
 RATIO_KEYS = ("tokens_per_s", "latency_p99_s", "ttft_p99_s")
@@ -85,11 +87,33 @@ def level_lines(rows: list[dict], endpoints: list[Endpoint], level_ratios: dict 
             ) + " s")  # fmt: skip
     if level_ratios is not None:
         lines.append(
-            f"{'':6} B÷A tokens/s {_num(level_ratios['ratio_tokens_per_s'], '.2f')}×"
-            f"  latency p99 {_num(level_ratios['ratio_latency_p99_s'], '.2f')}×"
-            f"  TTFT p99 {_num(level_ratios['ratio_ttft_p99_s'], '.2f')}×"
+            f"{'':6} "
+            + "  ".join(f"{name} {_ratio(level_ratios, key)}" for key, name in RATIO_NAMES.items())
+            + _pairs(level_ratios)
         )
     return lines
+
+
+# RATIO_KEYS as printed
+RATIO_NAMES = {"tokens_per_s": "B÷A tokens/s", "latency_p99_s": "latency p99", "ttft_p99_s": "TTFT p99"}
+
+
+def _ratio(level_ratios: dict, key: str) -> str:
+    """`1.21× [1.15, 1.27]` (the interval when the level has one, `bench_intervals.py`), `—` without data."""
+    value, low, high = (level_ratios.get(f"ratio_{key}{s}") for s in ("", "_ci_low", "_ci_high"))
+    if value is None:
+        return "—"
+    return f"{value:.2f}×" + (f" [{low:.2f}, {high:.2f}]" if low is not None and high is not None else "")
+
+
+def _pairs(level_ratios: dict) -> str:
+    """How many pairs of legs the intervals rest on, or why there are none."""
+    n = level_ratios.get("leg_pairs")
+    if n is None:
+        return ""
+    if n < MIN_PAIRS:
+        return f"  ({n} pair{'s' if n > 1 else ''} of legs; an interval needs --rounds ≥ {MIN_PAIRS})"
+    return f"  (95% intervals over {n} pairs of legs)"
 
 
 def markdown_table(levels: list[tuple[list[dict], dict | None]], endpoints: list[Endpoint]) -> str:
@@ -108,11 +132,7 @@ def markdown_table(levels: list[tuple[list[dict], dict | None]], endpoints: list
             )
             if paired:
                 on_b = e.tag == "B" and rat is not None
-                line += (
-                    f" {_num(rat['ratio_tokens_per_s'], '.2f')}× | {_num(rat['ratio_latency_p99_s'], '.2f')}× |"
-                    if on_b
-                    else " | |"
-                )
+                line += f" {_ratio(rat, 'tokens_per_s')} | {_ratio(rat, 'latency_p99_s')} |" if on_b else " | |"
             out.append(line)
     return "\n".join(out)
 

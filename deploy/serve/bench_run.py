@@ -14,8 +14,9 @@ the model to ask for (default: the one model the server's /v1/models lists).
 Every endpoint answers one short warm-up request first (not counted). Then, level by level, the legs run
 in ABBA order (`deploy/serve/bench_pairing.py`); each leg sends max(--requests, C) requests at
 concurrency C. Per level it prints tokens/s, latency and TTFT p50/p99, τ and, when paired, B ÷ A of
-tokens/s, p99 latency and p99 TTFT; at the end, all levels as one Markdown table. MLflow: one parent
-run (experiment `serve-bench`; the ratios per level, step = concurrency) with a child run per endpoint
+tokens/s, p99 latency and p99 TTFT, each with its 95% interval over the pairs of legs from 3 rounds on
+(`bench_intervals.py`); at the end, all levels as one Markdown table. MLflow: one parent
+run (experiment `serve-bench`; the ratios per level with their `_ci_low` / `_ci_high`, step = concurrency) with a child run per endpoint
 per level. All input is checked (configs, flags, reachability, the plot's path) before anything runs.
 """
 
@@ -29,6 +30,7 @@ from dataclasses import replace
 from urllib.parse import urlsplit
 
 from deploy.serve.bench import LevelResult, load_prompts, run_level
+from deploy.serve.bench_intervals import ratio_intervals
 from deploy.serve.bench_pairing import TAGS, Endpoint, leg_schedule, level_lines, markdown_table, order_name, ratios, ttft_table
 from deploy.serve.bench_plot import check_plot_path, write_plot
 from drelay_model.errors import DRelayError
@@ -196,7 +198,8 @@ def probe_urls(urls: list[str], models: list[str] | None, api_key: str | None) -
 
 
 # ---- the run -------------------------------------------------------------------------------------
-def run_bench(args: argparse.Namespace) -> int:
+def run_bench(args: argparse.Namespace, bootstrap: dict[str, int] | None = None) -> int:
+    """The command; `bootstrap`: the B ÷ A intervals' `resamples` and `seed` (`bench_intervals.py`)."""
     check_args(args)
     names: list[str] = []
     if args.config:
@@ -204,14 +207,14 @@ def run_bench(args: argparse.Namespace) -> int:
         try:
             endpoints = start_configs(args.config, cfgs, names)
             targets = [c.engine.target if c.backend == "engine" else c.sglang.model_path for c in cfgs]
-            return _measure(args, endpoints, targets)
+            return _measure(args, endpoints, targets, bootstrap or {})
         finally:
             stop_apps(names)
     endpoints = probe_urls(args.url, args.model, args.api_key)
-    return _measure(args, endpoints, [e.model for e in endpoints])
+    return _measure(args, endpoints, [e.model for e in endpoints], bootstrap or {})
 
 
-def _measure(args: argparse.Namespace, endpoints: list[Endpoint], targets: list[str]) -> int:
+def _measure(args: argparse.Namespace, endpoints: list[Endpoint], targets: list[str], bootstrap: dict[str, int]) -> int:
     from pipelines.common.run_tags import run_tags
     from pipelines.common.tracking import tracked_run
 
@@ -221,7 +224,8 @@ def _measure(args: argparse.Namespace, endpoints: list[Endpoint], targets: list[
         run_level(e.url, e.model, prompts, concurrency=1, requests_n=1, max_tokens=min(8, args.max_tokens),
                   time_limit=args.time_limit, api_key=args.api_key)  # fmt: skip
     params = {"requests_per_leg": args.requests, "max_tokens": args.max_tokens, "time_limit_per_leg": args.time_limit,
-              "rounds": rounds, "order": order_name(len(endpoints), rounds), "concurrency": " ".join(map(str, args.concurrency))}  # fmt: skip
+              "rounds": rounds, "order": order_name(len(endpoints), rounds), "concurrency": " ".join(map(str, args.concurrency)),
+              **({f"bootstrap_{k}": v for k, v in bootstrap.items()} if len(endpoints) == 2 else {})}  # fmt: skip
     for e in endpoints:
         params.update(
             {f"{e.tag}_url": e.url, f"{e.tag}_model": e.model, f"{e.tag}_method": e.method, f"{e.tag}_source": e.source}
@@ -231,8 +235,8 @@ def _measure(args: argparse.Namespace, endpoints: list[Endpoint], targets: list[
     levels = []
     with tracked_run(args.experiment, run_name=args.run_name or default_name, params=params, tags=tags) as run:
         for c in args.concurrency:
-            rows = _run_level_legs(args, endpoints, prompts, c, rounds)
-            level_ratios = ratios(*rows) if len(rows) == 2 else None
+            rows, legs = _run_level_legs(args, endpoints, prompts, c, rounds)
+            level_ratios = {**ratios(*rows), **ratio_intervals(*legs, **bootstrap)} if len(rows) == 2 else None
             levels.append((rows, level_ratios))
             _log_level(run, endpoints, rows, level_ratios)
             print("\n".join(level_lines(rows, endpoints, level_ratios)), flush=True)
@@ -252,8 +256,11 @@ def _measure(args: argparse.Namespace, endpoints: list[Endpoint], targets: list[
     return 0
 
 
-def _run_level_legs(args, endpoints: list[Endpoint], prompts: list[str], c: int, rounds: int) -> list[dict]:
-    """Every leg of level `c` in ABBA order; one merged summary per endpoint."""
+def _run_level_legs(
+    args, endpoints: list[Endpoint], prompts: list[str], c: int, rounds: int
+) -> tuple[list[dict], list[list[LevelResult]]]:
+    """Every leg of level `c` in ABBA order: one merged summary per endpoint, and each endpoint's legs in
+    round order (leg r of A and of B asked the same prompts)."""
     per_leg = max(args.requests, c)
     legs: list[list[LevelResult]] = [[] for _ in endpoints]
     for leg in leg_schedule([c], len(endpoints), rounds):
@@ -262,7 +269,7 @@ def _run_level_legs(args, endpoints: list[Endpoint], prompts: list[str], c: int,
         result = run_level(e.url, e.model, prompts, concurrency=c, requests_n=per_leg, max_tokens=args.max_tokens,
                            time_limit=args.time_limit, api_key=args.api_key, prompt_offset=leg.round * per_leg)  # fmt: skip
         legs[leg.endpoint].append(result)
-    return [{**LevelResult.merged(x).summary(), "legs": len(x)} for x in legs]
+    return [{**LevelResult.merged(x).summary(), "legs": len(x)} for x in legs], legs
 
 
 def _log_level(run, endpoints: list[Endpoint], rows: list[dict], level_ratios: dict | None) -> None:

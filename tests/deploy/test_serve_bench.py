@@ -5,13 +5,16 @@ MLflow store or plot is written. URL probing runs against a real local HTTP serv
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
 import pytest
 
 from deploy.serve.bench import LevelResult, Sample
+from deploy.serve.bench_intervals import pooled_p99_ratio, ratio_intervals
 from deploy.serve.bench_pairing import Endpoint, leg_schedule, level_lines, markdown_table, order_name, ratios
 from deploy.serve.bench_run import probe_urls
 from drelay_model.errors import DRelayError
@@ -70,6 +73,44 @@ def test_ratios_are_b_over_a_and_the_report_shows_them():
     assert "1.50×" in table[3] and "0.75×" in table[3] and "×" not in table[2]
 
 
+def _legs(rng, rounds, *, speed, load):
+    """`rounds` legs of 8 requests: leg r's seconds scale with the machine's slowdown load[r] (and 5% noise)."""
+    legs = []
+    for r in range(rounds):
+        lat = [float(x) for x in rng.lognormal(0.0, 0.2, size=8) * load[r] / speed]
+        samples = [Sample(200, latency=x, ttft=x / 4, tokens=32) for x in lat]
+        legs.append(LevelResult(4, 8 * 32 / (40.0 * speed) * load[r] * float(rng.lognormal(0.0, 0.05)), samples))
+    return legs
+
+
+def test_ratio_intervals_over_pairs_of_legs():
+    """B is 1.5× as fast under a per-leg slowdown both legs of a pair share: the tokens/s interval holds
+    the pooled ratio the report prints and excludes 1; latency and TTFT p99 intervals hold their pooled
+    ratios; fewer than 3 pairs give none, and the report says why."""
+    rng = np.random.default_rng(0)
+    load = rng.lognormal(0.0, 0.3, size=4)
+    legs_a, legs_b = _legs(rng, 4, speed=1.0, load=load), _legs(rng, 4, speed=1.5, load=load)
+    a, b = (LevelResult.merged(x).summary() for x in (legs_a, legs_b))
+    r = {**ratios(a, b), **ratio_intervals(legs_a, legs_b)}
+    assert r["leg_pairs"] == 4 and r["ratio_tokens_per_s"] == pytest.approx(1.5, rel=0.1)
+    assert 1.0 < r["ratio_tokens_per_s_ci_low"] < r["ratio_tokens_per_s"] < r["ratio_tokens_per_s_ci_high"]
+    for key in ("latency_p99_s", "ttft_p99_s"):
+        assert r[f"ratio_{key}"] == pytest.approx(pooled_p99_ratio(legs_a, legs_b, key.split("_p99")[0]))
+        assert r[f"ratio_{key}_ci_low"] <= r[f"ratio_{key}"] <= r[f"ratio_{key}_ci_high"]
+    assert ratio_intervals(legs_a, legs_b) == ratio_intervals(legs_a, legs_b)  # seeded: the same every time
+    endpoints = [Endpoint("A", "m-ar", "u", "m-ar", "ar", "a"), Endpoint("B", "m-drelay", "u", "m-drelay", "drelay", "b")]
+    line = level_lines([a, b], endpoints, r)[-1]
+    assert re.search(r"B÷A tokens/s \d\.\d\d× \[\d\.\d\d, \d\.\d\d\]  latency p99 \d\.\d\d× \[", line), line
+    assert line.endswith("(95% intervals over 4 pairs of legs)")
+    assert re.search(r"\| \d\.\d\d× \[\d\.\d\d, \d\.\d\d\] \| \d\.\d\d× \[", markdown_table([([a, b], r)], endpoints))
+    two = ratio_intervals(legs_a[:2], legs_b[:2])
+    assert two["leg_pairs"] == 2 and two["ratio_tokens_per_s_ci_low"] is None
+    line = level_lines([a, b], endpoints, {**ratios(a, b), **two})[-1]
+    assert re.search(r"B÷A tokens/s \d\.\d\d×  latency", line) and line.endswith(
+        "(2 pairs of legs; an interval needs --rounds ≥ 3)"
+    )
+
+
 # ---- bad input -----------------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
@@ -105,6 +146,7 @@ def test_bad_flags_are_one_line_each(capsys, store, tmp_path):
         (["--url", url, "--concurrency", "2", "2"], "--concurrency", "twice"),
         (["--url", url, "--rounds", "0"], "--rounds"),
         (["--url", url, "--requests", "0"], "--requests"),
+        (["--url", url, "--bootstrap-resamples", "50"], "--bootstrap-resamples", "≥ 100"),
         (["--url", url, "--plot", str(tmp_path / "p.svg")], "--plot", ".png"),
         (["--url", url, "--plot", str(tmp_path / "no" / "p.png")], "--plot", "does not exist"),
         (["--url", url], "--url", "unreachable"),

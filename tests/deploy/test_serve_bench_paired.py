@@ -49,6 +49,8 @@ def test_paired_run_reports_both_endpoints_and_their_ratios(ray_session, tmp_pat
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert len(re.findall(r"B÷A tokens/s [0-9.]+×", out)) == 2 and "c=1 " in out and "c=2 " in out
+    # two legs per endpoint (ABBA): no interval, and the report says what would give one
+    assert out.count("(2 pairs of legs; an interval needs --rounds ≥ 3)") == 2
     assert "| B tiny-native | 2 | 4 (0) |" in out  # the Markdown table
 
     client = get_client(uri)
