@@ -31,5 +31,5 @@ def run(args: argparse.Namespace) -> int:
     for row in result.rows:
         print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "checkpoint"))
     print(f"results: {result.sweep_dir}\nmlflow parent run: {result.parent_run_id}\n"
-          f"{result.best_against_start()}\nbest config: {result.best_config}")  # fmt: skip
+          f"{result.best_against_start()}\n{result.best_against_runner_up()}\nbest config: {result.best_config}")  # fmt: skip
     return 0

@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine, replay
@@ -25,6 +26,7 @@ from drelay_model.training.losses import LossSwitches
 from drelay_model.target import load_target
 from drelay_model.kernels.cpu_linear import bf16_native
 from drelay_model.training.schedules import lr_at
+from pipelines.common.intervals import Interval, paired_bootstrap, ratio_of_means
 from pipelines.common.paths import repo_path
 from pipelines.train.clock import ProgressLine, TrainClock
 from drelay_model.diagnostics import diagnose_rounds, pad_rounds
@@ -72,13 +74,20 @@ HEADLINE_METRIC = "val/tau"
 
 def validate(target, module, prompts, conts) -> dict[str, float]:
     """Greedy replay τ of the native path, the pool's oracle, (if any) the trained selector, and the
-    headline `val/tau`; on the native path, the pool's coverage at the first error and the one-edit
-    gain (`drelay_model/diagnostics.py`): how much a selector could repair."""
+    headline `val/tau` with its 95% interval over the validation prompts (`val/tau_ci_low`,
+    `val/tau_ci_high`: a bootstrap of Σ committed ÷ Σ rounds resampling the prompts); on the native
+    path, the pool's coverage at the first error and the one-edit gain (`drelay_model/diagnostics.py`):
+    how much a selector could repair."""
     if not prompts:
         return {}
     module.eval()
-    trace = []
-    native = replay(target, module.drafter, prompts, conts, on_round=lambda r: trace.append((r.block.cand_ids[0], r.path, r.ref)))
+    trace, native_counts = [], PromptCounts(len(prompts))
+
+    def native_round(r) -> None:
+        trace.append((r.block.cand_ids[0], r.path, r.ref))
+        native_counts.add(r)
+
+    native = replay(target, module.drafter, prompts, conts, on_round=native_round)
     diag = diagnose_rounds(*pad_rounds(trace)) if trace else None
     out = {
         "val/tau_native": native.tau,
@@ -86,11 +95,30 @@ def validate(target, module, prompts, conts) -> dict[str, float]:
     }
     if diag is not None:
         out.update({"val/coverage_first_error": diag.coverage_first_error, "val/one_edit_gain": diag.one_edit_gain})
+    headline_counts = native_counts
     if module.selector is not None:
-        out["val/tau_selector"] = replay(target, module.drafter, prompts, conts, selector=module.selector).tau
+        headline_counts = PromptCounts(len(prompts))
+        out["val/tau_selector"] = replay(target, module.drafter, prompts, conts, selector=module.selector,
+                                         on_round=headline_counts.add).tau  # fmt: skip
     out[HEADLINE_METRIC] = out.get("val/tau_selector", out["val/tau_native"])
+    iv = headline_counts.tau_interval()
+    out[f"{HEADLINE_METRIC}_ci_low"], out[f"{HEADLINE_METRIC}_ci_high"] = iv.low, iv.high
     module.train()
     return out
+
+
+class PromptCounts:
+    """Committed tokens and rounds per replayed prompt, from `replay`'s round hook: [n, 2]."""
+
+    def __init__(self, n: int) -> None:
+        self.counts = np.zeros((n, 2))  # [n, (committed, rounds)]
+
+    def add(self, r) -> None:
+        self.counts[r.row] += (r.committed, 1)
+
+    def tau_interval(self) -> Interval:
+        """Σ committed ÷ Σ rounds (= replay τ) with its 95% bootstrap interval over the prompts."""
+        return paired_bootstrap([self.counts], ratio_of_means(0, 1))
 
 
 def train_clock(cfg: RunConfig) -> TrainClock:

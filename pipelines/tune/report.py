@@ -4,6 +4,12 @@ written next to the results and logged on the MLflow parent run.
 When the base config continues a checkpoint (`drafter.init_checkpoint`), the table also holds a
 `start` row: that checkpoint's own held-out metrics, measured once with the trials' validation set
 and function (cached in `start.json`), so a reader sees whether any trial beats what it started from.
+
+Each trial's metric carries its 95% interval over the validation prompts where the trial logged one
+(`<metric>_ci_low` / `_ci_high`: `val/tau`'s, pipelines/train/worker.py). Trials train different
+drafters, so no paired comparison between them is possible here; the summary says whether the best
+trial's interval and the runner-up's are apart (resolved) or overlap (not resolved: a conservative
+test — a paired `drelay compare` of the two checkpoints over the same prompts resolves smaller gaps).
 """
 
 from __future__ import annotations
@@ -37,17 +43,49 @@ class SweepResult:
     mode: str = "max"
     best_value: float | None = None
     start_value: float | None = None
+    start_ci: tuple[float, float] | None = None  # the start checkpoint's interval, when it logged one
+
+    def _interval(self, row: dict | None) -> tuple[float, float] | None:
+        low, high = (row or {}).get(f"{self.metric}_ci_low"), (row or {}).get(f"{self.metric}_ci_high")
+        return (low, high) if low is not None and high is not None else None
+
+    def _best(self) -> dict | None:
+        return next((r for r in self.rows if r.get("trial_id") == self.best_trial_id), None)
 
     def best_against_start(self) -> str:
         """One line: the best trial's metric beside the start checkpoint's, and whether it beats it."""
         best = "none" if self.best_value is None else f"{self.best_trial_id} {self.metric} {self.best_value:.4f}"
+        best += _bracket(self._interval(self._best())) if self.best_value is not None else ""
         if self.start_value is None:
             return f"best trial: {best}; start: no init checkpoint"
-        line = f"best trial: {best}; start (init checkpoint): {self.metric} {self.start_value:.4f}"
+        line = f"best trial: {best}; start (init checkpoint): {self.metric} {self.start_value:.4f}{_bracket(self.start_ci)}"
         if self.best_value is None:
             return line
         beats = self.best_value > self.start_value if self.mode == "max" else self.best_value < self.start_value
-        return f"{line}; the best trial {'beats' if beats else 'does not beat'} its start"
+        line = f"{line}; the best trial {'beats' if beats else 'does not beat'} its start"
+        return line + _overlap_note(self._interval(self._best()), self.start_ci)
+
+    def best_against_runner_up(self) -> str:
+        """One line: the runner-up's metric and interval, and whether the best trial is resolved from it."""
+        order = ranked(self.rows, self.metric, self.mode)
+        if len(order) < 2 or order[0].get("trial_id") != self.best_trial_id:
+            return "runner-up: none"
+        second = order[1]
+        line = f"runner-up: {second['trial_id']} {self.metric} {second[self.metric]:.4f}{_bracket(self._interval(second))}"
+        return line + _overlap_note(self._interval(order[0]), self._interval(second), against="the runner-up")
+
+
+def _bracket(ci: tuple[float, float] | None) -> str:
+    return f" [{ci[0]:.4f}, {ci[1]:.4f}]" if ci is not None else ""
+
+
+def _overlap_note(best: tuple[float, float] | None, other: tuple[float, float] | None, against: str = "its start") -> str:
+    """Whether two 95% intervals are apart (resolved) or overlap; empty without both."""
+    if best is None or other is None:
+        return ""
+    if best[0] > other[1] or best[1] < other[0]:
+        return f" (95% intervals apart: resolved from {against})"
+    return f" (95% intervals overlap: not resolved from {against})"
 
 
 def trial_runs(client, parent: TrackedRun) -> dict[str, list]:
@@ -77,17 +115,24 @@ def trial_rows(sweep: SweepConfig, ctx: TrialContext, grid) -> list[dict]:
         row = {"trial_id": trial_id, "run_name": trial_run_name(ctx, trial_id), "status": status, "steps": steps}
         row.update({path: result.config["params"].get(path) for path in sweep.space})
         row[sweep.metric] = float(value) if value is not None else None
+        for side in ("ci_low", "ci_high"):  # its 95% interval over the validation prompts, when logged
+            bound = result.metrics.get(f"{sweep.metric}_{side}")
+            row[f"{sweep.metric}_{side}"] = float(bound) if bound is not None else None
         rows.append(row)
     return sorted(rows, key=lambda r: r["trial_id"])
 
 
+def ranked(rows: list[dict], metric: str, mode: str) -> list[dict]:
+    """The trials that trained their whole budget (else all that reported), best first."""
+    scored = [r for r in rows if r.get(metric) is not None and math.isfinite(r[metric])]
+    pool = [r for r in scored if r["status"] == COMPLETED] or scored
+    return sorted(pool, key=lambda r: r[metric], reverse=mode == "max")
+
+
 def best_row(rows: list[dict], metric: str, mode: str) -> dict | None:
     """The best trial that trained its whole budget (else the best of all that reported)."""
-    scored = [r for r in rows if r[metric] is not None and math.isfinite(r[metric])]
-    pool = [r for r in scored if r["status"] == COMPLETED] or scored
-    if not pool:
-        return None
-    return (max if mode == "max" else min)(pool, key=lambda r: r[metric])
+    order = ranked(rows, metric, mode)
+    return order[0] if order else None
 
 
 def checkpoint_of(folder: Path, row: dict) -> Path | None:
@@ -225,8 +270,10 @@ def summarize(
     table, reference = rows, None
     if start is not None and start.get(sweep.metric) is not None:
         reference = float(start[sweep.metric])
+        bounds = {f"{sweep.metric}_{side}": start.get(f"{sweep.metric}_{side}") for side in ("ci_low", "ci_high")}
         table = rows + [{"trial_id": START, "run_name": "init_checkpoint", "status": "reference", "steps": 0,
-                         **{p: None for p in sweep.space}, sweep.metric: reference, "mlflow_run_id": None, "checkpoint": None}]  # fmt: skip
+                         **{p: None for p in sweep.space}, sweep.metric: reference, **bounds, "mlflow_run_id": None,
+                         "checkpoint": None}]  # fmt: skip
         parent.log_metrics({f"start/{k}": v for k, v in start.items()})
     params = list(sweep.space)
     write_table(table, folder / "trials.csv")
@@ -242,7 +289,9 @@ def summarize(
         best_path = write_best(ctx, {p: best[p] for p in params}, folder, header)
         parent.log_artifact(best_path)
         parent.set_tags({"best_trial_id": best["trial_id"], "best_run_id": best["mlflow_run_id"] or ""})
-        parent.log_metrics({f"best/{sweep.metric}": best[sweep.metric]})
+        parent.log_metrics(
+            {f"best/{sweep.metric}{suffix}": best.get(f"{sweep.metric}{suffix}") for suffix in ("", "_ci_low", "_ci_high")}
+        )
     counts = {s: sum(r["status"] == s for r in rows) for s in (COMPLETED, STOPPED, ERROR)}
     parent.log_metrics({f"trials/{s.replace(' ', '_')}": n for s, n in counts.items()})
     return SweepResult(
@@ -255,4 +304,12 @@ def summarize(
         mode=sweep.mode,
         best_value=float(best[sweep.metric]) if best else None,
         start_value=reference,
+        start_ci=_start_interval(start, sweep.metric),
     )
+
+
+def _start_interval(start: dict | None, metric: str) -> tuple[float, float] | None:
+    """The start checkpoint's 95% interval of `metric`, when its validation logged one."""
+    if start is None or start.get(f"{metric}_ci_low") is None or start.get(f"{metric}_ci_high") is None:
+        return None
+    return float(start[f"{metric}_ci_low"]), float(start[f"{metric}_ci_high"])

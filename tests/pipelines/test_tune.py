@@ -150,6 +150,7 @@ def test_sweep_trials_asha_mlflow_best_config(tmp_path, tiny_data, ray_session, 
         assert child.info.status == ("FINISHED" if statuses[child.data.tags["drelay.trial_id"]] == "completed" else "KILLED")
         assert "train.lr" in child.data.params and "train.credit_cap" in child.data.params
         assert len(client.get_metric_history(child.info.run_id, "val/tau")) >= 1
+        assert len(client.get_metric_history(child.info.run_id, "val/tau_ci_low")) >= 1  # its interval beside it
     best = next(r for r in rows if r["trial_id"] == parent.data.tags["best_trial_id"])
     assert best["status"] == "completed" and float(best["train.lr"]) == 1e-2
     artifacts = {a.path for a in client.list_artifacts(parent_id)}
@@ -292,6 +293,30 @@ def test_the_best_trial_is_printed_beside_the_start():
     assert SweepResult(Path("."), "p", None, None, []).best_against_start() == "best trial: none; start: no init checkpoint"
 
 
+def test_the_best_trial_carries_its_interval_and_says_whether_the_runner_up_is_resolved():
+    """Each trial's val/tau with its 95% interval over the validation prompts; the best is resolved from
+    the runner-up only when the two intervals are apart."""
+    from pipelines.tune.report import COMPLETED, STOPPED, SweepResult, ranked
+
+    def row(tid, tau, low, high, status=COMPLETED):
+        return {"trial_id": tid, "status": status, "val/tau": tau, "val/tau_ci_low": low, "val/tau_ci_high": high}
+
+    rows = [row("t0", 1.50, 1.46, 1.54), row("t1", 1.47, 1.43, 1.51), row("t2", 1.60, 1.55, 1.65, STOPPED)]
+    assert [r["trial_id"] for r in ranked(rows, "val/tau", "max")] == ["t0", "t1"]  # completed trials rank first
+    r = SweepResult(Path("."), "p", "t0", None, rows, best_value=1.50, start_value=1.40, start_ci=(1.36, 1.44))
+    assert r.best_against_start() == (
+        "best trial: t0 val/tau 1.5000 [1.4600, 1.5400]; start (init checkpoint): val/tau 1.4000 [1.3600, 1.4400]; "
+        "the best trial beats its start (95% intervals apart: resolved from its start)"
+    )
+    assert r.best_against_runner_up() == (
+        "runner-up: t1 val/tau 1.4700 [1.4300, 1.5100] (95% intervals overlap: not resolved from the runner-up)"
+    )
+    apart = [row("t0", 1.50, 1.48, 1.52), row("t1", 1.40, 1.38, 1.42)]
+    resolved = SweepResult(Path("."), "p", "t0", None, apart, best_value=1.50).best_against_runner_up()
+    assert resolved.endswith("(95% intervals apart: resolved from the runner-up)")
+    assert SweepResult(Path("."), "p", "t0", None, apart[:1], best_value=1.5).best_against_runner_up() == "runner-up: none"
+
+
 def test_shipped_sweep_is_valid_and_holds_the_shipped_setting():
     from pipelines.tune.config import load_sweep
 
@@ -371,6 +396,8 @@ def test_start_reference_measures_the_init_checkpoint_like_a_trial(tmp_path, tin
     _, val = load_data(base, target)
     again = validate(target, build_module(base, target, []), *validation_set(base, target, val))
     assert got == pytest.approx(again) and {"val/tau", "val/tau_selector", "val/tau_native"} <= set(got)
+    # val/tau's 95% interval over the validation prompts, around the pooled replay τ
+    assert got["val/tau_ci_low"] <= got["val/tau"] <= got["val/tau_ci_high"]
     assert json.loads((tmp_path / "start.json").read_text()) == got  # cached: a resumed sweep reads it back
     assert load_drafter(tmp_path / "ck" / "drafter", target)[2]["final"] is False
 
