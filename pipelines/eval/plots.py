@@ -1,6 +1,6 @@
 """Evaluation plots (matplotlib, Agg backend) drawn from per-method flat metrics.
 
-    tau_speedup.png      τ and S per benchmark per method (grouped bars, ± std at T > 0)
+    tau_speedup.png      τ and S per benchmark per method (grouped bars, 95% intervals; ± std at T > 0 without)
     slot_acceptance.png  P(draft at slot i accepted), pooled over benchmarks, one line per method
     latency.png          ms per round split into draft / select / verify / other (stacked bars)
     throughput.png       tokens/s against concurrency, one line per method (AR included)
@@ -61,24 +61,23 @@ def plot_tau_speedup(methods: dict[str, dict[str, float]], benchmarks: Sequence[
 
 
 def _error_bars(v: dict[str, float], benchmarks: Sequence[str], key: str, vals: list[float]):
-    """Paired S: the 25th–75th percentile of per-prompt ratios (asymmetric); otherwise ± std over
-    seeds (T > 0); None when there is no spread to draw."""
-    if key == "speedup" and any(f"{b}/speedup_p25" in v for b in benchmarks):
-        lo = [max(x - v.get(f"{b}/speedup_p25", x), 0.0) for b, x in zip(benchmarks, vals)] + [0.0]
-        hi = [max(v.get(f"{b}/speedup_p75", x) - x, 0.0) for b, x in zip(benchmarks, vals)] + [0.0]
+    """The 95% intervals (asymmetric; the Avg. bar's too) where the metrics carry them; otherwise
+    ± std over seeds (T > 0); None when there is no spread to draw."""
+    names = [f"{b}/{key}" for b in benchmarks] + [f"mean_{key}"]
+    if any(f"{n}_ci_low" in v for n in names):
+        lo = [max(x - v.get(f"{n}_ci_low", x), 0.0) for n, x in zip(names, vals)]
+        hi = [max(v.get(f"{n}_ci_high", x) - x, 0.0) for n, x in zip(names, vals)]
         return [lo, hi]
     errs = [v.get(f"{b}/{key}_std", 0.0) for b in benchmarks] + [0.0]
     return errs if any(errs) else None
 
 
 def _highest(spec: dict[str, dict[str, float]], benchmarks: Sequence[str], key: str) -> float:
-    """Top of the tallest bar (value + std) or 1, for axis headroom above the legend."""
-    tops = [
-        max(v.get(f"{b}/{key}", 0.0) + v.get(f"{b}/{key}_std", 0.0), v.get(f"{b}/{key}_p75", 0.0))
-        for v in spec.values()
-        for b in benchmarks
-    ]
-    return max([1.0] + tops + [v.get(f"mean_{key}", 0.0) for v in spec.values()])
+    """Top of the tallest bar with its error bar (value + std, or the interval's top) or 1, for axis
+    headroom above the legend."""
+    names = [f"{b}/{key}" for b in benchmarks] + [f"mean_{key}"]
+    tops = [max(v.get(n, 0.0) + v.get(f"{n}_std", 0.0), v.get(f"{n}_ci_high", 0.0)) for v in spec.values() for n in names]
+    return max([1.0] + tops)
 
 
 def plot_slot_acceptance(methods: dict[str, dict[str, float]], path: Path, title: str) -> Path:
