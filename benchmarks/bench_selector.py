@@ -21,6 +21,13 @@ Run:  .venv/bin/python benchmarks/bench_selector.py                 # 1 thread (
       .venv/bin/python benchmarks/bench_selector.py --threads 2 --reps 50
       .venv/bin/python benchmarks/bench_selector.py --checkpoint checkpoints/smollm2-135m --compile
                       # also: torch.compile of the whole select phase vs eager, paired (compile time printed)
+
+Rounds recorded from real decoding, and the select phase by part (reference vs the CPU fast path):
+      .venv/bin/python benchmarks/bench_selector.py --record outputs/selector_rounds.pt --prompts 4
+                      # our engine decodes GSM8K prompts with the bundled checkpoint (batch 1, fixed
+                      # length) and keeps every select call's inputs
+      .venv/bin/python benchmarks/bench_selector.py --parts outputs/selector_rounds.pt --batches 1,8,16
+                      # per-part table (thread CPU ms, medians; reference and fast path alternating)
 """
 
 from __future__ import annotations
@@ -44,6 +51,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repair-bias", type=float, default=5.0, help="gate bias of the repairing selector")
     p.add_argument("--checkpoint", help="a trained drafter + DRelay selector (default: random drafter, fresh selector)")
     p.add_argument("--compile", action="store_true", help="also time torch.compile(select) against eager, paired")
+    p.add_argument("--record", metavar="FILE", help="record select rounds from real decoding into FILE, then stop")
+    p.add_argument("--prompts", type=int, default=4, help="GSM8K prompts decoded by --record")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt decoded by --record")
+    p.add_argument("--fixture", metavar="FILE", help="with --record: also write a compact fixture of a few rounds")
+    p.add_argument("--parts", metavar="FILE", help="per-part table over the rounds recorded in FILE, then stop")
+    p.add_argument("--batches", default="1,8,16", help="batch sizes of the --parts table")
     return p.parse_args()
 
 
@@ -92,6 +105,8 @@ def setup(args):
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
+    if args.record or args.parts:
+        return rounds_mode(args)
     with torch.no_grad():  # not inference_mode: weights made there are never packed (cpu_linear.PackCache)
         target, drafter, selector, cache, ctx_cache, anchor, sctx = setup(args)
         repairing = repairing_copy(selector, drafter, args)
@@ -100,6 +115,43 @@ def main() -> None:
     if args.compile:
         with torch.no_grad():  # inference tensors cannot enter a compiled graph's guards as parameters
             compiled_select(args, drafter, selector, ctx_cache, anchor, sctx)
+
+
+def rounds_mode(args) -> None:
+    """--record: rounds from real decoding into a file; --parts: the per-part table over them."""
+    import selector_rounds as sr
+
+    from drelay_model.target import load_target
+
+    target = load_target(args.target)
+    checkpoint = args.checkpoint or "checkpoints/smollm2-135m"
+    if args.record:
+        from pipelines.data.eval_sets import first_turn_prompts
+
+        prompts = first_turn_prompts(target.tokenizer, "gsm8k", args.prompts)
+        rounds = sr.record_rounds(target, checkpoint, prompts, args.max_new_tokens)
+        Path(args.record).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(rounds, args.record)
+        print(f"{len(rounds)} rounds from {args.prompts} GSM8K prompts → {args.record}")
+        if args.fixture:
+            sr.write_fixture(rounds, Path(args.fixture), count=6)
+            print(f"fixture: 6 rounds → {args.fixture}")
+        return
+    from drelay_model.drafter import load_drafter
+    from drelay_model.selectors import default_registry
+
+    with torch.no_grad():  # not inference_mode: weights made there are never packed (cpu_linear.PackCache)
+        drafter, extra, meta = load_drafter(checkpoint, target)
+        selector = default_registry().from_checkpoint("drelay", drafter=drafter, tensors=extra, meta=meta).eval()
+    rounds = torch.load(args.parts)
+    print(f"{len(rounds)} recorded rounds ({args.parts}); {checkpoint}; torch threads={args.threads}, reps={args.reps}")
+    print("thread CPU ms per round (medians); reference | fast path")
+    for b in (int(x) for x in args.batches.split(",")):
+        ms = sr.time_parts(selector, sr.batches(rounds, b)[:8], reps=args.reps)
+        print(f"batch {b}\n| part | reference | fast path | fast ÷ reference |\n|---|---|---|---|")
+        for part in sr.PARTS:
+            ref, fast = ms["reference"][part], ms["fast"][part]
+            print(f"| {part} | {ref:.2f} | {fast:.2f} | {fast / ref:.2f} |", flush=True)
 
 
 def compiled_select(args, drafter, selector, ctx_cache, anchor, sctx) -> None:

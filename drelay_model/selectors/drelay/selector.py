@@ -33,6 +33,7 @@ from drelay_model.selectors.base import (
 )
 from drelay_model.selectors.drelay.causal import CausalSelector, Evidence, decide
 from drelay_model.selectors.drelay.config import DRelayConfig
+from drelay_model.selectors.drelay.fast import FastSelect
 from drelay_model.selectors.drelay.global_read import GlobalRead
 from drelay_model.selectors.drelay.walk import WalkResult, walk, walk_inputs
 from drelay_model.selectors.drelay.objective import drelay_training_loss
@@ -102,6 +103,7 @@ class DRelaySelector(Selector):
         self.slot_pos = nn.Parameter(torch.randn(num_slots, d) * 0.02)
         self.global_read = GlobalRead(config, num_slots=num_slots, top_k=top_k) if config.global_read else None
         self.causal = CausalSelector(config, num_slots=num_slots, top_k=top_k, feature_dim=feature_dim)
+        self._fast = FastSelect()  # the CPU fast path's caches (not a module: never in the state dict)
 
     @classmethod
     def build(cls, *, drafter=None, config: dict | None = None) -> "DRelaySelector":
@@ -215,24 +217,27 @@ class DRelaySelector(Selector):
 
     # ---- inference -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def select_with_scores(self, block: DraftBlock, ctx: SelectionContext) -> SelectionTrace:
+    def select_with_scores(self, block: DraftBlock, ctx: SelectionContext, *, reference: bool = False) -> SelectionTrace:
         """Global Read once, then the H causal decisions (`config.decisions`: the graph-safe walk or
         `CausalSelector.decide_block`, both identical to deciding slot by slot); also returns the
         scores the final decisions saw.
+
+        On CPU with the walk and the torch kernels this runs `FastSelect` (fast.py: the same
+        decisions and scores, without recomputing what earlier rounds computed); `reference=True`,
+        CUDA, the passes and the Triton kernels run the reference below.
 
         With `ctx.max_slots` = P < H only the first P decisions are made (decision i depends on
         slots < i alone, so they equal the first P of the full walk); slots P.. keep the native
         candidate with gate −∞ (KEEP) and rank = log q, and the selection's length is P."""
         B, H, K = block.cand_ids.shape
         P = H if ctx.max_slots is None else min(ctx.max_slots, H)  # SelectionContext checks it is ≥ 1
-        history = ctx.history if self.config.features_needed else None
-        ev, cand_emb = self.evidence(block, history, ctx.history_mask if history is not None else None, slots=P)
-        anchor_emb = self.embed(ctx.anchor_ids)
-        if self.config.decisions == "walk":
-            res = self.walk_decisions(ev, anchor_emb, cand_emb)
+        if not reference and self.uses_fast_path(block):
+            if K != self.top_k or not 1 <= H <= self.num_slots:
+                raise DRelayError(f"drelay selector was built for H={self.num_slots}, K={self.top_k}; got a pool [{B}, {H}, {K}]")
+            res = self._fast.select(self, block, ctx, P)
             pick, gate, rank = res.pool_index, res.gate, res.rank
         else:
-            pick, gate, rank = self.causal.decide_block(ev, anchor_emb, cand_emb)
+            pick, gate, rank = self.reference_decisions(block, ctx, P)
         if P == H:
             return SelectionTrace(selection=self.gather(block, pick), output=SelectorOutput(gate=gate, rank=rank))
         pick = torch.cat([pick, pick.new_zeros(B, H - P)], dim=1)  # [B, H]: native past P
@@ -240,6 +245,27 @@ class DRelaySelector(Selector):
         rank = torch.cat([rank, block.cand_logq[:, P:].to(rank.dtype)], dim=1)
         length = torch.full((B,), P, dtype=torch.long, device=pick.device)
         return SelectionTrace(selection=self.gather(block, pick, length), output=SelectorOutput(gate=gate, rank=rank))
+
+    def uses_fast_path(self, block: DraftBlock) -> bool:
+        """Whether `select` runs `FastSelect` for this block: CPU tensors, the walk with the torch
+        kernels, under `torch.inference_mode` and not inside a traced graph."""
+        return (
+            block.cand_ids.device.type == "cpu"
+            and self.config.decisions == "walk"
+            and self.config.kernels == "torch"
+            and torch.is_inference_mode_enabled()
+            and not torch.compiler.is_compiling()
+        )
+
+    def reference_decisions(self, block: DraftBlock, ctx: SelectionContext, P: int) -> tuple[torch.Tensor, ...]:
+        """The first P decisions by the reference path → (pick [B, P], gate [B, P], rank [B, P, K])."""
+        history = ctx.history if self.config.features_needed else None
+        ev, cand_emb = self.evidence(block, history, ctx.history_mask if history is not None else None, slots=P)
+        anchor_emb = self.embed(ctx.anchor_ids)
+        if self.config.decisions == "walk":
+            res = self.walk_decisions(ev, anchor_emb, cand_emb)
+            return res.pool_index, res.gate, res.rank
+        return self.causal.decide_block(ev, anchor_emb, cand_emb)
 
     def walk_decisions(self, ev: Evidence, anchor_emb: torch.Tensor, cand_emb: torch.Tensor) -> WalkResult:
         """The graph-safe decision walk (walk.py) on the configured backend (triton is imported
