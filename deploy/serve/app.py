@@ -4,14 +4,15 @@
     drelay serve --config platform/serve/smollm2-135m.yaml            (deploy/serve/commands.py)
 
 Routes: POST /v1/chat/completions, POST /v1/completions (SSE when `stream: true`), GET /v1/models,
-GET /health (the replica is alive), GET /ready (the backend has loaded and its driver runs).
+GET /health (the replica is alive), GET /ready (the backend has loaded and its driver runs), GET /metrics
+(this replica's Prometheus series, deploy/serve/metrics.py; also on Ray's metrics export port).
 """
 
 import logging
 import os
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from deploy.serve.config import ServeConfig, load_serve_config, parse_config
@@ -53,6 +54,7 @@ class OpenAIServer:
         key = os.environ.get(cfg.auth.api_key_env, "") if cfg.auth.api_key_env else ""
         self.backend = make_backend(cfg)
         self.metrics = ServeMetrics(cfg.method)
+        self.metrics.start_sampling(self.backend)
         self.service = Service(cfg, self.backend, api_key=key or None, metrics=self.metrics)
 
     @api.get("/health")
@@ -63,6 +65,13 @@ class OpenAIServer:
     async def ready(self):
         ok = self.backend.ready()
         return JSONResponse({"ready": ok, **self.backend.load()}, status_code=200 if ok else 503)
+
+    @api.get("/metrics")
+    async def metrics_text(self) -> Response:
+        """This replica's series in Prometheus text format (deploy/serve/metrics.py), sampled now."""
+        self.metrics.sample(self.backend.load(), self.backend.drain_batch_sizes())
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
 
     @api.get("/v1/models")
     async def models(self, request: Request):
@@ -94,6 +103,8 @@ class OpenAIServer:
         return StreamingResponse(out, media_type="text/event-stream")
 
     def __del__(self) -> None:
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.stop_sampling()
         backend = getattr(self, "backend", None)
         if backend is not None:
             backend.shutdown()

@@ -143,16 +143,13 @@ class _Call:
         }
         metrics = self.service.metrics
         if metrics is not None:
-            tau = (spec.completion_tokens - 1) / spec.verify_ct if spec and spec.verify_ct else None
             metrics.finished(
                 self.route,
                 latency=time.perf_counter() - self.t0,
                 ttft=(self.t_first or self.t0) - self.t0,
+                prompt_tokens=self.prompt_tokens,
                 tokens=completion,
-                tau=tau,
-                rounds=spec.verify_ct if spec else 0,
-                drafted_rounds=spec.drafted_ct if spec else None,
-                verified_drafts=spec.verified_drafts if spec else 0,
+                spec=spec,
             )
         sglext = None
         if self.body.return_spec_tokens_details and spec is not None:

@@ -295,22 +295,67 @@ def test_saturation_answers_503_with_retry_after(server, client):
     assert client.completions.create(model=MODEL, prompt="after", max_tokens=3, temperature=0).usage.completion_tokens == 3
 
 
-def test_prometheus_metrics_are_exported(server, client):
-    """The per-request series reach the node's Prometheus endpoint, tagged by method and route."""
-    client.completions.create(model=MODEL, prompt="metrics", max_tokens=5, temperature=0)
+def _scrape(url: str) -> dict[str, tuple[str, dict[tuple, float]]]:
+    """Prometheus text → {family: (type, {(sample name, sorted labels): value})}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    reply = requests.get(url, timeout=30)
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain"), reply.text[:200]
+    return {
+        f.name: (f.type, {(s.name, tuple(sorted(s.labels.items()))): s.value for s in f.samples})
+        for f in text_string_to_metric_families(reply.text)
+    }
+
+
+def _total(scrape, family: str, sample: str) -> float:
+    """The sum of `sample` over every label set of `family` (0 before the first observation)."""
+    return sum(v for (name, _), v in scrape.get(family, ("", {}))[1].items() if name == sample)
+
+
+def test_prometheus_metrics_on_the_app_and_on_rays_export_port(server, client):
+    """GET /metrics on the endpoint: every series with its Prometheus type; two requests move the
+    counts by what their answers report (tokens, rounds). The same series reach Ray's metrics port."""
+    before = _scrape(f"{server}/metrics")
+    spec = {"return_spec_tokens_details": True}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count."}], max_tokens=9,
+                                          temperature=0, extra_body=spec)  # fmt: skip
+    text = client.completions.create(model=MODEL, prompt="metrics", max_tokens=5, temperature=0, extra_body=spec)
+    after = _scrape(f"{server}/metrics")
+    types = {
+        "drelay_time_to_first_token_seconds": "histogram", "drelay_e2e_request_latency_seconds": "histogram",
+        "drelay_time_per_output_token_seconds": "histogram", "drelay_request_queue_time_seconds": "histogram",
+        "drelay_request_prefill_time_seconds": "histogram", "drelay_spec_tokens_per_round": "histogram",
+        "drelay_spec_accepted_drafts_per_round": "histogram", "drelay_batch_size": "histogram",
+        "drelay_generation_tokens": "counter", "drelay_prompt_tokens": "counter", "drelay_requests": "counter",
+        "drelay_spec_rounds": "counter", "drelay_spec_accepted_drafts": "counter",
+        "drelay_num_requests_running": "gauge", "drelay_num_requests_waiting": "gauge",
+    }  # fmt: skip
+    assert {name: after[name][0] for name in types if name in after} == types
+    for name in ("drelay_time_to_first_token_seconds", "drelay_e2e_request_latency_seconds", "drelay_spec_tokens_per_round"):
+        assert _total(after, name, f"{name}_count") - _total(before, name, f"{name}_count") == 2, name
+    usage = chat.usage.completion_tokens + text.usage.completion_tokens
+    moved = _total(after, "drelay_generation_tokens", "drelay_generation_tokens_total")
+    assert moved - _total(before, "drelay_generation_tokens", "drelay_generation_tokens_total") == usage
+    rounds = chat.model_extra["sglext"]["spec_verify_ct"] + text.model_extra["sglext"]["spec_verify_ct"]
+    per_round = "drelay_spec_accepted_drafts_per_round"
+    assert _total(after, per_round, f"{per_round}_count") - _total(before, per_round, f"{per_round}_count") == rounds
+    steps = "drelay_batch_size"
+    assert _total(after, steps, f"{steps}_count") > _total(before, steps, f"{steps}_count")
+    ok = ("drelay_requests_total", (("method", "native"), ("route", "completions"), ("status", "200")))
+    assert after["drelay_requests"][1][ok] >= 1
+    assert after["drelay_num_requests_running"][1][("drelay_num_requests_running", (("method", "native"),))] == 0
+    # Ray's export port: the same series through ray.serve.metrics, prefixed `ray_`, with Serve's tags
     port = ray.nodes()[0]["MetricsExportPort"]
-    wanted = ("drelay_request_latency_s", "drelay_time_to_first_token_s", "drelay_tokens_per_s", "drelay_tau", "drelay_requests",
-              "drelay_spec_rounds")  # fmt: skip
-    tags = ('method="native"', 'route="completions"')
-    deadline, text = time.time() + 60, ""
-    while time.time() < deadline:  # wait for this request's tagged series, not only for the names
-        text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-        if all(name in text for name in wanted) and all(tag in text for tag in tags):
+    wanted = ("ray_drelay_time_to_first_token_seconds_bucket", "ray_drelay_generation_tokens_total",
+              "ray_drelay_num_requests_running", "ray_drelay_spec_accepted_drafts_per_round_bucket")  # fmt: skip
+    deadline, scraped = time.time() + 60, ""
+    while time.time() < deadline:  # Ray exports every few seconds
+        scraped = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        if all(f"{name}{{" in scraped for name in wanted) and 'application="drelay-test"' in scraped:
             break
         time.sleep(2)
-    missing = [name for name in wanted if name not in text]
-    assert not missing, f"not exported: {missing}"
-    assert 'method="native"' in text and 'route="completions"' in text
+    assert not [name for name in wanted if f"{name}{{" not in scraped], scraped[:2000]
+    assert 'method="native"' in scraped and 'route="completions"' in scraped
 
 
 def test_logprobs_on_both_routes_streamed_and_not(server, client):

@@ -103,6 +103,11 @@ class Backend:
         """{'running': n, 'waiting': m} right now (admission control, metrics)."""
         return {"running": 0, "waiting": 0}
 
+    def drain_batch_sizes(self) -> list[int]:
+        """The rows of each decoding step's round since the last call (metrics); [] when the backend
+        does not say."""
+        return []
+
     def threads(self) -> dict:
         """What /health reports of the replica's CPU threads."""
         import torch

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -77,6 +78,7 @@ class EngineBackend(Backend):
         self.max_waiting = limits.max_waiting
         self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
+        self._batch_sizes: deque[int] = deque(maxlen=65536)  # per step, until `drain_batch_sizes`
         self._stopping = False
         self._thread = threading.Thread(target=self._drive, name="drelay-batcher", daemon=True)
         self._thread.start()
@@ -89,7 +91,10 @@ class EngineBackend(Backend):
                 self._wake.clear()
                 continue
             try:
+                rounds = self.batcher.stats.rounds
                 self.batcher.step()
+                if self.batcher.stats.rounds > rounds:  # row-rounds this step = its batch size
+                    self._batch_sizes.append(self.batcher.stats.rounds - rounds)
             except Exception as exc:  # an engine failure fails the requests in flight, not the replica
                 log.exception("engine step failed")
                 self._fail_all(exc)
@@ -104,6 +109,14 @@ class EngineBackend(Backend):
     # ---- the interface -------------------------------------------------------------------------
     def load(self) -> dict[str, int]:
         return {"running": self.batcher.num_running, "waiting": self.batcher.num_pending}
+
+    def drain_batch_sizes(self) -> list[int]:
+        sizes = []
+        try:
+            while True:  # popleft is atomic: the driving thread may append, another reader drain, meanwhile
+                sizes.append(self._batch_sizes.popleft())
+        except IndexError:
+            return sizes
 
     def threads(self) -> dict:
         policy = self.engine.threads
