@@ -49,8 +49,12 @@ def test_shipped_studies_resolve(path):
     spec = load_study(path)
     configs = run_configs(spec, lambda p: ROOT / p)
     last = spec.stages[-1].runs
-    # Equal budgets: the runs of the last stage differ only in their own overrides.
-    budgets = {(configs[r].train.max_steps, configs[r].train.seqs_per_step, configs[r].drafter.init_checkpoint) for r in last}
+    # Equal budgets: the runs of the last stage differ only in their own overrides. A time-bound
+    # study's budget is its minutes on its clock (runs may trade sequences per step for anchors).
+    def budget(t):
+        return (t.max_minutes, t.budget_clock) if t.max_minutes else (t.max_steps, t.seqs_per_step)
+
+    budgets = {(budget(configs[r].train), configs[r].drafter.init_checkpoint) for r in last}
     assert len(budgets) == 1
 
 
