@@ -40,7 +40,7 @@ from drelay_model.decoding.logprobs import TokenLogprob, first_token_logprobs
 from drelay_model.decoding.prefill_groups import prefill_groups
 from drelay_model.decoding.draws import RowDraws, commit_rows
 from drelay_model.decoding.sampling import accept_rows, path_sampler, pick_row
-from drelay_model.decoding.stats import DecodeStats, count_row_round, tau_of
+from drelay_model.decoding.stats import DecodeStats, RequestStats
 from drelay_model.errors import DRelayError
 
 
@@ -60,60 +60,6 @@ class RoundEngine(Protocol):
                 into: BatchState | None = None) -> tuple[BatchState, torch.Tensor]: ...  # fmt: skip
     def round(self, state: BatchState, accept_rule, stats: DecodeStats, policy=None, sampler=None, logprobs=None): ...
     def new_policy(self): ...
-
-
-@dataclass
-class RequestStats:
-    """One request's decoding counters (SGLang's names in brackets).
-
-    rounds        verification rounds the request took part in [spec_verify_ct].
-    committed     tokens committed by those rounds = accepted + bonus (the prefill token excluded).
-    accepted      drafted tokens accepted and committed; bonus = one target token per round.
-    accept_hist   [H+1]: accept_hist[n] = rounds that committed exactly n drafts.
-    drafted_rounds  rounds that drafted (the rest were AR rounds of a cost-aware policy).
-    verified_drafts drafts submitted for verification in those rounds (mean_verify_length per round).
-    generated     all generated tokens = committed + 1 (the prefill token).
-    time_to_first_token = time_queue + time_prefill + time_first_round (seconds):
-      time_queue        submitted → its first prefill forward starts (a full batch, the prefills of
-                        the step ahead of it, the budget, the round running when it arrived)
-      time_prefill      its first prefill forward starts → its last ends (chunks: the steps between)
-      time_first_round  prefill ends → its first token is out (chosen, its row joined to the batch)
-    """
-
-    num_slots: int
-    prompt_tokens: int
-    accept_hist: list[int] = field(default_factory=list)
-    rounds: int = 0
-    committed: int = 0
-    accepted: int = 0
-    drafted_rounds: int = 0
-    verified_drafts: int = 0
-    generated: int = 0
-    time_to_first_token: float = 0.0
-    time_queue: float = 0.0
-    time_prefill: float = 0.0
-    time_first_round: float = 0.0
-    time_total: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.accept_hist = self.accept_hist or [0] * (self.num_slots + 1)
-
-    def record_round(self, accepted: int, committed: int, verified: int | None = None) -> None:
-        """One round: drafts accepted, tokens committed, and the drafts verified (None: an AR round)."""
-        self.accepted += count_row_round(self, accepted, committed, verified)  # DecodeStats' rule
-
-    @property
-    def mean_verify_length(self) -> float:
-        """Drafts verified per drafted round (0.0 when none drafted)."""
-        return self.verified_drafts / self.drafted_rounds if self.drafted_rounds else 0.0
-
-    @property
-    def bonus(self) -> int:
-        return self.committed - self.accepted
-
-    @property
-    def tau(self) -> float:
-        return tau_of(self.committed, self.rounds)
 
 
 @dataclass(frozen=True)

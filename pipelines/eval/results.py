@@ -136,3 +136,12 @@ def fingerprint(settings: dict[str, Any]) -> str:
 def cell_store(out_dir: str | Path) -> JsonStore[CellResult]:
     """`<out>/cells/<benchmark>__<method>.json`, written atomically as each cell finishes."""
     return JsonStore(Path(out_dir) / "cells", CellResult, lambda cell: cell.method)
+
+
+def checkpoint_identity(path: str | None) -> str | None:
+    """Path plus the size and mtime of its files: a retrained checkpoint in the same folder differs."""
+    if not path:
+        return None
+    root = Path(path)
+    files = sorted(f for f in root.rglob("*") if f.is_file()) if root.is_dir() else []
+    return f"{root.resolve()}|" + ";".join(f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in files)

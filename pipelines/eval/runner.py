@@ -42,6 +42,7 @@ from pipelines.common.engines import DEFAULT_VERIFY_LENGTH, build_engine, check_
 from pipelines.common.methods import AR, MethodSpec, load_method
 from pipelines.common.store import JsonStore
 from pipelines.eval.results import CellResult, PassResult, PromptRecord, ReplayResult, fingerprint, prompt_key
+from pipelines.eval.results import checkpoint_identity
 from pipelines.eval.timing import TIMINGS, CpuMeter
 
 CellKey = tuple[str, str]  # (benchmark, method)
@@ -272,15 +273,6 @@ class _RowCounts:
 
     def tau(self, row: int) -> float:
         return tau_of(self.committed[row], self.rounds[row])
-
-
-def checkpoint_identity(path: str | None) -> str | None:
-    """Path plus the size and mtime of its files: a retrained checkpoint in the same folder differs."""
-    if not path:
-        return None
-    root = Path(path)
-    files = sorted(f for f in root.rglob("*") if f.is_file()) if root.is_dir() else []
-    return f"{root.resolve()}|" + ";".join(f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in files)
 
 
 class Evaluation:

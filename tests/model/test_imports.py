@@ -33,7 +33,7 @@ def test_platform_is_not_a_python_package():
 
 def test_source_files_stay_small():
     big = {}
-    for folder in ("drelay_model", "pipelines", "deploy", "benchmarks", "analysis", "tests"):
+    for folder in ("drelay_model", "pipelines", "deploy", "cli", "benchmarks", "analysis", "tests"):
         for f in (ROOT / folder).rglob("*.py"):
             n = len(f.read_text().splitlines())
             if n >= 400:

@@ -138,7 +138,7 @@ def test_shards_read_back_the_blocks_the_drafter_drafts(setup, tmp_path):
         (["data.block_cache_shard=0"], "data.block_cache_shard: Input should be greater than or equal to 1"),
         (
             ["train.stage=joint", "drafter.freeze=false"],
-            "train.early_stop_patience / train.stop_at_step: only the selector stage",
+            "train.early_stop_patience / train.stop_at_step / train.cooldown_steps: only the selector stage",
         ),
         (["train.max_steps=10", "train.stop_at_step=11"], "train.stop_at_step must be ≤ train.max_steps"),
     ],
