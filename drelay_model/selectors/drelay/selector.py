@@ -249,12 +249,13 @@ class DRelaySelector(Selector):
     def uses_fast_path(self, block: DraftBlock) -> bool:
         """Whether `select` runs `FastSelect` for this block: CPU tensors, the walk with the torch
         kernels, under `torch.inference_mode` and not inside a traced graph."""
+        if torch.compiler.is_compiling():  # first: dynamo cannot trace is_inference_mode_enabled
+            return False
         return (
             block.cand_ids.device.type == "cpu"
             and self.config.decisions == "walk"
             and self.config.kernels == "torch"
             and torch.is_inference_mode_enabled()
-            and not torch.compiler.is_compiling()
         )
 
     def reference_decisions(self, block: DraftBlock, ctx: SelectionContext, P: int) -> tuple[torch.Tensor, ...]:
