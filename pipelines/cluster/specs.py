@@ -22,7 +22,7 @@ from pipelines.cluster.crds import check_manifest
 from pipelines.common.config_base import StrictConfig, validate_config
 from pipelines.common.outputs import REPO_ROOT
 
-ENTRYPOINT = re.compile(r"^python -m pipelines\.cli (train|tune|eval|study|compare|serve-bench)\b")
+ENTRYPOINT = re.compile(r"^python -m cli (train|tune|eval|study|compare|serve-bench)\b")
 # A repo path a spec names: a config/data file under the project's folders.
 REPO_REF = re.compile(r"(?<![\w/.:-])((?:platform|data|checkpoints|benchmarks)/[\w./+-]+\.(?:ya?ml|jsonl?|json))")
 JOB_ENV = ("DRELAY_OUTPUT_ROOT", "MLFLOW_TRACKING_URI")  # every job needs both (docs/cluster.md)
