@@ -172,7 +172,9 @@ def plot(points: list[Point], fits: dict[str, Fit], path: Path, *, hours: float)
     plt.close(fig)
 
 
-def report(points: list[Point], depth: dict[str, int], costs: dict[str, float] | None, *, hours: float, fit_from: float) -> dict[str, Fit]:
+def report(
+    points: list[Point], depth: dict[str, int], costs: dict[str, float] | None, *, hours: float, fit_from: float
+) -> dict[str, Fit]:
     """Print the table (markdown) and return the fits."""
     fits = {label: f for label in depth if (f := fit_log([p for p in points if p.run == label], fit_from=fit_from))}
     head = "| run | depth | CPU h | τ native | oracle τ | coverage | one-edit gain | fit a + b·ln h (rmse, n) | τ at {h:g} h |"
@@ -225,7 +227,9 @@ def main() -> None:
         from pipelines.common.tracking import get_client
 
         first = next(iter(configs.values()))
-        points = load_curves(get_client(first.mlflow.tracking_uri), args.experiment or first.mlflow.experiment, spec.name, list(depth))
+        points = load_curves(
+            get_client(first.mlflow.tracking_uri), args.experiment or first.mlflow.experiment, spec.name, list(depth)
+        )
         # Keep the curves of runs the store no longer has (a fresh machine): merge with the kept file.
         kept = [q for q in read_csv(csv_path) if q.run not in {p.run for p in points}] if csv_path.is_file() else []
         points = sorted(kept + points, key=lambda q: (list(depth).index(q.run) if q.run in depth else 99, q.step))

@@ -181,7 +181,11 @@ def training_precision(cfg: RunConfig, device: torch.device, *, announce: bool =
     if not cfg.train.bf16 or device.type != "cpu" or bf16_native():
         return cfg
     if announce:
-        print("[train] this CPU has no native bfloat16 matrix units: training in float32 (train.bf16 ignored)", file=sys.__stdout__, flush=True)
+        print(
+            "[train] this CPU has no native bfloat16 matrix units: training in float32 (train.bf16 ignored)",
+            file=sys.__stdout__,
+            flush=True,
+        )
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={"bf16": False})})
 
 
@@ -243,7 +247,9 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
         got = features.batch(batch)  # context features (and the target's top-k with soft labels)
         feats, soft = got.features.to(device), (got.soft.to(device) if got.soft is not None else None)
         progress = clock.progress(step)  # steps, or the time budget when that binds first
-        lr = lr_at(clock.schedule_step(step), base=cfg.train.lr, warmup=cfg.train.warmup_steps, total=cfg.train.max_steps, taken=step)
+        lr = lr_at(
+            clock.schedule_step(step), base=cfg.train.lr, warmup=cfg.train.warmup_steps, total=cfg.train.max_steps, taken=step
+        )
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)

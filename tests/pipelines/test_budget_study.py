@@ -30,7 +30,10 @@ def test_fit_recovers_a_log_curve_and_projects_it():
 
 def test_curves_round_trip_through_the_kept_csv(tmp_path):
     bs = _module()
-    pts = [bs.Point("d3", 100, 0.25, {"val/tau_native": 1.31, "val/one_edit_gain": 0.4}), bs.Point("d3", 200, 0.5, {"val/tau_native": 1.4})]
+    pts = [
+        bs.Point("d3", 100, 0.25, {"val/tau_native": 1.31, "val/one_edit_gain": 0.4}),
+        bs.Point("d3", 200, 0.5, {"val/tau_native": 1.4}),
+    ]
     path = tmp_path / "study.csv"
     bs.write_csv(pts, path)
     back = bs.read_csv(path)
@@ -40,7 +43,9 @@ def test_curves_round_trip_through_the_kept_csv(tmp_path):
 def test_report_projects_speedup_from_costs(capsys):
     bs = _module()
     pts = [bs.Point("d2", s, h, {"val/tau_native": 1.5 + 0.1 * math.log(h)}) for s, h in ((100, 0.25), (200, 0.5))]
-    fits = bs.report(pts, {"d2": 2, "d3": 3}, {"ar": 20.0, "draft2": 10.0, "draft3": 14.0, "verify16": 30.0}, hours=1.0, fit_from=0.1)
+    fits = bs.report(
+        pts, {"d2": 2, "d3": 3}, {"ar": 20.0, "draft2": 10.0, "draft3": 14.0, "verify16": 30.0}, hours=1.0, fit_from=0.1
+    )
     out = capsys.readouterr().out
     assert "| d3 | 3 | — | not trained yet |" in out and "d2" in fits
     assert f"{1.5 * 20.0 / 40.0:.2f}×" in out  # S = τ(1 h) · t_AR / (t_draft + t_verify16)

@@ -49,6 +49,7 @@ def test_shipped_studies_resolve(path):
     spec = load_study(path)
     configs = run_configs(spec, lambda p: ROOT / p)
     last = spec.stages[-1].runs
+
     # Equal budgets: the runs of the last stage differ only in their own overrides. A time-bound
     # study's budget is its minutes on its clock (runs may trade sequences per step for anchors).
     def budget(t):
