@@ -172,6 +172,19 @@ def plot(points: list[Point], fits: dict[str, Fit], path: Path, *, hours: float)
     plt.close(fig)
 
 
+def drafter_depth(cfg, repo_path) -> int:
+    """The layers a run trains: its init checkpoint's plus `drafter.grow_layers`, or `num_layers`."""
+    import json
+
+    from drelay_model.drafter.checkpoint import CONFIG
+
+    d = cfg.drafter
+    if not d.init_checkpoint:
+        return d.num_layers
+    saved = json.loads((repo_path(d.init_checkpoint) / CONFIG).read_text())["drafter"]["num_layers"]
+    return int(saved) + d.grow_layers
+
+
 def report(
     points: list[Point], depth: dict[str, int], costs: dict[str, float] | None, *, hours: float, fit_from: float
 ) -> dict[str, Fit]:
@@ -217,7 +230,7 @@ def main() -> None:
         raise DRelayError("--hours and --fit-from must be > 0")
     spec = load_study(args.spec)
     configs = run_configs(spec, repo_path)
-    depth = {label: cfg.drafter.num_layers for label, cfg in configs.items()}
+    depth = {label: drafter_depth(cfg, repo_path) for label, cfg in configs.items()}
     csv_path = ROOT / "docs/data" / f"{spec.name}.csv"
     if args.from_csv:
         if not csv_path.is_file():

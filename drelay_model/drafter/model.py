@@ -14,7 +14,7 @@ K pool size, V (draft) vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -154,6 +154,24 @@ class BlockDrafter(nn.Module):
         self.register_buffer("head_weight", head, persistent=False)
         self._head_pack = cpu_linear.PackCache()
         self._rank_pack = cpu_linear.PackCache(cpu_linear.RANK)  # the head in bf16 or int8, to rank the pool
+
+    def grow(self, extra_layers: int) -> None:
+        """Append `extra_layers` layers that start as the identity: o_proj = down_proj = 0, so each
+        new layer returns its input (x + 0 + 0) and the grown drafter drafts exactly as before. The
+        other weights keep their fresh initialisation; they get gradients once o_proj moves off zero
+        (zero-initialised residual branches, as in depth growth of pre-norm transformers)."""
+        if extra_layers < 1:
+            raise ValueError(f"extra_layers must be ≥ 1, got {extra_layers}")
+        ref = next(self.parameters())
+        for _ in range(extra_layers):
+            layer = _Layer(self.config, self.cpu_kernels).to(device=ref.device, dtype=self.fc.weight.dtype)
+            with torch.no_grad():
+                layer.o_proj.weight.zero_()
+                layer.down_proj.weight.zero_()
+            self.layers.append(layer)
+        self.config = replace(self.config, num_layers=len(self.layers))
+        for layer in self.layers:  # every layer reads its shapes from the drafter's config
+            layer.cfg = self.config
 
     # ---- context -------------------------------------------------------------------------------
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

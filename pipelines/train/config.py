@@ -35,6 +35,7 @@ class DrafterSection(StrictConfig):
     draft_vocab_size: int | None = Field(None, ge=16)
     init_checkpoint: str | None = None  # start from a trained drafter
     freeze: bool = False  # keep the drafter (backbone) fixed: train only the selector (needs init_checkpoint)
+    grow_layers: int = Field(0, ge=0, le=8)  # identity layers appended to init_checkpoint's drafter (depth growth)
 
 
 class SelectorSection(StrictConfig):
@@ -202,6 +203,8 @@ class RunConfig(StrictConfig):
             self.drafter.init_checkpoint is None or not self.selector.trains_selector or not self.train.selector_loss
         ):
             raise ValueError("drafter.freeze needs drafter.init_checkpoint, a trainable selector.name and train.selector_loss")
+        if self.drafter.grow_layers and (self.drafter.init_checkpoint is None or self.drafter.freeze):
+            raise ValueError("drafter.grow_layers deepens a trained drafter: it needs drafter.init_checkpoint and no drafter.freeze")
         if self.train.stage == "selector":
             if not self.drafter.freeze:
                 raise ValueError("train.stage: 'selector' trains the head alone on cached blocks; it needs drafter.freeze=true")

@@ -24,6 +24,8 @@ def build_module(cfg: RunConfig, target, train_seqs) -> DraftTrainModule:
     extra, meta = {}, {}  # what init_checkpoint holds beyond the drafter (e.g. a trained selector)
     if d.init_checkpoint:
         drafter, extra, meta = load_drafter(d.init_checkpoint, target)
+        if d.grow_layers:
+            drafter.grow(d.grow_layers)  # new layers start as the identity: the same drafts at step 0
         drafter.train()
     else:
         overrides = dict(num_layers=d.num_layers, block_size=d.block_size, top_k=d.top_k, draft_vocab_size=d.draft_vocab_size)

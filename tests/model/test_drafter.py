@@ -201,3 +201,27 @@ def test_the_coarsely_ranked_pool_keeps_float32_logits(target, make_drafter, pre
     torch.testing.assert_close(ranked.cand_logq[..., 0], exact.cand_logq[..., 0], atol=0.05, rtol=0)
     assert not torch.equal(ranked.cand_logq, exact.cand_logq)  # the coarse pass did run
     assert bool((ranked.cand_logq[..., :-1] >= ranked.cand_logq[..., 1:]).all()) and bool((ranked.cand_logq <= 0).all())
+
+
+def test_grown_layers_start_as_the_identity_and_then_learn(tmp_path, target, make_drafter):
+    """Depth growth (`drafter.grow_layers`): appended layers draft exactly as before, get a gradient
+    at their zeroed output projections, and a grown drafter saves and loads at its new depth."""
+    drafter = make_drafter(target)
+    depth = drafter.config.num_layers
+    ids, feats = _context(target, drafter, 24)
+    anchors, pos = torch.tensor([[5, 20]]), torch.arange(24)[None]
+    before = drafter.block_hidden(ids[:, anchors[0]], anchors, drafter.context_kv(feats, pos))
+    torch.manual_seed(3)
+    drafter.grow(1)
+    assert drafter.config.num_layers == len(drafter.layers) == depth + 1
+    after = drafter.block_hidden(ids[:, anchors[0]], anchors, drafter.context_kv(feats, pos))
+    assert torch.equal(before, after)  # x + 0 + 0: bit for bit
+    drafter.train()
+    drafter.block_hidden(ids[:, anchors[0]], anchors, drafter.context_kv(feats, pos)).square().sum().backward()
+    new = drafter.layers[-1]
+    assert new.o_proj.weight.grad is not None and bool(new.o_proj.weight.grad.abs().sum() > 0)
+    save_drafter(drafter, tmp_path / "grown")
+    loaded, _, _ = load_drafter(tmp_path / "grown", target)
+    assert loaded.config.num_layers == depth + 1
+    with pytest.raises(ValueError, match="extra_layers"):
+        drafter.grow(0)

@@ -34,6 +34,20 @@ def test_freeze_needs_a_checkpoint_and_a_selector():
         load_config(None, ["drafter.freeze=true", "drafter.init_checkpoint=x", "selector.name=native"])
 
 
+def test_grow_layers_deepens_the_init_checkpoint(tmp_path):
+    """`drafter.grow_layers` needs a checkpoint to deepen (and a drafter that trains); the built
+    module has the checkpoint's layers plus the grown ones."""
+    with pytest.raises(DRelayError, match="drafter.grow_layers deepens a trained drafter"):
+        load_config(None, ["drafter.grow_layers=1"])
+    with pytest.raises(DRelayError, match="drafter.grow_layers"):
+        load_config(None, ["drafter.grow_layers=-1", "drafter.init_checkpoint=x"])
+    target = tiny_target("tiny-llama")
+    save_drafter(BlockDrafter(DrafterConfig.for_target(target, num_layers=1), target), tmp_path / "ck")
+    base = [f"drafter.init_checkpoint={tmp_path / 'ck'}", "target.spec=tiny-llama"]
+    module = build_module(load_config(None, [*base, "drafter.grow_layers=2"]), target, [])
+    assert module.drafter.config.num_layers == len(module.drafter.layers) == 3
+
+
 def test_frozen_backbone_trains_only_a_fresh_selector(tmp_path):
     target = tiny_target("tiny-llama")
     torch.manual_seed(0)
