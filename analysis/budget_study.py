@@ -3,7 +3,7 @@ curve per run, and the projected speedup at the total budget, weighing τ agains
 draft cost.
 
     .venv/bin/python analysis/budget_study.py [--spec platform/studies/smollm2-135m-budget.yaml]
-        [--hours 8] [--measure-costs] [--out docs/img/budget_study.png]
+        [--hours 8] [--start-hours 0] [--measure-costs] [--out docs/img/budget_study.png]
 
 Curves: every validation of run `<study>-<label>` (any status: a run still training shows its points
 so far) from MLflow: `val/tau_native`, `val/tau_oracle`, `val/coverage_first_error`,
@@ -13,7 +13,10 @@ redraws the report from it (`--from-csv`) without the MLflow store the runs wrot
 
 Fit: τ(h) = a + b·ln h over the points at h ≥ `--fit-from` hours (held-out τ rises about linearly in
 log-time over this range; with three or more points the residual is printed). Projection: τ(H) at
-`--hours` H. Speedup under fixed-length verification, with the round costs measured here on the real
+`--hours` H. Runs that continue a trained drafter count its training too: with `--start-hours H0`
+(the hours the init checkpoint already trained, in this machine's hours) every point sits at
+H0 + h, the step-0 point (H0) joins the fit, and the projection is τ(H0 + H): more of the same curve,
+not a fresh one. Speedup under fixed-length verification, with the round costs measured here on the real
 target (`--measure-costs`: AR ms per token, verify ms per 16-token block, draft ms per block for each
 drafter depth in the study, at batch 1):
 
@@ -30,7 +33,7 @@ import csv
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,6 +159,9 @@ def plot(points: list[Point], fits: dict[str, Fit], path: Path, *, hours: float)
     for i, label in enumerate(dict.fromkeys(p.run for p in points)):
         color = f"C{i}"
         xy = [(p.hours, p.values["val/tau_native"]) for p in points if p.run == label and "val/tau_native" in p.values]
+        xy = [(x, y) for x, y in xy if x > 0]  # a log axis: a step-0 point shows only on the whole run's clock
+        if not xy:
+            continue
         ax.plot(*zip(*xy), marker="o", color=color, label=label)
         if label in fits:
             xs = [xy[0][0] * (hours / xy[0][0]) ** (k / 40) for k in range(41)]
@@ -219,6 +225,7 @@ def main() -> None:
     p.add_argument("--from-csv", action="store_true", help="read docs/data/<study>.csv instead of MLflow")
     p.add_argument("--hours", type=float, default=8.0, help="total budget to project to (CPU hours)")
     p.add_argument("--fit-from", type=float, default=0.1, help="fit only points at ≥ this many hours")
+    p.add_argument("--start-hours", type=float, default=0.0, help="hours the runs' init checkpoint already trained")
     p.add_argument("--measure-costs", action="store_true", help="time AR, verify and each depth's draft here")
     p.add_argument("--out", default=str(ROOT / "docs/img/budget_study.png"))
     args = p.parse_args()
@@ -226,8 +233,8 @@ def main() -> None:
     from pipelines.common.paths import repo_path
     from pipelines.study.spec import load_study, run_configs
 
-    if args.hours <= 0 or args.fit_from <= 0:
-        raise DRelayError("--hours and --fit-from must be > 0")
+    if args.hours <= 0 or args.fit_from <= 0 or args.start_hours < 0:
+        raise DRelayError("--hours and --fit-from must be > 0, --start-hours ≥ 0")
     spec = load_study(args.spec)
     configs = run_configs(spec, repo_path)
     depth = {label: drafter_depth(cfg, repo_path) for label, cfg in configs.items()}
@@ -252,9 +259,11 @@ def main() -> None:
     costs = measure_costs(sorted(set(depth.values()))) if args.measure_costs else None
     if costs:
         print(f"[budget] round costs measured in {time.perf_counter() - started:.0f} s")
-    fits = report(points, depth, costs, hours=args.hours, fit_from=args.fit_from)
+    total = [replace(q, hours=q.hours + args.start_hours) for q in points]  # on the whole training's clock
+    hours = args.start_hours + args.hours
+    fits = report(total, depth, costs, hours=hours, fit_from=args.fit_from)
     if points:
-        plot(points, fits, Path(args.out), hours=args.hours)
+        plot(total, fits, Path(args.out), hours=hours)
         print(f"wrote {args.out} and {csv_path}")
 
 

@@ -28,6 +28,8 @@ Rounds recorded from real decoding, and the select phase by part (reference vs t
                       # length) and keeps every select call's inputs
       .venv/bin/python benchmarks/bench_selector.py --parts outputs/selector_rounds.pt --batches 1,8,16
                       # per-part table (thread CPU ms, medians; reference and fast path alternating)
+      .venv/bin/python benchmarks/bench_selector.py --walks outputs/selector_rounds.pt --batches 1
+                      # the walk against parallel passes and a compiled walk (benchmarks/walk_variants.py)
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt decoded by --record")
     p.add_argument("--fixture", metavar="FILE", help="with --record: also write a compact fixture of a few rounds")
     p.add_argument("--parts", metavar="FILE", help="per-part table over the rounds recorded in FILE, then stop")
-    p.add_argument("--batches", default="1,8,16", help="batch sizes of the --parts table")
+    p.add_argument("--batches", default="1,8,16", help="batch sizes of the --parts (and --walks) table")
+    p.add_argument("--walks", metavar="FILE", help="the walk against parallel passes and a compiled walk (walk_variants.py)")
     return p.parse_args()
 
 
@@ -105,7 +108,7 @@ def setup(args):
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    if args.record or args.parts:
+    if args.record or args.parts or args.walks:
         return rounds_mode(args)
     with torch.no_grad():  # not inference_mode: weights made there are never packed (cpu_linear.PackCache)
         target, drafter, selector, cache, ctx_cache, anchor, sctx = setup(args)
@@ -143,6 +146,13 @@ def rounds_mode(args) -> None:
     with torch.no_grad():  # not inference_mode: weights made there are never packed (cpu_linear.PackCache)
         drafter, extra, meta = load_drafter(checkpoint, target)
         selector = default_registry().from_checkpoint("drelay", drafter=drafter, tensors=extra, meta=meta).eval()
+    if args.walks:
+        from walk_variants import compare_walks
+
+        rounds = torch.load(args.walks)
+        for b in (int(x) for x in args.batches.split(",")):
+            compare_walks(selector, sr.batches(rounds, b), reps=max(args.reps // 10, 1))
+        return
     rounds = torch.load(args.parts)
     print(f"{len(rounds)} recorded rounds ({args.parts}); {checkpoint}; torch threads={args.threads}, reps={args.reps}")
     print("thread CPU ms per round (medians); reference | fast path")

@@ -49,3 +49,25 @@ def test_report_projects_speedup_from_costs(capsys):
     out = capsys.readouterr().out
     assert "| d3 | 3 | — | not trained yet |" in out and "d2" in fits
     assert f"{1.5 * 20.0 / 40.0:.2f}×" in out  # S = τ(1 h) · t_AR / (t_draft + t_verify16)
+
+
+def test_continued_runs_count_their_checkpoint_depth_and_draw_a_step_zero_point(tmp_path):
+    """A run that continues a checkpoint trains its layers plus the grown ones; its step-0 point
+    (0 budget minutes) is drawn on the whole training's clock, and left off a log axis without it."""
+    import json
+    from types import SimpleNamespace
+
+    bs = _module()
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "drafter_config.json").write_text(json.dumps({"drafter": {"num_layers": 2}}))
+    grown = SimpleNamespace(drafter=SimpleNamespace(init_checkpoint="ck", grow_layers=1, num_layers=2))
+    fresh = SimpleNamespace(drafter=SimpleNamespace(init_checkpoint=None, grow_layers=0, num_layers=4))
+    assert bs.drafter_depth(grown, lambda p: tmp_path / p) == 3
+    assert bs.drafter_depth(fresh, lambda p: tmp_path / p) == 4
+    pts = [bs.Point("d3", s, h, {"val/tau_native": 1.4 + 0.01 * s / 15}) for s, h in ((0, 0.0), (15, 0.15), (30, 0.3))]
+    bs.plot(pts, {"d3": bs.fit_log(pts)}, tmp_path / "scratch.png", hours=1.0)  # h = 0 off the log axis
+    total = [bs.replace(p, hours=p.hours + 3.0) for p in pts]
+    fit = bs.fit_log(total)
+    assert fit.n == 3  # the step-0 point joins the fit at H0
+    bs.plot(total, {"d3": fit}, tmp_path / "total.png", hours=11.0)
+    assert (tmp_path / "scratch.png").stat().st_size > 0 and (tmp_path / "total.png").stat().st_size > 0

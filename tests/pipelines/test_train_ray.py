@@ -162,6 +162,10 @@ def test_study_trains_stages_compares_and_ships(tmp_path, tiny_data, ray_session
     children = {r.info.run_name: r for r in runs.values() if r.data.tags.get(PARENT_TAG) == study.info.run_id}
     assert {"tiny-study-base", "tiny-study-native", "tiny-study-drelay"} <= set(children)
     assert any(r.data.tags.get("drelay.kind") == "compare" for r in children.values())
+    # A run that continues a checkpoint logs its starting point: validation at step 0, 0 budget minutes.
+    history = get_client().get_metric_history(runs["tiny-study-native"].info.run_id, "val/tau_native")
+    assert 0 in {m.step for m in history} and {m.step for m in history} > {0}
+    assert 0 not in {m.step for m in get_client().get_metric_history(runs["tiny-study-base"].info.run_id, "val/tau_native")}
 
     capsys.readouterr()
     assert main(["study", "--spec", str(path), "--no-progress", "--no-compare"]) == 0
