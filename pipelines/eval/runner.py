@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine
 from drelay_model.decoding.replay import replay
-from drelay_model.decoding.stats import DecodeStats, tau_of
+from drelay_model.decoding.stats import DecodeStats
 from drelay_model.diagnostics import PoolDiagnostics, diagnose_rounds, pad_rounds
 from drelay_model.drafter import BlockDrafter
 from drelay_model.errors import DRelayError
@@ -40,6 +40,7 @@ from pipelines.data.eval_sets import BenchmarkPrompt
 from pipelines.eval.prompts import PromptEncoder
 from pipelines.common.engines import DEFAULT_VERIFY_LENGTH, build_engine, check_verify_length
 from pipelines.common.methods import AR, MethodSpec, load_method
+from pipelines.common.replay_counts import ReplayCounts
 from pipelines.common.store import JsonStore
 from pipelines.eval.results import CellResult, PassResult, PromptRecord, ReplayResult, fingerprint, prompt_key
 from pipelines.eval.results import checkpoint_identity
@@ -238,7 +239,7 @@ def replay_cell(
                 keys.append((p.prompt_id, turn))
                 ids.append(encoder.encode(p.turns[: turn + 1], answers[:turn]))
                 conts.append(cont)
-        trace, sel_rows, ora_rows = [], _RowCounts(len(keys)), _RowCounts(len(keys))
+        trace, sel_rows, ora_rows = [], ReplayCounts(len(keys)), ReplayCounts(len(keys))
 
         def hook(r):
             trace.append((r.block.cand_ids[0], r.path, r.ref))
@@ -259,20 +260,6 @@ def replay_cell(
 
 
 REPLAY_BATCH = 8  # prompts (turns) per replay call
-
-
-class _RowCounts:
-    """Rounds and committed tokens per replayed row, from `replay`'s round hook."""
-
-    def __init__(self, n: int) -> None:
-        self.rounds, self.committed = [0] * n, [0] * n
-
-    def add(self, r) -> None:
-        self.rounds[r.row] += 1
-        self.committed[r.row] += r.committed
-
-    def tau(self, row: int) -> float:
-        return tau_of(self.committed[row], self.rounds[row])
 
 
 class Evaluation:

@@ -204,7 +204,9 @@ class RunConfig(StrictConfig):
         ):
             raise ValueError("drafter.freeze needs drafter.init_checkpoint, a trainable selector.name and train.selector_loss")
         if self.drafter.grow_layers and (self.drafter.init_checkpoint is None or self.drafter.freeze):
-            raise ValueError("drafter.grow_layers deepens a trained drafter: it needs drafter.init_checkpoint and no drafter.freeze")
+            raise ValueError(
+                "drafter.grow_layers deepens a trained drafter: it needs drafter.init_checkpoint and no drafter.freeze"
+            )
         if self.train.stage == "selector":
             if not self.drafter.freeze:
                 raise ValueError("train.stage: 'selector' trains the head alone on cached blocks; it needs drafter.freeze=true")

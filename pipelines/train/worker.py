@@ -17,7 +17,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from drelay_model.decoding import GenerationConfig, SpeculativeEngine, replay
@@ -26,7 +25,7 @@ from drelay_model.training.losses import LossSwitches
 from drelay_model.target import load_target
 from drelay_model.kernels.cpu_linear import bf16_native
 from drelay_model.training.schedules import lr_at
-from pipelines.common.intervals import Interval, paired_bootstrap, ratio_of_means
+from pipelines.common.replay_counts import ReplayCounts
 from pipelines.common.paths import repo_path
 from pipelines.train.clock import ProgressLine, TrainClock
 from drelay_model.diagnostics import diagnose_rounds, pad_rounds
@@ -81,7 +80,7 @@ def validate(target, module, prompts, conts) -> dict[str, float]:
     if not prompts:
         return {}
     module.eval()
-    trace, native_counts = [], PromptCounts(len(prompts))
+    trace, native_counts = [], ReplayCounts(len(prompts))
 
     def native_round(r) -> None:
         trace.append((r.block.cand_ids[0], r.path, r.ref))
@@ -97,7 +96,7 @@ def validate(target, module, prompts, conts) -> dict[str, float]:
         out.update({"val/coverage_first_error": diag.coverage_first_error, "val/one_edit_gain": diag.one_edit_gain})
     headline_counts = native_counts
     if module.selector is not None:
-        headline_counts = PromptCounts(len(prompts))
+        headline_counts = ReplayCounts(len(prompts))
         out["val/tau_selector"] = replay(target, module.drafter, prompts, conts, selector=module.selector,
                                          on_round=headline_counts.add).tau  # fmt: skip
     out[HEADLINE_METRIC] = out.get("val/tau_selector", out["val/tau_native"])
@@ -105,20 +104,6 @@ def validate(target, module, prompts, conts) -> dict[str, float]:
     out[f"{HEADLINE_METRIC}_ci_low"], out[f"{HEADLINE_METRIC}_ci_high"] = iv.low, iv.high
     module.train()
     return out
-
-
-class PromptCounts:
-    """Committed tokens and rounds per replayed prompt, from `replay`'s round hook: [n, 2]."""
-
-    def __init__(self, n: int) -> None:
-        self.counts = np.zeros((n, 2))  # [n, (committed, rounds)]
-
-    def add(self, r) -> None:
-        self.counts[r.row] += (r.committed, 1)
-
-    def tau_interval(self) -> Interval:
-        """Σ committed ÷ Σ rounds (= replay τ) with its 95% bootstrap interval over the prompts."""
-        return paired_bootstrap([self.counts], ratio_of_means(0, 1))
 
 
 def train_clock(cfg: RunConfig) -> TrainClock:

@@ -1,0 +1,21 @@
+"""Per-prompt replay counts: τ per row from the round hook, and Σ committed ÷ Σ rounds with its
+interval over the rows (training's validation and the eval runner share this)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from pipelines.common.replay_counts import ReplayCounts
+
+
+def test_counts_give_tau_per_row_and_the_pooled_ratio_with_its_interval():
+    counts = ReplayCounts(3)
+    rounds = {0: [1, 2, 1], 1: [3, 3], 2: [1, 1, 1, 1]}  # committed tokens per round, per row
+    for row, committed in rounds.items():
+        for c in committed:
+            counts.add(SimpleNamespace(row=row, committed=c))
+    assert counts.rounds == [3, 2, 4] and counts.committed == [4, 6, 4]
+    assert [counts.tau(r) for r in range(3)] == [4 / 3, 3.0, 1.0]
+    iv = counts.tau_interval()
+    assert iv.point == 14 / 9  # Σ committed ÷ Σ rounds, not the mean of the rows' τ
+    assert iv.low <= iv.point <= iv.high and iv.high - iv.low > 0
