@@ -10,7 +10,9 @@ capacity 1,024 with per-row lengths. Each batch: capture once, then for three fr
 into the static buffers) replay and compare candidates, log q, picks and path with an eager run
 (bitwise), and with the engine's own `BlockDrafter.draft` + `select` (cropped context; reported).
 On CPU (scale tiny) there is no CUDA graph: the path is compiled with `fullgraph=True` instead,
-which fails on any host sync, and compared with eager the same way.
+which fails on any host sync, and compared with eager the same way. Timed per batch: the eager round,
+its replay, and the two phases alone — `draft_ms` (native's whole proposal) and `select_ms`
+(DRelay's select on that block), with `select_per_draft` = select_ms ÷ draft_ms.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from benchmarks.gpu.common import QWEN3_4B, QWEN3_TINY, max_abs_diff, median_ms,
 from drelay_model.drafter import BlockDrafter, DrafterConfig
 from drelay_model.selectors import SelectionContext, default_registry
 
-DESCRIPTION = "CUDA-graph capture + replay of draft + select (bf16, batch 1/8/32) equal to eager, timed"
+DESCRIPTION = "CUDA-graph capture + replay of draft + select (bf16, batch 1/8/32) equal to eager, timed; select ms ÷ draft ms"
 NEEDS = ("cuda",)
 SHAPES = {
     "full": dict(
@@ -111,14 +113,23 @@ class StaticRound:
             history_mask=self.history_mask,
         )
 
-    def __call__(self) -> tuple[torch.Tensor, ...]:
-        """→ (cand_ids [B, H, K], cand_logq [B, H, K], pool_index [B, H], path_ids [B, H])."""
+    def draft(self):
+        """The drafted block (the pool) of this round: what native decoding runs before verifying."""
         d = self.drafter
         ctx_kv = [(self.cache.k[i], self.cache.v[i]) for i in range(d.config.num_layers)]  # whole capacity, masked by length
         with torch.inference_mode():
             hidden = d.block_hidden(self.anchor_ids[:, None], self.cache.lengths[:, None], ctx_kv)[:, 0, 1:]
-            block = d.pool(hidden)
-            sel = self.selector.select(block, self.context())
+            return d.pool(hidden)
+
+    def select(self, block):
+        """DRelay's select phase on a drafted block: what it adds to a native round."""
+        with torch.inference_mode():
+            return self.selector.select(block, self.context())
+
+    def __call__(self) -> tuple[torch.Tensor, ...]:
+        """→ (cand_ids [B, H, K], cand_logq [B, H, K], pool_index [B, H], path_ids [B, H])."""
+        block = self.draft()
+        sel = self.select(block)
         return block.cand_ids, block.cand_logq, sel.pool_index, sel.path_ids
 
     def engine_path(self) -> tuple[torch.Tensor, ...]:
@@ -182,6 +193,11 @@ def run(device: str, scale: str) -> dict:
             row["inputs"].append(cmp)
             ok &= cmp["bitwise_equal"]
         row["eager_ms"] = median_ms(rnd, device, reps=s["reps"], warmup=min(s["reps"], 3))
+        # DRelay's select per round against native's draft per round (eager, the same block each time).
+        block = rnd.draft()
+        row["draft_ms"] = median_ms(rnd.draft, device, reps=s["reps"], warmup=min(s["reps"], 3))
+        row["select_ms"] = median_ms(lambda: rnd.select(block), device, reps=s["reps"], warmup=min(s["reps"], 3))
+        row["select_per_draft"] = row["select_ms"] / max(row["draft_ms"], 1e-9)
         row["replay_ms"] = median_ms(replay, device, reps=s["reps"], warmup=min(s["reps"], 3))
         report["batches"][f"B={B}"] = row
     report["ok"] = ok

@@ -62,10 +62,14 @@ def _details(step: str, r: dict) -> list[str]:
         ]
         return [f"selector parameters: {r['selector_params']:,}", "", *head, *rows]
     if step == "graphs":
-        head = ["| batch | replay = eager (3 inputs) | eager ms | replay ms | = engine draft |", "|---|---|---|---|---|"]
+        head = [
+            "| batch | replay = eager (3 inputs) | eager ms | replay ms | = engine draft | draft ms | DRelay select ms | select ÷ draft |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         rows = [
             f"| {b} | {all(i['bitwise_equal'] for i in v['inputs'])} | {v['eager_ms']} | {v['replay_ms']} | "
-            f"{sum(i['vs_engine_draft']['bitwise_equal'] for i in v['inputs'])}/{len(v['inputs'])} |"
+            f"{sum(i['vs_engine_draft']['bitwise_equal'] for i in v['inputs'])}/{len(v['inputs'])} | "
+            f"{v.get('draft_ms', '—')} | {v.get('select_ms', '—')} | {v.get('select_per_draft', float('nan')):.2f} |"
             for b, v in r["batches"].items()
         ]
         return [f"mode: {r['mode']}", "", *head, *rows]

@@ -186,6 +186,7 @@ def test_each_step_runs_at_test_size_on_cpu(step, tiny_records):
     result = record["result"]
     if step == "graphs":
         assert all(i["bitwise_equal"] for b in result["batches"].values() for i in b["inputs"])
+        assert all(b["draft_ms"] > 0 and b["select_ms"] > 0 for b in result["batches"].values())  # select ÷ draft
     if step.startswith("joint_step"):
         assert abs(result["activations_measured_over_plan"] - 1) <= result["shape"]["tolerance"]
         assert result["plan_attention"] == "sdpa-gqa"
