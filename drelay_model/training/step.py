@@ -309,12 +309,16 @@ def _selector_policy(selector: nn.Module, features: torch.Tensor) -> PathPolicy:
 
 
 def _support_metrics(top1_ids, blocks, support) -> dict[str, float]:
-    """top1_ids [B, M, H] the native (argmax) token of every slot, in target ids."""
+    """top1_ids [B, M, H] the native (argmax) token of every slot, in target ids. `acc/accepted_run`:
+    per block with a valid first slot, the leading slots whose argmax is the label (Σ_i Π_{j≤i}), the
+    drafts a greedy round anchored there would accept; averaged over those blocks."""
     with torch.no_grad():
         top1 = (top1_ids == blocks.labels) & blocks.valid
         first = blocks.valid[:, :, 0].sum().clamp(min=1)
+        run = torch.cumprod(top1.to(torch.int32), dim=-1).sum(-1)  # [B, M]
         return {
             "acc/slot1": float(top1[:, :, 0].sum() / first),
+            "acc/accepted_run": float(run.sum() / first),
             "valid_tokens": float(blocks.valid.sum()),
             "anchors": float(blocks.valid[:, :, 0].sum()),
             "draft_vocab/out_of_vocab": float(support.out_of_vocab),

@@ -32,6 +32,7 @@ from drelay_model.diagnostics import diagnose_rounds, pad_rounds
 from pipelines.train.config import RunConfig
 from pipelines.train.data import batch_order, collate, read_sequences, reference_sequences, split_validation
 from pipelines.train.features import FeatureSource
+from pipelines.train.held_out import HeldOutBlocks, held_out_blocks, teacher_forced_metrics
 from pipelines.train.model_io import build_module, restore_training_checkpoint, save_training_checkpoint
 
 
@@ -71,12 +72,13 @@ def validation_set(cfg: RunConfig, target, val_seqs) -> tuple[list[list[int]], l
 HEADLINE_METRIC = "val/tau"
 
 
-def validate(target, module, prompts, conts) -> dict[str, float]:
+def validate(target, module, prompts, conts, held: HeldOutBlocks | None = None) -> dict[str, float]:
     """Greedy replay τ of the native path, the pool's oracle, (if any) the trained selector, and the
     headline `val/tau` with its 95% interval over the validation prompts (`val/tau_ci_low`,
     `val/tau_ci_high`: a bootstrap of Σ committed ÷ Σ rounds resampling the prompts); on the native
     path, the pool's coverage at the first error and the one-edit gain (`drelay_model/diagnostics.py`):
-    how much a selector could repair."""
+    how much a selector could repair. With `held`, also the teacher-forced held-out metrics
+    (`held_out.py`: fixed blocks, far less noisy than replay τ between close checkpoints)."""
     if not prompts:
         return {}
     module.eval()
@@ -102,6 +104,8 @@ def validate(target, module, prompts, conts) -> dict[str, float]:
     out[HEADLINE_METRIC] = out.get("val/tau_selector", out["val/tau_native"])
     iv = headline_counts.tau_interval()
     out[f"{HEADLINE_METRIC}_ci_low"], out[f"{HEADLINE_METRIC}_ci_high"] = iv.low, iv.high
+    if held is not None:
+        out.update(teacher_forced_metrics(module, held))
     module.train()
     return out
 
@@ -215,6 +219,9 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
         with checkpoint.as_directory() as d:
             start, clock.spent = restore_training_checkpoint(Path(d), module, optimizer, target)
     val = validation_set(cfg, target, val_seqs) if rank == 0 else ([], [])
+    held = None  # teacher-forced held-out blocks: labels are the target's own tokens in regenerated data
+    if rank == 0 and not cfg.data.fallback_reference_answers:
+        held = held_out_blocks(spread(val_seqs, cfg.train.seed)[: cfg.train.validation_prompts], features)
     logger = _metric_logger(cfg_dict) if rank == 0 else None
     lengths = [len(s.input_ids) for s in train_seqs]
     per_epoch = max(len(train_seqs) // (cfg.train.seqs_per_step * world), 1)
@@ -223,7 +230,7 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
     line = ProgressLine(start, cfg.train.max_steps)
     if start == 0 and cfg.drafter.init_checkpoint and logger is not None:
         # The starting point of a continued drafter, at step 0 and 0 budget minutes (before the clock starts).
-        logger({**validate(target, module, *val), "train/budget_minutes": 0.0}, 0)
+        logger({**validate(target, module, *val, held), "train/budget_minutes": 0.0}, 0)
     clock.restart()
     for step in range(start, cfg.train.max_steps):
         _maybe_kill(cfg_dict, step, rank)
@@ -263,7 +270,7 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
         if rank == 0 and validating:
             started = time.perf_counter()
             with clock.paused():  # replay time is not training budget
-                metrics.update(validate(target, module, *val))
+                metrics.update(validate(target, module, *val, held))
             t_last += time.perf_counter() - started  # nor training throughput
         checkpointing = (step + 1) % cfg.train.checkpoint_every == 0 or clock.checkpoint_due() or last
         if checkpointing:

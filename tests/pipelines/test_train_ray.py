@@ -165,6 +165,8 @@ def test_study_trains_stages_compares_and_ships(tmp_path, tiny_data, ray_session
     # A run that continues a checkpoint logs its starting point: validation at step 0, 0 budget minutes.
     history = get_client().get_metric_history(runs["tiny-study-native"].info.run_id, "val/tau_native")
     assert 0 in {m.step for m in history} and {m.step for m in history} > {0}
+    tf = get_client().get_metric_history(runs["tiny-study-native"].info.run_id, "val/tf_accept")
+    assert {m.step for m in tf} == {m.step for m in history}  # teacher-forced held-out metrics beside τ
     assert 0 not in {m.step for m in get_client().get_metric_history(runs["tiny-study-base"].info.run_id, "val/tau_native")}
 
     capsys.readouterr()
