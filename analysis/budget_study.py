@@ -11,7 +11,9 @@ so far) from MLflow: `val/tau_native`, `val/tau_oracle`, `val/coverage_first_err
 study). They are also written to `docs/data/<study>.csv`, which the repository keeps: a fresh machine
 redraws the report from it (`--from-csv`) without the MLflow store the runs wrote.
 
-Fit: τ(h) = a + b·ln h over the points at h ≥ `--fit-from` hours (held-out τ rises about linearly in
+Fit (`--metric`): the teacher-forced τ = 1 + `val/tf_accept` by default (fixed held-out blocks, so
+close checkpoints differ only by their weights; replay τ's interval on 32 conversations is wider
+than what 45 CPU-minutes move), or replay τ `val/tau_native`; τ(h) = a + b·ln h over the points at h ≥ `--fit-from` hours (held-out τ rises about linearly in
 log-time over this range; with three or more points the residual is printed). Projection: τ(H) at
 `--hours` H. Runs that continue a trained drafter count its training too: with `--start-hours H0`
 (the hours the init checkpoint already trained, in this machine's hours) every point sits at
@@ -39,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-METRICS = ("val/tau_native", "val/tau_oracle", "val/coverage_first_error", "val/one_edit_gain")
+METRICS = ("val/tau_native", "val/tau_oracle", "val/coverage_first_error", "val/one_edit_gain", "val/tf_accept", "val/tf_loss")
 CLOCK = "train/budget_minutes"
 COLUMNS = ("run", "step", "hours", *METRICS)
 
@@ -50,6 +52,14 @@ class Point:
     step: int
     hours: float
     values: dict[str, float]
+
+    def __post_init__(self) -> None:  # the teacher-forced τ of a round anchored at a held-out position
+        if "val/tf_accept" in self.values and TAU_TF not in self.values:
+            self.values[TAU_TF] = 1.0 + self.values["val/tf_accept"]
+
+
+TAU_TF = "val/tau_tf"  # derived: 1 + val/tf_accept (not stored)
+FIT_METRICS = ("val/tau_tf", "val/tau_native")
 
 
 def load_curves(client, experiment: str, study: str, labels: list[str]) -> list[Point]:
@@ -149,7 +159,7 @@ def measure_costs(depths: list[int], *, repeats: int = 3, tokens: int = 48) -> d
     return {k: statistics.median(v) for k, v in out.items()}
 
 
-def plot(points: list[Point], fits: dict[str, Fit], path: Path, *, hours: float) -> None:
+def plot(points: list[Point], fits: dict[str, Fit], path: Path, *, hours: float, metric: str = "val/tau_native") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,7 +168,7 @@ def plot(points: list[Point], fits: dict[str, Fit], path: Path, *, hours: float)
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     for i, label in enumerate(dict.fromkeys(p.run for p in points)):
         color = f"C{i}"
-        xy = [(p.hours, p.values["val/tau_native"]) for p in points if p.run == label and "val/tau_native" in p.values]
+        xy = [(p.hours, p.values[metric]) for p in points if p.run == label and metric in p.values]
         xy = [(x, y) for x, y in xy if x > 0]  # a log axis: a step-0 point shows only on the whole run's clock
         if not xy:
             continue
@@ -168,7 +178,9 @@ def plot(points: list[Point], fits: dict[str, Fit], path: Path, *, hours: float)
             ax.plot(xs, [fits[label].at(x) for x in xs], linestyle="--", linewidth=1, color=color)
     ax.set_xscale("log")
     ax.set_xlabel("training CPU hours (one core; log scale)")
-    ax.set_ylabel("held-out replay τ, native (tokens / round)")
+    ax.set_ylabel(
+        {TAU_TF: "held-out teacher-forced τ (tokens / round)"}.get(metric, "held-out replay τ, native (tokens / round)")
+    )
     ax.set_title("Drafter budget study: τ against CPU time, fitted a + b·ln h (dashed)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
@@ -192,21 +204,29 @@ def drafter_depth(cfg, repo_path) -> int:
 
 
 def report(
-    points: list[Point], depth: dict[str, int], costs: dict[str, float] | None, *, hours: float, fit_from: float
+    points: list[Point],
+    depth: dict[str, int],
+    costs: dict[str, float] | None,
+    *,
+    hours: float,
+    fit_from: float,
+    metric: str = "val/tau_native",
 ) -> dict[str, Fit]:
-    """Print the table (markdown) and return the fits."""
-    fits = {label: f for label in depth if (f := fit_log([p for p in points if p.run == label], fit_from=fit_from))}
-    head = "| run | depth | CPU h | τ native | oracle τ | coverage | one-edit gain | fit a + b·ln h (rmse, n) | τ at {h:g} h |"
+    """Print the table (markdown) and return the fits of `metric` (a τ)."""
+    fits = {label: f for label in depth if (f := fit_log([p for p in points if p.run == label], metric, fit_from=fit_from))}
+    head = "| run | depth | CPU h | τ native | τ teacher-forced | oracle τ | coverage | one-edit gain | fit a + b·ln h (rmse, n) | τ at {h:g} h |"
+    print(f"fitted: {metric}")
     print(head.format(h=hours) + (" S at {h:g} h |".format(h=hours) if costs else ""))
-    print("|---" * (9 + bool(costs)) + "|")
+    print("|---" * (10 + bool(costs)) + "|")
     for label, d in depth.items():
         mine = [p for p in points if p.run == label]
         if not mine:
-            print("| " + " | ".join([label, str(d), "—", "not trained yet", *[""] * (5 + bool(costs))]) + " |")
+            print("| " + " | ".join([label, str(d), "—", "not trained yet", *[""] * (6 + bool(costs))]) + " |")
             continue
         last, fit = mine[-1], fits.get(label)
         v = last.values
-        cells = [label, str(d), f"{last.hours:.2f}", f"{v.get('val/tau_native', math.nan):.3f}", f"{v.get('val/tau_oracle', math.nan):.3f}",
+        cells = [label, str(d), f"{last.hours:.2f}", f"{v.get('val/tau_native', math.nan):.3f}", f"{v.get(TAU_TF, math.nan):.3f}",
+                 f"{v.get('val/tau_oracle', math.nan):.3f}",
                  f"{v.get('val/coverage_first_error', math.nan):.3f}", f"{v.get('val/one_edit_gain', math.nan):.3f}"]  # fmt: skip
         cells += [f"{fit.a:.3f} + {fit.b:.3f}·ln h ({fit.rmse:.3f}, {fit.n})", f"{fit.at(hours):.3f}"] if fit else ["—", "—"]
         if costs:
@@ -226,6 +246,7 @@ def main() -> None:
     p.add_argument("--hours", type=float, default=8.0, help="total budget to project to (CPU hours)")
     p.add_argument("--fit-from", type=float, default=0.1, help="fit only points at ≥ this many hours")
     p.add_argument("--start-hours", type=float, default=0.0, help="hours the runs' init checkpoint already trained")
+    p.add_argument("--metric", choices=FIT_METRICS, default=TAU_TF, help="the τ to fit and project (default teacher-forced)")
     p.add_argument("--measure-costs", action="store_true", help="time AR, verify and each depth's draft here")
     p.add_argument("--out", default=str(ROOT / "docs/img/budget_study.png"))
     args = p.parse_args()
@@ -261,9 +282,9 @@ def main() -> None:
         print(f"[budget] round costs measured in {time.perf_counter() - started:.0f} s")
     total = [replace(q, hours=q.hours + args.start_hours) for q in points]  # on the whole training's clock
     hours = args.start_hours + args.hours
-    fits = report(total, depth, costs, hours=hours, fit_from=args.fit_from)
+    fits = report(total, depth, costs, hours=hours, fit_from=args.fit_from, metric=args.metric)
     if points:
-        plot(total, fits, Path(args.out), hours=hours)
+        plot(total, fits, Path(args.out), hours=hours, metric=args.metric)
         print(f"wrote {args.out} and {csv_path}")
 
 
