@@ -23,15 +23,14 @@ def start(cfg, *, name: str = "drelay", route_prefix: str | None = None) -> str:
     """Start (or join) a local Ray cluster and deploy `cfg` as application `name` (at `route_prefix`,
     default the config's) without waiting for it; returns its base URL. Several applications share
     the node's one Serve HTTP proxy (the first one's host and port), each under its own prefix."""
-    import ray
     from ray import serve
 
     from deploy.serve.app import application
     from deploy.serve.ingress import prepare_ray
+    from pipelines.common.ray_start import start_ray
 
     prepare_ray(cfg)
-    if not ray.is_initialized():
-        ray.init(log_to_driver=False)
+    start_ray(log_to_driver=False)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     prefix = route_prefix or cfg.route_prefix
     serve.run(application(cfg), name=name, route_prefix=prefix, blocking=False)

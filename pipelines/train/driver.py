@@ -20,6 +20,7 @@ from pipelines.train.data import data_files
 from pipelines.train.model_io import continues_selector
 from pipelines.common.paths import repo_path
 from pipelines.common.outputs import ensure_writable_dir, local_dir, rooted
+from pipelines.common.ray_start import start_ray
 from pipelines.common.provenance import write_provenance
 from pipelines.common.registry import register_checkpoint
 from pipelines.common.run_tags import run_tags
@@ -100,7 +101,6 @@ def run_training(
 ) -> TrainResult:
     """Train under Ray Train and export the drafter. `ray_callbacks` join the trainer's RunConfig (a Tune
     trial passes `TuneReportCallback`); `parent_run_id` nests the MLflow run under that run (a sweep)."""
-    import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig
     from ray.train.torch import TorchTrainer
 
@@ -122,14 +122,13 @@ def run_training(
     with tracked_run(cfg.mlflow.experiment, run_name=cfg.ray.run_name, tags=tags, client=client, parent=parent) as run:
         run.log_params(_flat(cfg.model_dump(mode="json")))
         worker_cfg.update(extra_worker_config or {}, _mlflow_run_id=run.run_id, _mlflow_uri=client.tracking_uri)
-        if not ray.is_initialized():
-            ray.init(
-                address=cfg.ray.address,
-                include_dashboard=True,
-                log_to_driver=True,
-                configure_logging=True,
-                runtime_env=cfg.ray.runtime_env or None,
-            )
+        start_ray(
+            address=cfg.ray.address,
+            include_dashboard=True,
+            log_to_driver=True,
+            configure_logging=True,
+            runtime_env=cfg.ray.runtime_env or None,
+        )
         trainer = TorchTrainer(
             selector_stage_loop if cfg.train.stage == "selector" else train_loop_per_worker,  # the head alone, on cached blocks
             train_loop_config=worker_cfg,

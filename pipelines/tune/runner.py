@@ -25,6 +25,7 @@ from pathlib import Path
 from ray.tune import Callback
 
 from drelay_model.errors import DRelayError
+from pipelines.common.ray_start import start_ray
 from pipelines.common.tracking import HOST_TAG, PID_TAG, TrackedRun, ensure_experiment, get_client
 from pipelines.common.paths import repo_path
 from pipelines.train.driver import check_inputs
@@ -212,13 +213,11 @@ def _trainable(sweep: SweepConfig, ctx: TrialContext):
 
 def run_sweep(sweep: SweepConfig, base_doc: dict, *, resume: bool = False) -> SweepResult:
     """Run (or `resume`) a sweep to completion, then write its table, plots and best config."""
-    import ray
     from ray import tune
 
     folder = preflight(sweep, base_doc, resume=resume)
     base = load_base_cfg(base_doc)
-    if not ray.is_initialized():
-        ray.init(address=base.ray.address, include_dashboard=True, log_to_driver=True, configure_logging=True)
+    start_ray(address=base.ray.address, include_dashboard=True, log_to_driver=True, configure_logging=True)
     check_cluster_fits(sweep, base)
     client = get_client(base.mlflow.tracking_uri)
     with parent_run(sweep, folder, client, resume=resume) as parent:
