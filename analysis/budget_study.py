@@ -59,7 +59,7 @@ class Point:
 
 
 TAU_TF = "val/tau_tf"  # derived: 1 + val/tf_accept (not stored)
-FIT_METRICS = ("val/tau_tf", "val/tau_native")
+FIT_METRICS = (TAU_TF, "val/tau_native")
 
 
 def load_curves(client, experiment: str, study: str, labels: list[str]) -> list[Point]:
@@ -192,15 +192,12 @@ def plot(points: list[Point], fits: dict[str, Fit], path: Path, *, hours: float,
 
 def drafter_depth(cfg, repo_path) -> int:
     """The layers a run trains: its init checkpoint's plus `drafter.grow_layers`, or `num_layers`."""
-    import json
-
-    from drelay_model.drafter.checkpoint import CONFIG
+    from drelay_model.drafter.checkpoint import read_checkpoint
 
     d = cfg.drafter
     if not d.init_checkpoint:
         return d.num_layers
-    saved = json.loads((repo_path(d.init_checkpoint) / CONFIG).read_text())["drafter"]["num_layers"]
-    return int(saved) + d.grow_layers
+    return read_checkpoint(repo_path(d.init_checkpoint))[0].num_layers + d.grow_layers
 
 
 def report(

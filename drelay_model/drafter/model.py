@@ -162,9 +162,8 @@ class BlockDrafter(nn.Module):
         (zero-initialised residual branches, as in depth growth of pre-norm transformers)."""
         if extra_layers < 1:
             raise ValueError(f"extra_layers must be ≥ 1, got {extra_layers}")
-        ref = next(self.parameters())
         for _ in range(extra_layers):
-            layer = _Layer(self.config, self.cpu_kernels).to(device=ref.device, dtype=self.fc.weight.dtype)
+            layer = _Layer(self.config, self.cpu_kernels).to(self.fc.weight)  # its device and dtype
             with torch.no_grad():
                 layer.o_proj.weight.zero_()
                 layer.down_proj.weight.zero_()

@@ -54,12 +54,14 @@ def test_report_projects_speedup_from_costs(capsys):
 def test_continued_runs_count_their_checkpoint_depth_and_draw_a_step_zero_point(tmp_path):
     """A run that continues a checkpoint trains its layers plus the grown ones; its step-0 point
     (0 budget minutes) is drawn on the whole training's clock, and left off a log axis without it."""
-    import json
     from types import SimpleNamespace
 
+    from drelay_model.drafter import BlockDrafter, DrafterConfig, save_drafter
+    from drelay_model.target import tiny_target
+
     bs = _module()
-    (tmp_path / "ck").mkdir()
-    (tmp_path / "ck" / "drafter_config.json").write_text(json.dumps({"drafter": {"num_layers": 2}}))
+    target = tiny_target("tiny-llama")
+    save_drafter(BlockDrafter(DrafterConfig.for_target(target, num_layers=2), target), tmp_path / "ck")
     grown = SimpleNamespace(drafter=SimpleNamespace(init_checkpoint="ck", grow_layers=1, num_layers=2))
     fresh = SimpleNamespace(drafter=SimpleNamespace(init_checkpoint=None, grow_layers=0, num_layers=4))
     assert bs.drafter_depth(grown, lambda p: tmp_path / p) == 3
