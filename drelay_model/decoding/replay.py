@@ -12,6 +12,12 @@ checks that replay τ equals τ from real decoding), at the cost of the drafter 
 `oracle=True` replaces the selector by one that knows y: it takes the target's token whenever the
 pool holds it — the ceiling for any selector over that pool (oracle τ).
 
+`verify_slots=L` holds the verification length fixed, as a cost-aware round that verifies L: the
+selector decides the first L slots (`SelectionContext.max_slots`) and at most L drafts are checked.
+`head_slots` is how many slots get drafted for it: L by default (the partial block the engine drafts
+for a partial-block selector), or up to H (the whole block, which the selector reads whole while
+deciding L; `analysis/partial_blocks.py` weighs the two).
+
 `on_round` (optional) receives a `ReplayRound` per round — pool, served path, reference tokens — for
 offline diagnostics (`drelay_model.diagnostics`); it observes only and never changes the result.
 """
@@ -67,6 +73,8 @@ def replay(
     oracle: bool = False,
     on_round: RoundHook | None = None,
     batch_size: int = 8,
+    verify_slots: int | None = None,
+    head_slots: int | None = None,
 ) -> DecodeStats:
     """Replay greedy speculative decoding over cached greedy continuations.
 
@@ -81,6 +89,8 @@ def replay(
         selector       the selector under test (default: native); ignored when `oracle`.
         on_round       optional trace hook, called once per replayed row-round (observes only).
         batch_size     prompts per target forward and per drafter call (≥ 1).
+        verify_slots   L, drafts verified per round (default H: the whole path).
+        head_slots     slots drafted per round, L ≤ head_slots ≤ H (default L).
     Returns:
         DecodeStats with τ, the acceptance histogram and round counts (no timings).
     """
@@ -88,19 +98,25 @@ def replay(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if len(prompts) != len(continuations):
         raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations")
+    H = drafter.config.num_slots
+    L = H if verify_slots is None else verify_slots
+    heads = L if head_slots is None else head_slots
+    if not 1 <= L <= heads <= H:
+        raise ValueError(f"need 1 ≤ verify_slots ≤ head_slots ≤ {H}, got verify_slots={verify_slots}, head_slots={head_slots}")
     selector = (selector if selector is not None else NativeSelector()).eval()
     stats = DecodeStats(num_slots=drafter.config.num_slots)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(continuations[i]))
     for lo in range(0, len(order), batch_size):
         rows = order[lo : lo + batch_size]
         _replay_batch(
-            target, drafter, selector, [prompts[i] for i in rows], [continuations[i] for i in rows], rows, oracle, stats, on_round
+            target, drafter, selector, [prompts[i] for i in rows], [continuations[i] for i in rows], rows, oracle, stats, on_round,
+            (L, heads),
         )
     return stats
 
 
-def _replay_batch(target, drafter, selector, prompts, conts, rows: list[int], oracle: bool, stats: DecodeStats, on_round) -> None:
-    """Replay up to batch_size rows together (see `replay`)."""
+def _replay_batch(target, drafter, selector, prompts, conts, rows, oracle, stats: DecodeStats, on_round, slots) -> None:
+    """Replay up to batch_size rows together (see `replay`); slots = (L verified, slots drafted)."""
     seqs = [p + c for p, c in zip(prompts, conts)]
     B, N = len(seqs), max(len(s) for s in seqs)
     device = target.device
@@ -114,6 +130,7 @@ def _replay_batch(target, drafter, selector, prompts, conts, rows: list[int], or
     positions = torch.arange(N, device=device)[None].expand(B, -1)
     ctx_kv = drafter.context_kv(feats, positions)  # per layer [B, n_kv, N, hd]
     H = drafter.config.num_slots
+    L, heads = slots
     hist_len = 0 if oracle else selector.capabilities.history_len
     anchor = [len(p) for p in prompts]  # anchor = first generated token (from prefill)
     left = [len(c) - 1 for c in conts]  # tokens left to commit per row
@@ -124,11 +141,11 @@ def _replay_batch(target, drafter, selector, prompts, conts, rows: list[int], or
         idx = torch.tensor(live, device=device)
         a = torch.tensor([anchor[b] for b in live], device=device)  # [G]
         kv = [(k[idx], v[idx]) for k, v in ctx_kv]
-        hidden = drafter.block_hidden(seq[idx, a][:, None], a[:, None], kv)[:, 0, 1:]  # [G, H, D]
+        hidden = drafter.block_hidden(seq[idx, a][:, None], a[:, None], kv, size=1 + heads)[:, 0, 1:]  # [G, heads, D]
         block = drafter.pool(hidden)
-        refs = [seq[b, anchor[b] + 1 : min(anchor[b] + 1 + H, len(seqs[b]))] for b in live]  # [≤ H] each
+        refs = [seq[b, anchor[b] + 1 : min(anchor[b] + 1 + L, len(seqs[b]))] for b in live]  # [≤ L] each
         if oracle:
-            paths = [oracle_path(_row_block(block, g), refs[g]) for g in range(len(live))]
+            paths = [oracle_path(_row_block(block, g), refs[g])[:L] for g in range(len(live))]
         else:
             hist = hmask = None
             if hist_len:
@@ -140,9 +157,10 @@ def _replay_batch(target, drafter, selector, prompts, conts, rows: list[int], or
                 row_ids=torch.tensor([rows[b] for b in live], device=device),
                 history=hist,
                 history_mask=hmask,
+                max_slots=L if L < H else None,
             )
             sel = selector.select(block, sctx)
-            lengths = sel.length.tolist()
+            lengths = sel.length.clamp(max=L).tolist()
             paths = [sel.path_ids[g, : lengths[g]] for g in range(len(live))]
         accepted, committed = [], []
         for g, b in enumerate(live):

@@ -73,3 +73,55 @@ def test_replay_rejects_bad_arguments(target, make_drafter, prompts_of):
         replay(target, drafter, [[1, 2]], [[3, 4]], batch_size=0)
     with pytest.raises(ValueError, match="continuations"):
         replay(target, drafter, [[1, 2]], [], batch_size=2)
+
+
+class _FixedLength:
+    """A cost policy that always plans L verified drafts over `heads` drafted slots: the engine's
+    cost-aware round at one length, so replay's `verify_slots`/`head_slots` can be checked against it."""
+
+    runs_selector = True
+
+    def __init__(self, L: int, heads: int):
+        self.verify_slots, self.head_slots = L, heads
+
+    def round(self, *, rows: int, partial: bool) -> "_FixedLength":
+        return self
+
+    def cut(self, q: torch.Tensor) -> torch.Tensor:
+        return torch.full((q.shape[0],), self.verify_slots, dtype=torch.long, device=q.device)
+
+    def learn(self, *args, **kwargs) -> None:
+        pass
+
+
+@pytest.mark.parametrize("name", ["native", "drelay"])
+@pytest.mark.parametrize(("L", "heads"), [(1, 1), (3, 3), (3, None), (5, 9)])
+def test_replay_at_a_fixed_length_equals_the_engines_rounds(target, make_drafter, prompts_of, tiny_selector_config, name, L, heads):
+    """replay(verify_slots=L, head_slots=h) is the engine's round that drafts h slots (a partial block,
+    or the whole one when h = H) and verifies at most L: same rounds, histogram and tokens."""
+    prompts = prompts_of(target.vocab_size, (5, 9, 3))
+    drafter = make_drafter(target, top_k=32)
+    H = drafter.config.num_slots
+    heads = H if heads is None else heads
+    torch.manual_seed(0)
+    selector = default_registry().create(name, drafter=drafter, config=tiny_selector_config(name)).eval()
+    cfg = GenerationConfig(max_new_tokens=30)
+    greedy = SpeculativeEngine(target).generate(prompts, cfg).tokens
+    engine = SpeculativeEngine(target, drafter, selector)
+    real = []
+    for p in prompts:  # one row at a time: a round's verify width is the batch's longest path
+        engine.policy = _FixedLength(L, heads)
+        real.append(engine.generate([p], cfg))
+    assert [r.tokens[0] for r in real] == greedy
+    replayed = replay(target, drafter, prompts, greedy, selector=selector, verify_slots=L, head_slots=heads)
+    assert replayed.rounds == sum(r.stats.rounds for r in real)
+    assert replayed.accept_hist.tolist() == sum(r.stats.accept_hist for r in real).tolist()
+    assert int(replayed.accept_hist[L + 1 :].sum()) == 0  # never more than L accepted
+
+
+def test_replay_rejects_bad_lengths(target, make_drafter):
+    drafter = make_drafter(target)
+    H = drafter.config.num_slots
+    for L, heads in ((0, None), (H + 1, None), (4, 3), (2, H + 1)):
+        with pytest.raises(ValueError, match="verify_slots"):
+            replay(target, drafter, [[1, 2]], [[3, 4]], verify_slots=L, head_slots=heads)
