@@ -156,11 +156,20 @@ def main() -> int:
     from drelay_model.target import load_target
 
     target = load_target(args.target)
-    inputs = replay_inputs(Path(args.compare_dir), parse_benchmarks(args.benchmarks), args.limit, args.subset_seed, encoder_for(target))
+    inputs = replay_inputs(
+        Path(args.compare_dir), parse_benchmarks(args.benchmarks), args.limit, args.subset_seed, encoder_for(target)
+    )
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results: dict = {"compare_dir": args.compare_dir, "checkpoint": args.checkpoint, "prompts": {b: len(v[0]) for b, v in inputs.items()}}
-    lines = [f"# Partial blocks: {args.checkpoint}, {sum(results['prompts'].values())} prompt turns over {len(inputs)} benchmarks", ""]
+    results: dict = {
+        "compare_dir": args.compare_dir,
+        "checkpoint": args.checkpoint,
+        "prompts": {b: len(v[0]) for b, v in inputs.items()},
+    }
+    lines = [
+        f"# Partial blocks: {args.checkpoint}, {sum(results['prompts'].values())} prompt turns over {len(inputs)} benchmarks",
+        "",
+    ]
     for name in METHODS:
         drafter, selector = load_method(resolve_method(name, target_spec=args.target, checkpoint=args.checkpoint), target)
         H = drafter.config.num_slots
@@ -177,9 +186,14 @@ def main() -> int:
                 part = replay_counts(target, drafter, selector, ids, conts, L, L)
                 groups.append(np.concatenate([full, part], axis=1))
                 print(f"{name} L={L} {bench}: done", file=sys.stderr, flush=True)
-            tau = {k: float(np.mean([g[:, i].sum() / g[:, i + 1].sum() for g in groups])) for k, i in (("full", 0), ("partial", 2))}
+            tau = {
+                k: float(np.mean([g[:, i].sum() / g[:, i + 1].sum() for g in groups])) for k, i in (("full", 0), ("partial", 2))
+            }
             ratio = full_over_partial(groups)
-            ms = {w: costs[f"draft_ms/{h}"] + costs[f"select_ms/{L}/{h}"] + costs[f"verify_ms/{1 + L}"] for w, h in (("partial", L), ("full", H))}
+            ms = {
+                w: costs[f"draft_ms/{h}"] + costs[f"select_ms/{L}/{h}"] + costs[f"verify_ms/{1 + L}"]
+                for w, h in (("partial", L), ("full", H))
+            }
             row = {"L": L, "tau": tau, "ratio": ratio.as_dict("full_over_partial"), "round_ms": ms,
                    "tokens_per_ms": {w: tau[w] / ms[w] for w in ms}}  # fmt: skip
             rows.append(row)

@@ -109,7 +109,15 @@ def replay(
     for lo in range(0, len(order), batch_size):
         rows = order[lo : lo + batch_size]
         _replay_batch(
-            target, drafter, selector, [prompts[i] for i in rows], [continuations[i] for i in rows], rows, oracle, stats, on_round,
+            target,
+            drafter,
+            selector,
+            [prompts[i] for i in rows],
+            [continuations[i] for i in rows],
+            rows,
+            oracle,
+            stats,
+            on_round,
             (L, heads),
         )
     return stats

@@ -22,14 +22,27 @@ WEIGHTS = "drafter.safetensors"
 CONFIG = "drafter_config.json"
 
 
-def save_drafter(drafter: BlockDrafter, path: str | Path, *, extra_tensors: dict | None = None, meta: dict | None = None) -> Path:
-    """Write `drafter` (and optionally a selector's tensors under a prefix) to directory `path`."""
+def save_drafter(
+    drafter: BlockDrafter,
+    path: str | Path,
+    *,
+    extra_tensors: dict | None = None,
+    meta: dict | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write `drafter` (and optionally a selector's tensors under a prefix) to directory `path`;
+    `dtype` stores the floating-point tensors in that precision (loading casts them back to the
+    drafter's: `load_state_dict` copies into its float32 parameters)."""
     from safetensors.torch import save_file
+
+    def stored(v: torch.Tensor) -> torch.Tensor:
+        v = v.detach().contiguous().cpu()
+        return v.to(dtype) if dtype is not None and v.is_floating_point() else v
 
     path = Path(path)
     with atomic_directory(path) as tmp:
-        tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
-        tensors.update({k: v.detach().contiguous().cpu() for k, v in (extra_tensors or {}).items()})
+        tensors = {k: stored(v) for k, v in drafter.state_dict().items()}
+        tensors.update({k: stored(v) for k, v in (extra_tensors or {}).items()})
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         doc = {"drafter": drafter.config.to_dict(), "meta": meta or {}}
         (tmp / CONFIG).write_text(json.dumps(doc, indent=2))

@@ -146,6 +146,11 @@ class TrainSection(StrictConfig):
     # Also checkpoint every this many wall minutes (None: only every checkpoint_every steps), so a
     # stop loses at most that much of a long run.
     checkpoint_minutes: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    # A folder (in the repository, so that it can be committed) where every checkpoint also leaves the
+    # weights alone in bfloat16, with the step and the budget spent: a run whose Ray checkpoints are
+    # gone (a fresh machine has only what landed) continues from it with the same command, with a
+    # fresh optimizer re-warmed over train.warmup_steps (pipelines/train/snapshot.py). None: no snapshot.
+    snapshot_dir: str | None = None
     checkpoint_every: int = Field(200, ge=1)
     validate_every: int = Field(200, ge=1)
     validation_prompts: int = Field(8, ge=0)

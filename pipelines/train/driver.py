@@ -53,6 +53,12 @@ def check_inputs(cfg: RunConfig) -> None:
         continues_selector(cfg, meta)  # a selector.config that contradicts the saved selector fails here
     ensure_writable_dir(local_dir(repo_path(cfg.output_dir), "output_dir"), "output_dir")
     ensure_writable_dir(repo_path(cfg.ray.storage_path), "ray.storage_path")
+    if cfg.train.snapshot_dir:
+        from pipelines.train.snapshot import check_snapshot
+
+        snapshot = local_dir(repo_path(cfg.train.snapshot_dir), "train.snapshot_dir")
+        ensure_writable_dir(snapshot.parent, "train.snapshot_dir")
+        check_snapshot(snapshot, run_name=cfg.ray.run_name)
 
 
 def scaling_config(cfg: RunConfig):
@@ -115,6 +121,8 @@ def run_training(
     worker_cfg["data"]["regenerated"] = str(repo_path(cfg.data.regenerated))
     if cfg.drafter.init_checkpoint:
         worker_cfg["drafter"]["init_checkpoint"] = str(repo_path(cfg.drafter.init_checkpoint))
+    if cfg.train.snapshot_dir:
+        worker_cfg["train"]["snapshot_dir"] = str(repo_path(cfg.train.snapshot_dir))
     tags = run_tags("train", target=cfg.target.spec, method=cfg.selector.name)
     parent = None
     if parent_run_id:

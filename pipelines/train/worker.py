@@ -33,7 +33,8 @@ from pipelines.train.config import RunConfig
 from pipelines.train.data import batch_order, collate, read_sequences, reference_sequences, split_validation
 from pipelines.train.features import FeatureSource
 from pipelines.train.held_out import HeldOutBlocks, held_out_blocks, teacher_forced_metrics
-from pipelines.train.model_io import build_module, restore_training_checkpoint, save_training_checkpoint
+from pipelines.train.model_io import build_module, restore_training_checkpoint, save_training_checkpoint, selector_meta
+from pipelines.train.snapshot import has_snapshot, restore_snapshot, rewarm, save_snapshot
 
 
 def load_data(cfg: RunConfig, target):
@@ -214,10 +215,17 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     start, clock = 0, train_clock(cfg)
-    checkpoint = ray.train.get_checkpoint()
+    checkpoint, resumed_at = ray.train.get_checkpoint(), None  # resumed_at: a fresh optimizer's re-warm-up starts there
+    snapshot = Path(repo_path(cfg.train.snapshot_dir)) if cfg.train.snapshot_dir else None
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
             start, clock.spent = restore_training_checkpoint(Path(d), module, optimizer, target)
+    elif snapshot is not None and has_snapshot(snapshot):  # no Ray checkpoint here (a fresh machine)
+        start, clock.spent = restore_snapshot(snapshot, module, target, run_name=cfg.ray.run_name)
+        resumed_at = start
+        if rank == 0:
+            print(f"[train] no Ray checkpoint: continuing from the snapshot in {snapshot} at step {start}"
+                  f" ({clock.spent / 60:.1f} budget minutes spent), optimizer re-warmed", file=sys.stderr)  # fmt: skip
     val = validation_set(cfg, target, val_seqs) if rank == 0 else ([], [])
     held = None  # teacher-forced held-out blocks: labels are the target's own tokens in regenerated data
     if rank == 0 and not cfg.data.fallback_reference_answers:
@@ -245,6 +253,7 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
         lr = lr_at(
             clock.schedule_step(step), base=cfg.train.lr, warmup=cfg.train.warmup_steps, total=cfg.train.max_steps, taken=step
         )
+        lr = rewarm(lr, step=step, resumed_at=resumed_at, warmup=cfg.train.warmup_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
@@ -306,6 +315,9 @@ def _report(
     with tempfile.TemporaryDirectory() as tmp:
         save_training_checkpoint(Path(tmp), module, optimizer, step, cfg, train_seconds=train_seconds, final=final)
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp))
+    if cfg.train.snapshot_dir:
+        save_snapshot(Path(repo_path(cfg.train.snapshot_dir)), module, step=step, train_seconds=train_seconds,
+                      run_name=cfg.ray.run_name, selector=selector_meta(module, cfg))  # fmt: skip
 
 
 def _metric_logger(cfg_dict: dict):

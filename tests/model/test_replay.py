@@ -96,7 +96,9 @@ class _FixedLength:
 
 @pytest.mark.parametrize("name", ["native", "drelay"])
 @pytest.mark.parametrize(("L", "heads"), [(1, 1), (3, 3), (3, None), (5, 9)])
-def test_replay_at_a_fixed_length_equals_the_engines_rounds(target, make_drafter, prompts_of, tiny_selector_config, name, L, heads):
+def test_replay_at_a_fixed_length_equals_the_engines_rounds(
+    target, make_drafter, prompts_of, tiny_selector_config, name, L, heads
+):
     """replay(verify_slots=L, head_slots=h) is the engine's round that drafts h slots (a partial block,
     or the whole one when h = H) and verifies at most L: same rounds, histogram and tokens."""
     prompts = prompts_of(target.vocab_size, (5, 9, 3))

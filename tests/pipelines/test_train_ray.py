@@ -97,6 +97,44 @@ def test_killed_worker_resumes_from_checkpoint_and_history_is_whole(tmp_path, ti
     assert load_drafter(again.checkpoint, tiny_target("tiny-llama"))[2]["step"] == 20
 
 
+def test_a_run_whose_ray_checkpoints_are_gone_continues_from_its_snapshot(tmp_path, tiny_data, ray_session, monkeypatch):
+    """A fresh machine has the committed snapshot and not outputs/ray: the same command, with a longer
+    schedule, continues at the snapshot's step from its weights, re-warming a fresh optimizer."""
+    import shutil
+
+    from pipelines.common.tracking import get_client
+    from pipelines.train.driver import run_training
+    from pipelines.train.snapshot import SNAPSHOT_DTYPE
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    over = {"ray.num_workers": 1, "train.max_steps": 6, "train.checkpoint_every": 3, "train.validate_every": 100,
+            "train.snapshot_dir": str(tmp_path / "snapshot"), "train.warmup_steps": 4}  # fmt: skip
+    first = run_training(_config(tmp_path, tiny_data, **over))
+    _, extra, meta = load_drafter(tmp_path / "snapshot", tiny_target("tiny-llama"))
+    assert meta["snapshot"] and meta["step"] == 6 and meta["run_name"] == "tiny" and meta["selector"]["name"] == "drelay"
+    assert extra and all(v.dtype == SNAPSHOT_DTYPE for v in extra.values() if v.is_floating_point())
+    exported, _, _ = load_drafter(first.checkpoint, tiny_target("tiny-llama"))
+    snap, _, _ = load_drafter(tmp_path / "snapshot", tiny_target("tiny-llama"))
+    for (name, a), (_, b) in zip(exported.state_dict().items(), snap.state_dict().items()):
+        assert torch.equal(a.to(SNAPSHOT_DTYPE).to(a.dtype) if a.is_floating_point() else a, b), name
+
+    shutil.rmtree(tmp_path / "ray")  # what a fresh machine lacks
+    longer = _config(tmp_path, tiny_data, **{**over, "train.max_steps": 9})
+    again = run_training(longer)
+    client = get_client()
+    assert {m.step for m in client.get_metric_history(again.mlflow_run_id, "loss/support")} == {7, 8, 9}
+    lr = {m.step: m.value for m in client.get_metric_history(again.mlflow_run_id, "lr")}
+    from drelay_model.training.schedules import lr_at
+
+    # A fresh optimizer, re-warmed over 4 steps from the snapshot's step 6: the schedule's rate × 1/4, 2/4, 3/4.
+    t = longer.train
+    assert [lr[k] for k in (7, 8, 9)] == pytest.approx(
+        [lr_at(k - 1, base=t.lr, warmup=4, total=9) * (k - 6) / 4 for k in (7, 8, 9)]
+    )
+    assert load_drafter(again.checkpoint, tiny_target("tiny-llama"))[2]["step"] == 9
+    assert load_drafter(tmp_path / "snapshot", tiny_target("tiny-llama"))[2]["step"] == 9
+
+
 def test_bad_inputs_fail_before_ray_starts(tmp_path, tiny_data):
     from drelay_model.errors import DRelayError
     from pipelines.train.driver import check_inputs
