@@ -12,7 +12,8 @@
 #
 # Options: --dflash; --drelay (the export keeps its selector and vLLM runs with VLLM_PLUGINS=drelay:
 # this project's plugin chooses the drafts; without it the selector folder is dropped); --versus
-# ar|dflash|drelay (A is a second `vllm serve` in that mode instead of our endpoint); --concurrency "C1 C2 …"; --requests N (per leg); --max-tokens N; --rounds N;
+# ar|dflash|drelay (A is a second `vllm serve` in that mode instead of our endpoint); --concurrency "C1 C2 …"; --requests N (per leg); --max-tokens N;
+# --rounds N (legs per endpoint per level, default 3: the fewest pairs that give a paired interval);
 # --ours CONFIG (our endpoint, default platform/serve/smollm2-135m-ar.yaml); --eager (vLLM without
 # torch.compile: faster start, slower decode); --startup-timeout S (per server, default 900);
 # --logs DIR (default outputs/bench_vllm_endpoint). VLLM_CPU_KVCACHE_SPACE (GiB, default 2) sizes vLLM's
@@ -29,7 +30,7 @@ DRELAY="$REPO/.venv/bin/drelay"
 PY="$REPO/.venv/bin/python"
 VLLM_PY="${DRELAY_VLLM_PYTHON:-$REPO/.venv-vllm/bin/python}"
 
-DFLASH=0 VERSUS="" CONCURRENCY="1 8 16" REQUESTS=32 MAX_TOKENS=32 ROUNDS="" EAGER=0 STARTUP_TIMEOUT=900
+DFLASH=0 VERSUS="" CONCURRENCY="1 8 16" REQUESTS=32 MAX_TOKENS=32 ROUNDS=3 EAGER=0 STARTUP_TIMEOUT=900
 OURS_CONFIG="platform/serve/smollm2-135m-ar.yaml" LOGS="$REPO/outputs/bench_vllm_endpoint"
 CHECKPOINT="checkpoints/smollm2-135m"
 die() { echo "bench_vllm_endpoint: $*" >&2; exit 2; }
