@@ -34,11 +34,11 @@ from pipelines.common.paths import repo_path
 from pipelines.train import block_cache
 from pipelines.train.config import RunConfig
 from pipelines.train.cooldown import Cooldown, cooldown_length
-from pipelines.train.features import FeatureSource
 from pipelines.train.model_io import restore_training_checkpoint, save_training_checkpoint
 from pipelines.train.worker import (
     HEADLINE_METRIC,
     _metric_logger,
+    feature_source,
     start_worker,
     step_config,
     train_clock,
@@ -54,8 +54,7 @@ def open_cache(cfg: RunConfig, target, module, train_seqs, device, rank: int, wo
     seqs = block_cache.cache_order(train_seqs, cfg.train.seed)
     lay = block_cache.layout(cfg, repo_path(cfg.data.block_cache_dir), module.drafter, target, seqs)
     if not lay.complete():
-        cache_dir = repo_path(cfg.data.feature_cache_dir) if cfg.data.feature_cache == "disk" else None
-        features = FeatureSource(target, module.drafter.config.target_layer_ids, cache_dir, bf16=cfg.train.bf16)
+        features = feature_source(cfg, target, module)
         module.drafter.eval()
         block_cache.build(lay, seqs, module.drafter, features, cfg, device, rank=rank, world=world)
     manifest = json.loads(lay.manifest.read_text())

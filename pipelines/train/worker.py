@@ -73,6 +73,22 @@ def validation_set(cfg: RunConfig, target, val_seqs) -> tuple[list[list[int]], l
 HEADLINE_METRIC = "val/tau"
 
 
+def feature_source(cfg: RunConfig, target, module) -> FeatureSource:
+    """The target's features (and top-k with soft labels) for `module`'s drafter: from the disk
+    cache when `data.feature_cache: disk`, else computed per batch."""
+    cache_dir = repo_path(cfg.data.feature_cache_dir) if cfg.data.feature_cache == "disk" else None
+    layers = module.drafter.config.target_layer_ids
+    return FeatureSource(target, layers, cache_dir, bf16=cfg.train.bf16, soft_k=cfg.train.soft_labels)
+
+
+def held_out_set(cfg: RunConfig, val_seqs, features: FeatureSource) -> HeldOutBlocks | None:
+    """The teacher-forced held-out blocks of the validation conversations (`held_out.py`), or None
+    where the labels are not the target's own tokens (reference answers instead of regenerated data)."""
+    if cfg.data.fallback_reference_answers:
+        return None
+    return held_out_blocks(spread(val_seqs, cfg.train.seed)[: cfg.train.validation_prompts], features)
+
+
 def validate(target, module, prompts, conts, held: HeldOutBlocks | None = None) -> dict[str, float]:
     """Greedy replay τ of the native path, the pool's oracle, (if any) the trained selector, and the
     headline `val/tau` with its 95% interval over the validation prompts (`val/tau_ci_low`,
@@ -201,10 +217,8 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
     import ray.train
 
     cfg, rank, world, device, target, train_seqs, val_seqs, module = start_worker(cfg_dict)
-    cache_dir = repo_path(cfg.data.feature_cache_dir) if cfg.data.feature_cache == "disk" else None
     autocast = cfg.train.bf16  # bfloat16 autocast on CPU and CUDA alike: the feature forward and the step
-    layers, soft_k = module.drafter.config.target_layer_ids, cfg.train.soft_labels
-    features = FeatureSource(target, layers, cache_dir, bf16=autocast, soft_k=soft_k)
+    features = feature_source(cfg, target, module)
     model = ray.train.torch.prepare_model(
         module,
         parallel_strategy=cfg.ray.strategy if world > 1 else None,
@@ -227,9 +241,7 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
             print(f"[train] no Ray checkpoint: continuing from the snapshot in {snapshot} at step {start}"
                   f" ({clock.spent / 60:.1f} budget minutes spent), optimizer re-warmed", file=sys.stderr)  # fmt: skip
     val = validation_set(cfg, target, val_seqs) if rank == 0 else ([], [])
-    held = None  # teacher-forced held-out blocks: labels are the target's own tokens in regenerated data
-    if rank == 0 and not cfg.data.fallback_reference_answers:
-        held = held_out_blocks(spread(val_seqs, cfg.train.seed)[: cfg.train.validation_prompts], features)
+    held = held_out_set(cfg, val_seqs, features) if rank == 0 else None
     logger = _metric_logger(cfg_dict) if rank == 0 else None
     lengths = [len(s.input_ids) for s in train_seqs]
     per_epoch = max(len(train_seqs) // (cfg.train.seqs_per_step * world), 1)

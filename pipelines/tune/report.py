@@ -252,12 +252,16 @@ def start_reference(base, folder: Path) -> dict | None:
     from drelay_model.target import load_target
     from pipelines.common.outputs import rooted
     from pipelines.train.model_io import build_module
-    from pipelines.train.worker import load_data, validate, validation_set
+    import torch
 
-    cfg = rooted(base)  # the init checkpoint and the data, wherever this runs from
+    from pipelines.train.worker import feature_source, held_out_set, load_data, training_precision, validate, validation_set
+
+    cfg = training_precision(rooted(base), torch.device("cpu"))  # the init checkpoint and the data, wherever this runs from
     target = load_target(cfg.target.spec, dtype=cfg.target.dtype)
     _, val_seqs = load_data(cfg, target)
-    metrics = validate(target, build_module(cfg, target, []), *validation_set(cfg, target, val_seqs))
+    module = build_module(cfg, target, [])
+    held = held_out_set(cfg, val_seqs, feature_source(cfg, target, module))  # the trials' teacher-forced metrics too
+    metrics = validate(target, module, *validation_set(cfg, target, val_seqs), held)
     cache.write_text(json.dumps(metrics, indent=2))
     return metrics
 

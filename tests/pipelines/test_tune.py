@@ -344,7 +344,7 @@ def test_start_reference_measures_the_init_checkpoint_like_a_trial(tmp_path, tin
     from drelay_model.drafter import load_drafter
     from pipelines.train.config import RunConfig
     from pipelines.train.model_io import build_module, save_training_checkpoint
-    from pipelines.train.worker import load_data, validate, validation_set
+    from pipelines.train.worker import feature_source, held_out_set, load_data, training_precision, validate, validation_set
     from pipelines.tune.report import start_reference
 
     target = tiny_target("tiny-llama")
@@ -357,8 +357,13 @@ def test_start_reference_measures_the_init_checkpoint_like_a_trial(tmp_path, tin
     assert start_reference(RunConfig.model_validate(doc), tmp_path) is None  # nothing to start from
     got = start_reference(base, tmp_path)
     _, val = load_data(base, target)
-    again = validate(target, build_module(base, target, []), *validation_set(base, target, val))
+    run = training_precision(base, torch.device("cpu"))  # the precision a CPU worker trains in (float32 without native bf16)
+    module = build_module(run, target, [])
+    again = validate(
+        target, module, *validation_set(run, target, val), held_out_set(run, val, feature_source(run, target, module))
+    )
     assert got == pytest.approx(again) and {"val/tau", "val/tau_selector", "val/tau_native"} <= set(got)
+    assert {"val/tf_accept", "val/tf_acc_slot1", "val/tf_loss"} <= set(got)  # the trials' teacher-forced metrics too
     # val/tau's 95% interval over the validation prompts, around the pooled replay τ
     assert got["val/tau_ci_low"] <= got["val/tau"] <= got["val/tau_ci_high"]
     assert json.loads((tmp_path / "start.json").read_text()) == got  # cached: a resumed sweep reads it back
