@@ -63,22 +63,25 @@ FIT_METRICS = (TAU_TF, "val/tau_native")
 
 
 def load_curves(client, experiment: str, study: str, labels: list[str]) -> list[Point]:
-    """Every validation point of the study's runs (the newest MLflow run of each name)."""
+    """Every validation point of the study's runs. A run stopped and resumed is one MLflow run per
+    attempt under the same name (an interrupted attempt is marked FAILED): their points are merged
+    by step, a later attempt's point replacing an earlier one's at the same step."""
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return []
     points = []
     for label in labels:
         found = client.search_runs([exp.experiment_id], f"tags.mlflow.runName = '{study}-{label}'",
-                                   order_by=["attributes.start_time DESC"], max_results=1)  # fmt: skip
-        if not found:
-            continue
-        run_id = found[0].info.run_id
-        clock = {h.step: h.value for h in client.get_metric_history(run_id, CLOCK)}
-        series = {m: {h.step: h.value for h in client.get_metric_history(run_id, m)} for m in METRICS}
-        for step in sorted(series["val/tau_native"]):
-            if step in clock:
-                points.append(Point(label, step, clock[step] / 60.0, {m: s[step] for m, s in series.items() if step in s}))
+                                   order_by=["attributes.start_time ASC"], max_results=1000)  # fmt: skip
+        merged: dict[int, Point] = {}
+        for run in found:
+            run_id = run.info.run_id
+            clock = {h.step: h.value for h in client.get_metric_history(run_id, CLOCK)}
+            series = {m: {h.step: h.value for h in client.get_metric_history(run_id, m)} for m in METRICS}
+            for step in sorted(series["val/tau_native"]):
+                if step in clock:
+                    merged[step] = Point(label, step, clock[step] / 60.0, {m: s[step] for m, s in series.items() if step in s})
+        points += [merged[step] for step in sorted(merged)]
     return points
 
 

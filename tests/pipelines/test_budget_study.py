@@ -79,3 +79,25 @@ def test_the_teacher_forced_tau_is_derived_from_the_accepted_run():
     bs = _module()
     p = bs.Point("d2", 15, 0.2, {"val/tf_accept": 0.61, "val/tau_native": 1.8})
     assert p.values[bs.TAU_TF] == pytest.approx(1.61) and bs.fit_log([p, bs.replace(p, hours=0.4)], bs.TAU_TF).n == 2
+
+
+def test_a_resumed_run_is_one_curve_across_its_mlflow_attempts(uri):
+    """An interrupted attempt (FAILED) and the attempt that resumed it are two MLflow runs of one
+    name: the curve has the points of both, the later attempt's at a step both logged."""
+    from pipelines.common.tracking import get_client
+
+    bs = _module()
+    client = get_client(uri)
+    exp = client.create_experiment("drelay-train")
+    for status, points in (("FAILED", {0: 1.60, 15: 1.58, 30: 1.50}), ("RUNNING", {30: 1.59, 45: 1.61})):
+        run = client.create_run(exp, run_name="study-d2")
+        for step, tau in points.items():
+            client.log_metric(run.info.run_id, "val/tau_native", tau, step=step)
+            client.log_metric(run.info.run_id, "train/budget_minutes", step / 3, step=step)
+        if status == "FAILED":
+            client.set_terminated(run.info.run_id, status)
+    curve = bs.load_curves(client, "drelay-train", "study", ["d2", "d3"])
+    assert [(p.run, p.step, p.values["val/tau_native"]) for p in curve] == [
+        ("d2", 0, 1.60), ("d2", 15, 1.58), ("d2", 30, 1.59), ("d2", 45, 1.61)
+    ]  # fmt: skip
+    assert curve[-1].hours == pytest.approx(45 / 3 / 60)
