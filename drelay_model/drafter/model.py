@@ -208,12 +208,15 @@ class BlockDrafter(nn.Module):
             cache.append(i, k, v)
         cache.end()
 
-    def forward(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, features: torch.Tensor, block_len: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Training entry point (what DDP wraps): blocks at anchors [B, M] from the features
-        [B, N, L*D] of whole sequences (block m sees positions < anchor_pos[b, m]) → [B, M, S, D]."""
+        [B, N, L*D] of whole sequences (block m sees positions < anchor_pos[b, m]) → [B, M, S, D];
+        `block_len` [B, M] drafts block m as a partial block of block_len slots (`block_hidden`)."""
         B, N, _ = features.shape
         positions = torch.arange(N, device=features.device)[None].expand(B, N)
-        return self.block_hidden(anchor_ids, anchor_pos, self.context_kv(features, positions))
+        return self.block_hidden(anchor_ids, anchor_pos, self.context_kv(features, positions), block_len=block_len)
 
     # ---- blocks --------------------------------------------------------------------------------
     def block_hidden(
@@ -222,6 +225,7 @@ class BlockDrafter(nn.Module):
         anchor_pos: torch.Tensor,
         ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
         size: int | None = None,
+        block_len: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final hidden states of M blocks per row.
 
@@ -231,6 +235,10 @@ class BlockDrafter(nn.Module):
                         context position p only if p < anchor_pos[b, m] (strict).
             size        positions per block, S (default: block_size, as trained); fewer drafts
                         only the first size − 1 slots (inference: `draft`).
+            block_len   [B, M] int64 in 1..S−1, or None: block m's positions past slot block_len
+                        are hidden from every query, so its first block_len slots are what a
+                        partial block of block_len slots drafts (`draft(slots=…)`; training on
+                        the partial blocks cost-aware rounds draft). Its later slots are not.
         Returns:
             [B, M, S, D] after the final norm (slot 0 is the anchor).
         """
@@ -243,20 +251,24 @@ class BlockDrafter(nn.Module):
         positions = (anchor_pos[:, :, None] + torch.arange(S, device=anchor_pos.device)).view(B, M * S)
         cos, sin = self._cos_sin(positions)
         path = attention_path(x.device)  # one fused kernel per device, the same for every layer
-        mask = prepare_mask(self._block_mask(anchor_pos, C, S), path, compute_dtype(x))
+        mask = prepare_mask(self._block_mask(anchor_pos, C, S, block_len), path, compute_dtype(x))
         for layer, (ck, cv) in zip(self.layers, ctx_kv):
             x = layer(x, cos, sin, ck, cv, mask, path)
         return self.norm(x).view(B, M, S, D)
 
-    def _block_mask(self, anchor_pos: torch.Tensor, C: int, S: int) -> torch.Tensor | None:
-        """[B, 1, M*S, C + M*S] bool: context p < anchor of the query's block; own block only."""
+    def _block_mask(self, anchor_pos: torch.Tensor, C: int, S: int, block_len: torch.Tensor | None = None) -> torch.Tensor | None:
+        """[B, 1, M*S, C + M*S] bool: context p < anchor of the query's block; own block only (and,
+        with block_len [B, M], only its positions 0..block_len)."""
         B, M = anchor_pos.shape
-        if M == 1 and not _capturing(anchor_pos) and bool((anchor_pos == C).all()):
+        if block_len is None and M == 1 and not _capturing(anchor_pos) and bool((anchor_pos == C).all()):
             return None  # single block that sees the whole context: no mask needed (a host sync)
         ctx_ok = torch.arange(C, device=anchor_pos.device)[None, None, :] < anchor_pos[:, :, None]  # [B, M, C]
         ctx_ok = ctx_ok[:, :, None, :].expand(B, M, S, C).reshape(B, M * S, C)
         blk = torch.arange(M, device=anchor_pos.device).repeat_interleave(S)  # [M*S] block index
         blk_ok = (blk[:, None] == blk[None, :]).expand(B, M * S, M * S)
+        if block_len is not None:  # key j of block m is seen only while j ≤ block_len[b, m]
+            j = torch.arange(S, device=anchor_pos.device).repeat(M)  # [M*S] position within its block
+            blk_ok = blk_ok & (j[None, :] <= block_len.repeat_interleave(S, dim=1))[:, None, :]  # [B, M*S, M*S]
         return torch.cat([ctx_ok, blk_ok], dim=-1)[:, None]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

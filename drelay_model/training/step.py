@@ -39,17 +39,21 @@ class DraftTrainModule(nn.Module):
         self.selector = selector
 
     def forward(self, anchor_ids, anchor_pos, features, labels, valid, sel_inputs: SelectorTrainInputs | None = None,
-                chunk_tokens=DEFAULT_CHUNK_TOKENS, soft: losses.SoftLabels | None = None):  # fmt: skip
+                chunk_tokens=DEFAULT_CHUNK_TOKENS, soft: losses.SoftLabels | None = None, block_len=None):  # fmt: skip
         """anchors [B, M]; features [B, N, F]; labels, valid [B·M, H]; soft [B·M, H, k] the target's
         top-k per slot (soft support labels) or None → (HeadOutput over B·M blocks, the selector's own
         `SelectorTrainLoss` on the drafted blocks, or None).
 
         The vocabulary head runs in chunks (`chunked_head`): no [B, M, H, V] logits are ever built.
         `sel_inputs` carries labels, valid mask, history and loss knobs; the block and anchors are
-        filled in here, so the selector's loss sees exactly the pool the head produced.
+        filled in here, so the selector's loss sees exactly the pool the head produced. `block_len`
+        [B, M] drafts partial blocks (`BlockDrafter.block_hidden`): the drafter alone, since a
+        selector's Global Read would read slots a partial block does not have.
         """
         d = self.drafter
-        hidden = d(anchor_ids, anchor_pos, features)[:, :, 1:]  # [B, M, H, D]
+        if block_len is not None and self.selector is not None and sel_inputs is not None:
+            raise ValueError("partial blocks train the drafter alone, not a selector")
+        hidden = d(anchor_ids, anchor_pos, features, block_len)[:, :, 1:]  # [B, M, H, D]
         B, M, H, D = hidden.shape
         head = chunked_head(d, hidden.reshape(B * M, H, D), labels, valid, chunk_tokens=chunk_tokens, soft=soft)
         sel = None
@@ -83,6 +87,9 @@ class StepConfig:
     switches: losses.LossSwitches = losses.LossSwitches()
     micro_batches: int = 1
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    # The share of anchor blocks drafted as partial blocks of a random length L ∈ 1..H−1 (what a
+    # cost-aware round drafts: `BlockDrafter.draft(slots=L)`), supervised on those L slots only.
+    partial_blocks: float = 0.0
 
 
 @dataclass
@@ -117,6 +124,7 @@ class _Plan:
     denom: torch.Tensor  # [] Σ m over the whole step
     native_fraction: float  # realised share of scout anchors among the step's anchors (vs the schedule)
     soft: losses.SoftLabels | None = None  # [B, M, H, k] the target's top-k at each block slot
+    block_len: torch.Tensor | None = None  # [B, M] slots drafted per block (partial blocks), or None: all H
 
 
 def block_soft_labels(soft: losses.SoftLabels, anchors: torch.Tensor, H: int) -> losses.SoftLabels:
@@ -146,10 +154,28 @@ def _plan(core: DraftTrainModule, input_ids, loss_mask, features, labels_src, cf
         )
         anchors, ok = torch.cat([anchors, nat], 1), torch.cat([ok, nat_ok], 1)
         n_scout = int(nat_ok.sum())
-    blocks = make_blocks(labels_src, loss_mask, anchors, ok, drafter.config.num_slots)
+    H = drafter.config.num_slots
+    blocks = make_blocks(labels_src, loss_mask, anchors, ok, H)
+    block_len = None
+    if cfg.partial_blocks > 0:
+        block_len, blocks = partial_blocks(blocks, cfg.partial_blocks, H, generator)
     share = n_scout / max(int(ok.sum()), 1)
-    soft_blocks = None if soft is None else block_soft_labels(soft, anchors, drafter.config.num_slots)
-    return _Plan(anchors=anchors, blocks=blocks, denom=blocks.valid.sum(), native_fraction=share, soft=soft_blocks)
+    soft_blocks = None if soft is None else block_soft_labels(soft, anchors, H)
+    return _Plan(anchors=anchors, blocks=blocks, denom=blocks.valid.sum(), native_fraction=share, soft=soft_blocks,
+                 block_len=block_len)  # fmt: skip
+
+
+def partial_blocks(blocks: Blocks, share: float, H: int, generator) -> tuple[torch.Tensor, Blocks]:
+    """Draw which blocks are drafted partially (each with probability `share`) and their lengths
+    L ~ U{1, …, H−1} → (block_len [B, M]: L, or H for a whole block; the blocks with slots past L
+    no longer valid)."""
+    B, M = blocks.anchors.shape
+    device = blocks.anchors.device
+    partial = torch.rand(B, M, generator=generator).to(device) < share
+    lengths = torch.randint(1, H, (B, M), generator=generator).to(device)
+    block_len = torch.where(partial, lengths, torch.full_like(lengths, H))
+    valid = blocks.valid & (torch.arange(H, device=device) < block_len[..., None])
+    return block_len, Blocks(anchors=blocks.anchors, labels=blocks.labels, valid=valid)
 
 
 def _micro_step(model, core: DraftTrainModule, input_ids, features, plan: _Plan, rows: slice, cfg: StepConfig) -> StepOutput:
@@ -179,7 +205,8 @@ def _micro_step(model, core: DraftTrainModule, input_ids, features, plan: _Plan,
         )
         sel_inputs = SelectorTrainInputs(labels=labels, valid=valid, history=history, history_mask=hmask, knobs=knobs)
     anchor_ids = torch.gather(input_ids[rows], 1, anchors)
-    head, sel_out = model(anchor_ids, anchors, feats, labels, valid, sel_inputs, cfg.chunk_tokens, soft)
+    block_len = None if plan.block_len is None else plan.block_len[rows]
+    head, sel_out = model(anchor_ids, anchors, feats, labels, valid, sel_inputs, cfg.chunk_tokens, soft, block_len)
     w_slot = slot_weights(H, cfg.slot_decay).to(device=head.nll.device, dtype=head.nll.dtype)
     support = losses.SupportLoss(nll=head.nll * w_slot, counted=head.counted, out_of_vocab=head.out_of_vocab)
     metrics = _support_metrics(head.block.cand_ids[..., 0].view_as(blocks.labels), blocks, support)

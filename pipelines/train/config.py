@@ -118,6 +118,9 @@ class TrainSection(StrictConfig):
     # draft vocabulary holds, taken from the feature forward and cached beside the features
     # (drelay_model/training/losses.py `soft_support_targets`).
     soft_labels: int | None = Field(None, ge=1, le=64)
+    # The share of anchor blocks drafted as partial blocks of a random length L ∈ 1..H−1, as a
+    # cost-aware round drafts them (`BlockDrafter.draft(slots=L)`), supervised on those L slots only.
+    partial_blocks: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     native_anchor_fraction: FractionSchedule = FractionSchedule(start=0.3, end=0.5)  # share of native anchors
     # The scout's path under teacher prefixes: "selector" (the selector's own teacher-forced Eq. 2
     # choices: the prefix it follows is the one incremental selection writes, so "the scout and
@@ -211,6 +214,11 @@ class RunConfig(StrictConfig):
         if self.drafter.grow_layers and (self.drafter.init_checkpoint is None or self.drafter.freeze):
             raise ValueError(
                 "drafter.grow_layers deepens a trained drafter: it needs drafter.init_checkpoint and no drafter.freeze"
+            )
+        if self.train.partial_blocks and self.selector.trains_selector:
+            raise ValueError(
+                "train.partial_blocks trains the drafter alone (a selector's Global Read would read slots a partial "
+                "block does not have): it needs selector.name=native"
             )
         if self.train.stage == "selector":
             if not self.drafter.freeze:

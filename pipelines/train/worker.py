@@ -151,6 +151,7 @@ def step_config(cfg: RunConfig, progress: float) -> StepConfig:
         switches=LossSwitches(support=t.support_loss, selector=t.selector_loss, credit=not t.uniform_repair_weights),
         micro_batches=t.micro_batches,
         chunk_tokens=t.chunk_tokens,
+        partial_blocks=t.partial_blocks,
     )
 
 
