@@ -193,14 +193,18 @@ def plot(points: list[Point], fits: dict[str, Fit], path: Path, *, hours: float,
     plt.close(fig)
 
 
-def drafter_depth(cfg, repo_path) -> int:
-    """The layers a run trains: its init checkpoint's plus `drafter.grow_layers`, or `num_layers`."""
+def drafter_depth(cfg, repo_path, pending: frozenset = frozenset()) -> int | None:
+    """The layers a run trains: its init checkpoint's plus `drafter.grow_layers`, or `num_layers`;
+    None when it starts from an earlier run of the study (in `pending`) that has not exported yet."""
     from drelay_model.drafter.checkpoint import read_checkpoint
 
     d = cfg.drafter
     if not d.init_checkpoint:
         return d.num_layers
-    return read_checkpoint(repo_path(d.init_checkpoint))[0].num_layers + d.grow_layers
+    path = Path(repo_path(d.init_checkpoint))
+    if path in pending and not path.exists():
+        return None
+    return read_checkpoint(path)[0].num_layers + d.grow_layers
 
 
 def report(
@@ -221,7 +225,7 @@ def report(
     for label, d in depth.items():
         mine = [p for p in points if p.run == label]
         if not mine:
-            print("| " + " | ".join([label, str(d), "—", "not trained yet", *[""] * (6 + bool(costs))]) + " |")
+            print("| " + " | ".join([label, str(d or "—"), "—", "not trained yet", *[""] * (6 + bool(costs))]) + " |")
             continue
         last, fit = mine[-1], fits.get(label)
         v = last.values
@@ -230,7 +234,7 @@ def report(
                  f"{v.get('val/coverage_first_error', math.nan):.3f}", f"{v.get('val/one_edit_gain', math.nan):.3f}"]  # fmt: skip
         cells += [f"{fit.a:.3f} + {fit.b:.3f}·ln h ({fit.rmse:.3f}, {fit.n})", f"{fit.at(hours):.3f}"] if fit else ["—", "—"]
         if costs:
-            speed = fit.at(hours) * costs["ar"] / (costs[f"draft{d}"] + costs["verify16"]) if fit else math.nan
+            speed = fit.at(hours) * costs["ar"] / (costs[f"draft{d}"] + costs["verify16"]) if fit and d else math.nan
             cells.append(f"{speed:.2f}×")
         print("| " + " | ".join(cells) + " |")
     if costs:
@@ -258,7 +262,8 @@ def main() -> None:
         raise DRelayError("--hours and --fit-from must be > 0, --start-hours ≥ 0")
     spec = load_study(args.spec)
     configs = run_configs(spec, repo_path)
-    depth = {label: drafter_depth(cfg, repo_path) for label, cfg in configs.items()}
+    exports = frozenset(Path(repo_path(c.output_dir)) / c.ray.run_name / "drafter" for c in configs.values())
+    depth = {label: drafter_depth(cfg, repo_path, exports) for label, cfg in configs.items()}
     csv_path = ROOT / "docs/data" / f"{spec.name}.csv"
     if args.from_csv:
         if not csv_path.is_file():
@@ -277,7 +282,7 @@ def main() -> None:
         if points:
             write_csv(points, csv_path)
     started = time.perf_counter()
-    costs = measure_costs(sorted(set(depth.values()))) if args.measure_costs else None
+    costs = measure_costs(sorted({d for d in depth.values() if d is not None})) if args.measure_costs else None
     if costs:
         print(f"[budget] round costs measured in {time.perf_counter() - started:.0f} s")
     total = [replace(q, hours=q.hours + args.start_hours) for q in points]  # on the whole training's clock

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from drelay_model.errors import DRelayError
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -66,6 +68,11 @@ def test_continued_runs_count_their_checkpoint_depth_and_draw_a_step_zero_point(
     fresh = SimpleNamespace(drafter=SimpleNamespace(init_checkpoint=None, grow_layers=0, num_layers=4))
     assert bs.drafter_depth(grown, lambda p: tmp_path / p) == 3
     assert bs.drafter_depth(fresh, lambda p: tmp_path / p) == 4
+    # a later stage starting from a run of the study that has not exported yet: unknown, not an error
+    later = SimpleNamespace(drafter=SimpleNamespace(init_checkpoint="out/long/drafter", grow_layers=0, num_layers=2))
+    assert bs.drafter_depth(later, lambda p: tmp_path / p, frozenset({tmp_path / "out/long/drafter"})) is None
+    with pytest.raises(DRelayError, match="not found"):  # a missing checkpoint that no run of the study makes
+        bs.drafter_depth(later, lambda p: tmp_path / p)
     pts = [bs.Point("d3", s, h, {"val/tau_native": 1.4 + 0.01 * s / 15}) for s, h in ((0, 0.0), (15, 0.15), (30, 0.3))]
     bs.plot(pts, {"d3": bs.fit_log(pts)}, tmp_path / "scratch.png", hours=1.0)  # h = 0 off the log axis
     total = [bs.replace(p, hours=p.hours + 3.0) for p in pts]
