@@ -150,11 +150,16 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(1)
 
+    from drelay_model.drafter.checkpoint import read_checkpoint
+    from drelay_model.target import load_target
     from pipelines.common.methods import load_method, resolve_method
     from pipelines.data.eval_sets import parse_benchmarks
     from pipelines.eval.prompts import encoder_for
-    from drelay_model.target import load_target
 
+    # Cheap checks first: the arguments, before the target loads.
+    lengths = parse_lengths(args.lengths, read_checkpoint(args.checkpoint)[0].num_slots)
+    if not (Path(args.compare_dir) / "cells").is_dir():
+        raise DRelayError(f"--compare-dir: no '{args.compare_dir}/cells' (run `drelay compare --out {args.compare_dir}` first)")
     target = load_target(args.target)
     inputs = replay_inputs(
         Path(args.compare_dir), parse_benchmarks(args.benchmarks), args.limit, args.subset_seed, encoder_for(target)
@@ -173,7 +178,6 @@ def main() -> int:
     for name in METHODS:
         drafter, selector = load_method(resolve_method(name, target_spec=args.target, checkpoint=args.checkpoint), target)
         H = drafter.config.num_slots
-        lengths = parse_lengths(args.lengths, H)
         first = next(iter(inputs.values()))[0][0]
         costs = round_costs(target, drafter, selector, first, lengths, args.reps)
         lines += [f"## {name}", "", "| L | τ partial | τ full | full ÷ partial [95%] | ms partial | ms full | tok/ms partial | tok/ms full |",

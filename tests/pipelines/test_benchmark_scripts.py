@@ -29,6 +29,8 @@ BAD_INPUTS = [
     ("benchmarks/bench_batcher.py", ["--duty", "1.5"], "--duty: a share in (0, 1], got 1.5"),
     ("benchmarks/bench_batcher.py", ["--prefill-budget", "0"], "--prefill-budget: positive token counts or none, got 0"),
     ("analysis/budget_study.py", ["--hours", "0"], "--hours and --fit-from must be > 0"),
+    ("analysis/partial_blocks.py", ["--compare-dir", "/nonexistent", "--lengths", "0,2"], "--lengths: each L in 1..14"),
+    ("analysis/partial_blocks.py", ["--compare-dir", "/nonexistent"], "--compare-dir: no '/nonexistent/cells'"),
 ]
 
 
