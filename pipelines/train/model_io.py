@@ -78,13 +78,28 @@ def selector_meta(module: DraftTrainModule, cfg: RunConfig) -> dict | None:
     return {"name": cfg.selector.name, "config": getattr(module.selector, "config").to_dict()}
 
 
+SELECTOR_PREFIX = "selector."  # a checkpoint keeps the trained selector's tensors beside the drafter's
+
+
+def selector_tensors(module: DraftTrainModule) -> dict[str, torch.Tensor] | None:
+    """The module's selector tensors under `SELECTOR_PREFIX` (a drafter checkpoint's extra tensors), or None."""
+    if module.selector is None:
+        return None
+    return {f"{SELECTOR_PREFIX}{k}": v for k, v in module.selector.state_dict().items()}
+
+
+def saved_selector(extra: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's extra tensors → the selector's state dict (empty when it holds none)."""
+    return {k.removeprefix(SELECTOR_PREFIX): v for k, v in extra.items() if k.startswith(SELECTOR_PREFIX)}
+
+
 def save_training_checkpoint(
     path: Path, module: DraftTrainModule, optimizer, step: int, cfg: RunConfig, *, train_seconds: float = 0.0, final: bool = False
 ) -> None:
     """drafter/ (a drafter checkpoint that also holds the selector as selector.*), optimizer, step and
     the seconds of training spent so far (what `train.max_minutes` counts); `final` marks the run's
     last checkpoint (max_steps reached or the time budget spent) in the drafter's meta."""
-    extra = {f"selector.{k}": v for k, v in module.selector.state_dict().items()} if module.selector is not None else None
+    extra = selector_tensors(module)
     meta = {"step": step, "run_name": cfg.ray.run_name, "selector": selector_meta(module, cfg),
             "train_seconds": round(float(train_seconds), 1), "final": final}  # fmt: skip
     save_drafter(module.drafter, path / "drafter", extra_tensors=extra, meta=meta)
@@ -98,7 +113,7 @@ def restore_training_checkpoint(path: Path, module: DraftTrainModule, optimizer,
     drafter, extra, _ = load_drafter(path / "drafter", target)
     module.drafter.load_state_dict(drafter.state_dict())
     if module.selector is not None:
-        module.selector.load_state_dict({k.removeprefix("selector."): v for k, v in extra.items() if k.startswith("selector.")})
+        module.selector.load_state_dict(saved_selector(extra))
     state = torch.load(path / TRAINER_STATE, weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     return int(state["step"]), float(state.get("train_seconds", 0.0))

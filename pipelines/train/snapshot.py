@@ -24,6 +24,7 @@ from drelay_model.drafter import load_drafter, save_drafter
 from drelay_model.drafter.checkpoint import CONFIG
 from drelay_model.errors import DRelayError
 from drelay_model.training.step import DraftTrainModule
+from pipelines.train.model_io import saved_selector, selector_tensors
 
 SNAPSHOT_DTYPE = torch.bfloat16
 
@@ -32,7 +33,7 @@ def save_snapshot(
     path: Path, module: DraftTrainModule, *, step: int, train_seconds: float, run_name: str, selector: dict | None
 ) -> None:
     """Write the module's weights to `path` in bfloat16 (atomically: a stop mid-write keeps the last one)."""
-    extra = {f"selector.{k}": v for k, v in module.selector.state_dict().items()} if module.selector is not None else None
+    extra = selector_tensors(module)
     meta = {"step": step, "train_seconds": round(float(train_seconds), 1), "run_name": run_name, "selector": selector,
             "snapshot": True}  # fmt: skip
     save_drafter(module.drafter, path, extra_tensors=extra, meta=meta, dtype=SNAPSHOT_DTYPE)
@@ -76,7 +77,7 @@ def restore_snapshot(path: Path, module: DraftTrainModule, target, *, run_name: 
         raise DRelayError(f"{where}: its drafter has another shape than the configured one")
     module.drafter.load_state_dict(drafter.state_dict())
     if module.selector is not None:
-        tensors = {k.removeprefix("selector."): v for k, v in extra.items() if k.startswith("selector.")}
+        tensors = saved_selector(extra)
         if not tensors:
             raise DRelayError(f"{where} holds no selector weights, and this run trains a selector")
         module.selector.load_state_dict(tensors)
