@@ -17,11 +17,14 @@ Run:  .venv/bin/python benchmarks/bench_peers.py                 # 16 GSM8K prom
       ... --eager                                                # vLLM without torch.compile
       ... --time-limit 3600                                      # stop starting phases after an hour
       ... --vllm-only                                            # vLLM's three methods, not our engine
+      ... --reference-select                                     # ours also runs DRelay's reference select path
 The machine is shared (2 cores): numbers are noisy; the engines run one after the other, never at once.
 Four phases (vLLM AR, vLLM DFlash, ours AR, ours DFlash), each printed as it ends, vLLM's own log in
 --vllm-log. With --time-limit, a phase that would run past the limit is cut: vLLM's process group is
 killed and the batch sizes it finished are kept; our engine stops between batch sizes; the table shows
-what both engines finished ("-" elsewhere). Results go to --out (JSON) and MLflow (experiment
+what both engines finished ("-" elsewhere). With --reference-select our engine also decodes DRelay with
+the select phase's reference path (`selector.fast_path = False`: the same decisions, recomputing every
+round), so the fast path's before and after come from one run. Results go to --out (JSON) and MLflow (experiment
 `drelay-benchmarks`) unless --no-mlflow.
 """
 
@@ -55,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vllm-log", default=str(REPO / "outputs" / "bench_peers.vllm.log"), help="vLLM runner output")
     p.add_argument("--no-mlflow", action="store_true")
     p.add_argument("--vllm-only", action="store_true", help="measure vLLM's AR, DFlash and DRelay only (not our engine)")
+    p.add_argument("--reference-select", action="store_true", help="ours also decodes DRelay on the reference select path")
     args = p.parse_args(argv)
     if args.quick:
         args.prompts, args.max_new_tokens, args.batch_sizes = 4, 32, "1,4"
@@ -82,20 +86,23 @@ class Clock:
         print(f"[{time.perf_counter() - self.t0:7.0f} s] {message}", flush=True)
 
 
-def run_ours(target, checkpoint: str, prompts, max_new: int, batches: list[int], clock: Clock) -> dict:
+def run_ours(target, checkpoint: str, prompts, max_new: int, batches: list[int], clock: Clock, *, reference=False) -> dict:
     """{method: {batch: {"tok_s", "tau", "tokens"}}} for our engine, static batches like vLLM's runner;
-    batch sizes not started before the time limit are left out."""
+    batch sizes not started before the time limit are left out. `reference` adds "drelay-ref": DRelay
+    with the select phase's reference path."""
     from deploy.vllm.peer import our_engine
     from drelay_model.decoding import DecodeStats, GenerationConfig
 
     config = GenerationConfig(max_new_tokens=max_new)
     out: dict = {}
-    for method in METHODS:
+    for method in METHODS + (("drelay-ref",) if reference else ()):
         out[method] = {}
         if clock.left() <= 0:
             clock.say(f"ours {method}: time limit reached, not started")
             continue
-        engine = our_engine(target, method, None if method == "ar" else checkpoint)
+        engine = our_engine(target, method.removesuffix("-ref"), None if method == "ar" else checkpoint)
+        if method == "drelay-ref":
+            engine.selector.fast_path = False
         engine.generate(prompts[:1], GenerationConfig(max_new_tokens=4))  # warm-up
         for b in batches:
             if clock.left() <= 0:
@@ -195,6 +202,28 @@ def print_table(table: dict, args, n_prompts: int) -> None:
             )
 
 
+def fast_vs_reference(ours: dict, batches: list[int]) -> dict:
+    """{batch: {"fast_over_ref", "fast_over_native", "ref_over_native", "same_tokens"}} for the batches
+    where ours decoded DRelay on both select paths and native."""
+    rows = {}
+    for b in batches:
+        if all(b in ours.get(m, {}) for m in ("native", "drelay", "drelay-ref")):
+            nat, fast, ref = (ours[m][b] for m in ("native", "drelay", "drelay-ref"))
+            rows[b] = {"fast_over_ref": fast["tok_s"] / ref["tok_s"], "fast_over_native": fast["tok_s"] / nat["tok_s"],
+                       "ref_over_native": ref["tok_s"] / nat["tok_s"],
+                       "same_tokens": sum(a == w for a, w in zip(fast["tokens"], ref["tokens"]))}  # fmt: skip
+    return rows
+
+
+def print_fast_vs_reference(rows: dict, n_prompts: int) -> None:
+    print(f"\nOurs: DRelay's select phase, fast path against the reference\n{'batch':>6}{'fast÷ref':>10}"
+          f"{'fast÷native':>13}{'ref÷native':>12}{'same':>7}")  # fmt: skip
+    for b, r in rows.items():
+        print(
+            f"{b:>6}{r['fast_over_ref']:>9.2f}×{r['fast_over_native']:>12.2f}×{r['ref_over_native']:>11.2f}×{r['same_tokens']:>4}/{n_prompts}"
+        )
+
+
 def main(argv=None) -> int:
     from deploy.vllm.export import export_vllm
     from deploy.vllm.peer import vllm_python
@@ -214,15 +243,19 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         draft = export_vllm(args.checkpoint, Path(tmp) / "draft", target=target)
         peer = run_peer(python, str(cache_root() / SMOLLM2), draft, prompts, args, clock)
-        ours = {} if args.vllm_only else run_ours(target, args.checkpoint, prompts, args.max_new_tokens, args.batches, clock)
+        ours = {} if args.vllm_only else run_ours(target, args.checkpoint, prompts, args.max_new_tokens, args.batches,
+                                                  clock, reference=args.reference_select)  # fmt: skip
     table, inside = compare(ours, peer, args.batches), within_vllm(peer, args.batches)
+    paths = fast_vs_reference(ours, args.batches)
     if not args.vllm_only:
         print_table(table, args, len(prompts))
     print_within(inside, len(prompts))
+    if paths:
+        print_fast_vs_reference(paths, len(prompts))
     complete = all(b in inside for b in args.batches) and (
         args.vllm_only or all(b in table[m] for m in METHODS for b in args.batches)
     )
-    result = {"args": {k: v for k, v in vars(args).items() if k != "batches"}, "table": table, "vllm": inside,
+    result = {"args": {k: v for k, v in vars(args).items() if k != "batches"}, "table": table, "vllm": inside, "select_paths": paths,
               "wall_s": time.perf_counter() - clock.t0, "complete": complete,
               "vllm_load_s": {m: peer[m]["load_s"] for m in METHODS}}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -236,6 +269,8 @@ def main(argv=None) -> int:
                     run.log_metrics({f"{m}_b{b}_{k}": float(v) for k, v in r.items()})
             for b, r in inside.items():
                 run.log_metrics({f"vllm_b{b}_{k}": float(v) for k, v in r.items()})
+            for b, r in paths.items():
+                run.log_metrics({f"select_paths_b{b}_{k}": float(v) for k, v in r.items()})
             run.log_metrics({"wall_s": result["wall_s"], "complete": float(complete)})
     clock.say(f"done{'' if complete else ' (partial: the time limit cut some phases)'} → {args.out}")
     return 0

@@ -32,6 +32,7 @@ min(N, max_query_len), a host int vLLM already has).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -127,11 +128,14 @@ class DraftChoice:
         self.rings = rings
         self.staged: StagedStep | None = None
         self.recorder = None  # callable(dict of tensors) for the replay check, or None
+        self.profiler = None  # callable(dict of wall ms per part) for the plugin's profile, or None
+        self._stage_ms = 0.0
 
     def stage(self, req_ids, known, *, hidden, qsl, rejected, positions, anchors, max_query_len: int) -> None:
         """Before drafting: feed each request's verified features into its ring and remember
         the anchors. hidden [T, F] raw target features; qsl [B+1]; rejected [B] or None;
         positions [T] (row 0 when M-RoPE gives [3, T]); anchors [B]."""
+        clock = _Clock(hidden) if self.profiler is not None else None
         pos = positions[0] if positions.ndim == 2 else positions
         qsl_l = qsl.to(torch.long)
         last = (qsl_l[1:] - 1 - (rejected.to(torch.long) if rejected is not None else 0)).clamp(min=0)
@@ -143,13 +147,17 @@ class DraftChoice:
             width = max(1, min(self.rings.ring.size, int(max_query_len)))
             self.rings.append_step(rows, hidden, qsl, rejected, first_pos, width)
         self.staged = StagedStep(rows=rows, anchors=anchors.to(torch.long), anchor_pos=anchor_pos)
+        self._stage_ms = clock.lap() if clock else 0.0
 
     @torch.inference_mode()
     def choose(self, compute_logits, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B·H, D] slot hidden states (slots 1..H of each request, request-major) →
-        draft ids [B·H] int64 (target vocabulary)."""
+        draft ids [B·H] int64 (target vocabulary). With a profiler, each step's parts are timed
+        (wall ms; on a GPU after a synchronize): stage (the rings' update), pool (logits, log-softmax,
+        top-K), history (the rings' read) and select."""
         step, self.staged = self.staged, None
         B, H, K = step.anchors.shape[0], self.num_slots, self.top_k
+        clock = _Clock(hidden) if self.profiler is not None else None
         logits = compute_logits(hidden)  # [B·H, V]
         logq = torch.log_softmax(logits.float(), dim=-1)
         cand_logq, cand_ids = logq.topk(K, dim=-1)
@@ -158,19 +166,44 @@ class DraftChoice:
             cand_ids=cand_ids.view(B, H, K),
             cand_logq=cand_logq.view(B, H, K),
         )
+        pool_ms = clock.lap() if clock else 0.0
         history, mask = self.rings.read(step.rows) if step.rows is not None else (None, None)
+        history_ms = clock.lap() if clock else 0.0
         ctx = SelectionContext(
             anchor_ids=step.anchors,
             anchor_pos=step.anchor_pos,
-            row_ids=torch.arange(B, device=hidden.device),
+            # ring rows name requests wherever vLLM moves them: the fast path's history cache follows them
+            row_ids=step.rows if step.rows is not None else torch.arange(B, device=hidden.device),
             history=history,
             history_mask=mask,
         )
         path = self.selector.select(block, ctx).path_ids  # [B, H]
+        if clock:
+            self.profiler({"batch": B, "stage_ms": self._stage_ms, "pool_ms": pool_ms, "history_ms": history_ms,
+                           "select_ms": clock.lap()})  # fmt: skip
         if self.recorder is not None:
             self.recorder({"hidden": block.hidden, "cand_ids": block.cand_ids, "cand_logq": block.cand_logq,
-                           "anchors": step.anchors, "history": history, "history_mask": mask, "path": path})  # fmt: skip
+                           "anchors": step.anchors, "anchor_pos": step.anchor_pos, "row_ids": ctx.row_ids,
+                           "history": history, "history_mask": mask, "path": path})  # fmt: skip
         return path.reshape(-1)
 
     def _dtype(self) -> torch.dtype:
         return next((p.dtype for p in self.selector.parameters()), torch.float32)
+
+
+class _Clock:
+    """Wall-clock laps for the profiler; on a GPU each lap first waits for the device's queued work."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.cuda = like.is_cuda
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.t = time.perf_counter()
+
+    def lap(self) -> float:
+        """ms since the last lap (or the start)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        ms, self.t = (now - self.t) * 1e3, now
+        return ms

@@ -24,6 +24,9 @@ vLLM-CPU, and GPUs with `VLLM_USE_V2_MODEL_RUNNER=0`):
 A vLLM whose methods no longer have these signatures gets one warning and native drafting; so does
 a step the choice cannot take (another number of drafts than the selector's H, a heterogeneous
 vocabulary, a vocabulary-sharded argmax).
+Two variables for measurement: DRELAY_VLLM_RECORD=DIR saves every step's selector inputs and path
+(the replay tests, and the select profile on vLLM's own steps); DRELAY_VLLM_PROFILE=FILE appends one
+JSON line per step with the choice's wall ms by part (benchmarks/profile_vllm_plugin.py).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ EXPECTED = {
     "_sample_draft_tokens": ("hidden_states", "sampling_metadata"),
 }  # fmt: skip
 RECORD_ENV = "DRELAY_VLLM_RECORD"  # a directory: every step's pool and path are saved there (tests)
+PROFILE_ENV = "DRELAY_VLLM_PROFILE"  # a file: one JSON line of the choice's wall ms by part per step
 _warned: set[str] = set()
 
 
@@ -158,6 +162,8 @@ def build_choice(proposer, target_model):
     choice = DraftChoice(selector, num_slots=H, top_k=saved.drafter.top_k, rings=rings)
     if os.environ.get(RECORD_ENV):
         choice.recorder = _recorder(os.environ[RECORD_ENV])
+    if os.environ.get(PROFILE_ENV):
+        choice.profiler = _profiler(os.environ[PROFILE_ENV])
     logger.info("DRelay plugin: selector '%s' chooses the drafts (H=%d, K=%d, history %d)",
                 saved.selector["name"], H, saved.drafter.top_k, n)  # fmt: skip
     return choice
@@ -207,3 +213,16 @@ def _recorder(folder: str):
         torch.save(cpu, os.path.join(folder, f"step-{os.getpid()}-{next(counter):06d}.pt"))
 
     return record
+
+
+def _profiler(path: str):
+    """Append each step's parts (DraftChoice.choose) to `path` as a JSON line, with this process's pid."""
+    import json
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def profile(parts: dict) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps({**parts, "pid": os.getpid()}) + "\n")
+
+    return profile

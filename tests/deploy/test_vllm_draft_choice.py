@@ -96,6 +96,37 @@ def test_native_choice_is_vllms_argmax():
     assert torch.equal(ids, (hidden @ head.T).argmax(-1)) and choice.staged is None
 
 
+class _SeesContext(NativeSelector):
+    """The native choice, remembering the context it was given (what the selector is handed)."""
+
+    def select(self, block, ctx):
+        self.ctx = ctx
+        return super().select(block, ctx)
+
+
+def test_the_choice_names_requests_by_their_ring_rows_wherever_vllm_moves_them():
+    """The selector's row ids are the requests' ring rows, not batch positions: the fast path's
+    history cache (keyed by row id) then follows a request across vLLM's row moves."""
+    H, K, D = 2, 3, 4
+    sel = _SeesContext()
+    choice = DraftChoice(sel, num_slots=H, top_k=K, rings=RequestRings(3, N, F))
+    choice.profiler = (profiled := []).append
+    head = torch.randn(10, D)
+    ids_of = {}
+    for order in (["a", "b"], ["b", "a"]):  # the second step swaps the requests' batch rows
+        lens = {"a": 2, "b": 3}
+        hidden = torch.cat([feats(ord(r), range(lens[r])) for r in order])
+        qsl = torch.tensor([0, lens[order[0]], lens[order[0]] + lens[order[1]]])
+        choice.stage(order, {"a", "b"}, hidden=hidden, qsl=qsl, rejected=None, positions=torch.cat([torch.arange(lens[r]) for r in order]),
+                     anchors=torch.tensor([1, 2]), max_query_len=3)  # fmt: skip
+        choice.choose(lambda h: h @ head.T, torch.randn(2 * H, D))
+        for b, r in enumerate(order):
+            ids_of.setdefault(r, set()).add(int(sel.ctx.row_ids[b]))
+    assert all(len(v) == 1 for v in ids_of.values()) and ids_of["a"] != ids_of["b"]
+    assert [p["batch"] for p in profiled] == [2, 2]  # the profiler: one record per step, every part timed
+    assert all(set(p) == {"batch", "stage_ms", "pool_ms", "history_ms", "select_ms"} and min(p.values()) >= 0 for p in profiled)
+
+
 def test_selector_folder_errors_are_one_line(tmp_path):
     draft = tmp_path / "draft"
     draft.mkdir()

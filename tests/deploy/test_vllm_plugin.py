@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from deploy.vllm.peer import our_engine, run_vllm, vllm_python
-from deploy.vllm.plugin import RECORD_ENV
+from deploy.vllm.plugin import PROFILE_ENV, RECORD_ENV
 from drelay_model.decoding import GenerationConfig
 from drelay_model.drafter import DraftBlock
 from drelay_model.selectors import SelectionContext
@@ -70,14 +70,17 @@ def setup(tmp_path_factory):
                "batch_sizes": [SAMPLES], "record": False}  # fmt: skip
     runs = run_vllm(vllm_python(), {**base, "draft": str(draft), "num_speculative_tokens": 15, "batch_sizes": [1, len(MAX_NEW)],
                                     "detailed_metrics": True, "then": [sampled]},
-                    env={"VLLM_PLUGINS": "drelay", RECORD_ENV: str(record)}, log=tmp / "vllm-drelay.log")["runs"]  # fmt: skip
+                    env={"VLLM_PLUGINS": "drelay", RECORD_ENV: str(record), PROFILE_ENV: str(tmp / "profile.jsonl")},
+                    log=tmp / "vllm-drelay.log")["runs"]  # fmt: skip
     ar = run_vllm(vllm_python(), {**base, "draft": None, "batch_sizes": [len(MAX_NEW)]})["runs"][0]
-    return SimpleNamespace(target=target, prompts=prompts, ar=ar, runs=runs, record=record, sample_prompt=sample_prompt)
+    return SimpleNamespace(target=target, prompts=prompts, ar=ar, runs=runs, record=record, sample_prompt=sample_prompt,
+                           profile=tmp / "profile.jsonl")  # fmt: skip
 
 
 def test_plugin_paths_replay_through_our_selector(setup):
-    """Every recorded step: our own DRelay selector (loaded from the checkpoint, our venv) on the
-    plugin's pool, anchors and verified history picks the plugin's path."""
+    """Every recorded step, in order: our own DRelay selector (loaded from the checkpoint, our venv)
+    on the plugin's pool, anchors, positions, ring rows and verified history picks the plugin's path
+    (its CPU fast path reuses history projections by ring row, as the plugin's does)."""
     target, record = setup.target, setup.record
     from pipelines.common.methods import load_method, resolve_method
 
@@ -88,7 +91,7 @@ def test_plugin_paths_replay_through_our_selector(setup):
     for path in steps:
         s = torch.load(path, weights_only=True)
         B, H, K = s["cand_ids"].shape
-        ctx = SelectionContext(anchor_ids=s["anchors"], anchor_pos=torch.zeros(B, dtype=torch.long), row_ids=torch.arange(B),
+        ctx = SelectionContext(anchor_ids=s["anchors"], anchor_pos=s["anchor_pos"], row_ids=s["row_ids"],
                                history=s["history"], history_mask=s["history_mask"])  # fmt: skip
         block = DraftBlock(hidden=s["hidden"], cand_ids=s["cand_ids"], cand_logq=s["cand_logq"])
         path_ids = selector.select(block, ctx).path_ids
@@ -96,6 +99,18 @@ def test_plugin_paths_replay_through_our_selector(setup):
         repaired += int((s["path"] != s["cand_ids"][:, :, 0]).sum())
     print(f"{len(steps)} steps replayed; {repaired} slots repaired away from the argmax")
     assert repaired > 0  # the selector really departed from native drafting
+
+
+def test_the_plugin_profiles_every_step_by_part(setup):
+    """DRELAY_VLLM_PROFILE: one JSON line per drafted step, its parts in wall ms, at the batch sizes run."""
+    import json
+
+    lines = [json.loads(x) for x in setup.profile.read_text().splitlines()]
+    assert len(lines) > 20
+    assert {1, len(MAX_NEW)} <= {r["batch"] for r in lines}
+    for r in lines:
+        assert all(r[k] >= 0.0 for k in ("stage_ms", "pool_ms", "history_ms", "select_ms")), r
+    assert sum(r["select_ms"] for r in lines) > 0
 
 
 def test_vllm_drelay_equals_vllm_ar(setup):

@@ -9,11 +9,13 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from cli.main import main as drelay
 from deploy.vllm.regenerate import _read_answers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_peers import compare  # noqa: E402
+from bench_peers import compare, fast_vs_reference  # noqa: E402
 
 
 def test_engine_vllm_without_the_venv_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys):
@@ -50,6 +52,31 @@ def test_bench_peers_table_keeps_what_both_engines_finished():
     table = compare(ours, peer, [1, 8])
     assert list(table["ar"]) == [1] and table["ar"][1]["ratio"] == 2.0 and table["ar"][1]["same_outputs"] == 1
     assert table["native"] == {}
+
+
+def test_bench_peers_fast_vs_reference_rows_need_all_three_runs():
+    row = {"tok_s": 10.0, "tau": 1.0, "tokens": [[1, 2], [3]]}
+    ours = {"native": {1: row, 8: row}, "drelay": {1: {**row, "tok_s": 9.0}, 8: row},
+            "drelay-ref": {1: {**row, "tok_s": 6.0, "tokens": [[1, 2], [4]]}}}  # fmt: skip
+    rows = fast_vs_reference(ours, [1, 8])
+    assert list(rows) == [1]  # batch 8 has no reference run
+    assert rows[1]["fast_over_ref"] == 1.5 and rows[1]["fast_over_native"] == 0.9 and rows[1]["ref_over_native"] == 0.6
+    assert rows[1]["same_tokens"] == 1
+    assert fast_vs_reference({"native": {1: row}, "drelay": {1: row}}, [1]) == {}  # run without --reference-select
+
+
+def test_profile_vllm_plugin_takes_medians_per_batch_size():
+    from profile_vllm_plugin import glue_table, parse_args
+
+    lines = [
+        {"batch": b, "stage_ms": 1.0 * i, "pool_ms": 2.0, "history_ms": 0.5, "select_ms": 10.0 + i}
+        for i, b in enumerate([1, 1, 1, 8, 3])
+    ]
+    table = glue_table(lines, [1, 8, 16])
+    assert table[1] == {"steps": 3, "stage_ms": 1.0, "pool_ms": 2.0, "history_ms": 0.5, "select_ms": 11.0}
+    assert table[8]["steps"] == 1 and 16 not in table and 3 not in table
+    with pytest.raises(SystemExit):
+        parse_args(["--batch-sizes", "1,x"])
 
 
 def test_a_child_past_its_time_is_killed_with_its_whole_process_group(tmp_path):

@@ -107,6 +107,23 @@ def test_fast_path_keeps_the_state_dict():
     assert set(sel.state_dict()) == keys and not any("_fast" in k for k in keys)
 
 
+def test_fast_path_off_runs_the_reference_with_the_same_decisions():
+    """`fast_path = False` (a benchmark's "before"): `select` skips FastSelect's caches altogether
+    and decides as the fast path does."""
+    sel = perturb(make_selector(2), 2, gate_bias=3.0)
+    block, ctx = next(sliding_rounds(3, 2, 1, N=SMALL["history_len"]))
+    with torch.inference_mode():
+        sel.fast_path = False
+        assert not sel.uses_fast_path(block)
+        before = sel.select(block, ctx)
+        assert sel._fast.tokens._count == 0  # no table filled: the reference ran
+        sel.fast_path = True
+        assert sel.uses_fast_path(block)
+        after = sel.select(block, ctx)
+        assert sel._fast.tokens._count > 0
+    assert torch.equal(before.path_ids, after.path_ids) and torch.equal(before.pool_index, after.pool_index)
+
+
 def read_fixture(path: Path) -> list[tuple[DraftBlock, SelectionContext]]:
     """Rounds stored by benchmarks/selector_rounds.py `write_fixture`: one request, consecutive."""
     f = torch.load(path)

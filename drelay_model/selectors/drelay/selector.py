@@ -104,6 +104,7 @@ class DRelaySelector(Selector):
         self.global_read = GlobalRead(config, num_slots=num_slots, top_k=top_k) if config.global_read else None
         self.causal = CausalSelector(config, num_slots=num_slots, top_k=top_k, feature_dim=feature_dim)
         self._fast = FastSelect()  # the CPU fast path's caches (not a module: never in the state dict)
+        self.fast_path = True  # False: every round runs the reference (a benchmark's "before"); not saved
 
     @classmethod
     def build(cls, *, drafter=None, config: dict | None = None) -> "DRelaySelector":
@@ -248,11 +249,12 @@ class DRelaySelector(Selector):
 
     def uses_fast_path(self, block: DraftBlock) -> bool:
         """Whether `select` runs `FastSelect` for this block: CPU tensors, the walk with the torch
-        kernels, under `torch.inference_mode` and not inside a traced graph."""
+        kernels, under `torch.inference_mode`, not inside a traced graph, and `fast_path` left on."""
         if torch.compiler.is_compiling():  # first: dynamo cannot trace is_inference_mode_enabled
             return False
         return (
-            block.cand_ids.device.type == "cpu"
+            self.fast_path
+            and block.cand_ids.device.type == "cpu"
             and self.config.decisions == "walk"
             and self.config.kernels == "torch"
             and torch.is_inference_mode_enabled()
