@@ -107,6 +107,10 @@ class TrainSection(StrictConfig):
     seqs_per_step: int = Field(4, ge=1)  # per worker
     anchors_per_seq: int = Field(16, ge=1, le=512)
     lr: float = Field(6e-4, gt=0.0, le=1.0)
+    # The drafter's rate as a share of train.lr (joint runs: a fresh selector learns at lr while a
+    # trained drafter continues at lr × scale; restarting a trained drafter at a fresh head's rate first
+    # undoes its training, docs/training.md). 1: one rate for every trainable parameter.
+    drafter_lr_scale: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     warmup_steps: int = Field(50, ge=0)
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float = Field(1.0, gt=0.0)

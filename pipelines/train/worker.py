@@ -214,6 +214,19 @@ def start_worker(cfg_dict: dict):
     return cfg, rank, world, device, target, train_seqs, val_seqs, module
 
 
+def param_groups(module, drafter_lr_scale: float) -> list[dict]:
+    """AdamW's parameter groups: one (every trainable parameter at the run's rate), or with a drafter
+    rate scale ≠ 1 two: the drafter's at lr × scale (`lr_scale`), the rest (the selector) at lr. One
+    group keeps the optimizer state of runs checkpointed before the scale existed loadable."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if drafter_lr_scale == 1.0:
+        return [{"params": params, "lr_scale": 1.0}]
+    mine = {id(p) for p in module.drafter.parameters()}
+    groups = [{"params": [p for p in params if id(p) in mine], "lr_scale": drafter_lr_scale},
+              {"params": [p for p in params if id(p) not in mine], "lr_scale": 1.0}]  # fmt: skip
+    return [g for g in groups if g["params"]]
+
+
 def train_loop_per_worker(cfg_dict: dict) -> None:
     import ray.train
 
@@ -228,7 +241,8 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
         parallel_strategy_kwargs={"forward_sync_buffers": False} if cfg.ray.strategy == "ddp" else None,
     )
     params = [p for p in module.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    optimizer = torch.optim.AdamW(param_groups(module, cfg.train.drafter_lr_scale), lr=cfg.train.lr,
+                                  weight_decay=cfg.train.weight_decay)  # fmt: skip
     start, clock = 0, train_clock(cfg)
     checkpoint, resumed_at = ray.train.get_checkpoint(), None  # resumed_at: a fresh optimizer's re-warm-up starts there
     snapshot = Path(repo_path(cfg.train.snapshot_dir)) if cfg.train.snapshot_dir else None
@@ -268,7 +282,7 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
         )
         lr = rewarm(lr, step=step, resumed_at=resumed_at, warmup=cfg.train.warmup_steps)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         optimizer.zero_grad(set_to_none=True)
         out = training_step_backward(
             model,
