@@ -102,15 +102,33 @@ def read_csv(path: Path) -> list[Point]:
     return [Point(r["run"], int(r["step"]), float(r["hours"]), {m: float(r[m]) for m in METRICS if r.get(m)}) for r in rows]
 
 
+# Student's t, 97.5% quantiles for 1..10 degrees of freedom (then the normal's 1.96 is within 0.2).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
+
 @dataclass(frozen=True)
 class Fit:
+    """τ = a + b·ln h by least squares over n points (x = ln h, mean mx, Σ(x − mx)² = sxx), with the
+    residual standard error s = sqrt(SSR / (n − 2)) (NaN with two points: no interval)."""
+
     a: float
     b: float
     rmse: float
     n: int
+    mx: float = 0.0
+    sxx: float = 0.0
+    s: float = math.nan
 
     def at(self, hours: float) -> float:
         return self.a + self.b * math.log(hours)
+
+    def interval_at(self, hours: float) -> tuple[float, float]:
+        """95% interval of the fitted mean τ at `hours`: ± t·s·sqrt(1/n + (ln h − mx)²/sxx)."""
+        if self.n < 3 or self.sxx <= 0:
+            return math.nan, math.nan
+        t = _T975[self.n - 3] if self.n - 2 <= len(_T975) else 1.96
+        half = t * self.s * math.sqrt(1 / self.n + (math.log(hours) - self.mx) ** 2 / self.sxx)
+        return self.at(hours) - half, self.at(hours) + half
 
 
 def fit_log(points: list[Point], metric: str = "val/tau_native", *, fit_from: float = 0.1) -> Fit | None:
@@ -123,8 +141,8 @@ def fit_log(points: list[Point], metric: str = "val/tau_native", *, fit_from: fl
     sxx = sum((x - mx) ** 2 for x, _ in xy)
     b = sum((x - mx) * (y - my) for x, y in xy) / sxx if sxx > 0 else 0.0
     a = my - b * mx
-    rmse = math.sqrt(sum((a + b * x - y) ** 2 for x, y in xy) / n)
-    return Fit(a, b, rmse, n)
+    ssr = sum((a + b * x - y) ** 2 for x, y in xy)
+    return Fit(a, b, math.sqrt(ssr / n), n, mx, sxx, math.sqrt(ssr / (n - 2)) if n > 2 else math.nan)
 
 
 def measure_costs(depths: list[int], *, repeats: int = 3, tokens: int = 48) -> dict[str, float]:
@@ -207,6 +225,12 @@ def drafter_depth(cfg, repo_path, pending: frozenset = frozenset()) -> int | Non
     return read_checkpoint(path)[0].num_layers + d.grow_layers
 
 
+def projected(fit: Fit, hours: float) -> str:
+    """τ at `hours` with its 95% interval ("[–]" with two points: no interval)."""
+    lo, hi = fit.interval_at(hours)
+    return f"{fit.at(hours):.3f} " + (f"[{lo:.3f}, {hi:.3f}]" if not math.isnan(lo) else "[–]")
+
+
 def report(
     points: list[Point],
     depth: dict[str, int],
@@ -232,7 +256,7 @@ def report(
         cells = [label, str(d), f"{last.hours:.2f}", f"{v.get('val/tau_native', math.nan):.3f}", f"{v.get(TAU_TF, math.nan):.3f}",
                  f"{v.get('val/tau_oracle', math.nan):.3f}",
                  f"{v.get('val/coverage_first_error', math.nan):.3f}", f"{v.get('val/one_edit_gain', math.nan):.3f}"]  # fmt: skip
-        cells += [f"{fit.a:.3f} + {fit.b:.3f}·ln h ({fit.rmse:.3f}, {fit.n})", f"{fit.at(hours):.3f}"] if fit else ["—", "—"]
+        cells += [f"{fit.a:.3f} + {fit.b:.3f}·ln h ({fit.rmse:.3f}, {fit.n})", projected(fit, hours)] if fit else ["—", "—"]
         if costs:
             speed = fit.at(hours) * costs["ar"] / (costs[f"draft{d}"] + costs["verify16"]) if fit and d else math.nan
             cells.append(f"{speed:.2f}×")

@@ -30,6 +30,21 @@ def test_fit_recovers_a_log_curve_and_projects_it():
     assert bs.fit_log(pts, fit_from=0.5) is None  # only one point at ≥ 0.5 h
 
 
+def test_the_projection_carries_the_fits_interval():
+    """Flat, noisy points over a short span (a continued run's 45 minutes): the interval says so; an
+    exact curve has none wider than rounding; two points give none."""
+    bs = _module()
+    noise = [0.004, -0.006, 0.005, -0.003, 0.0]
+    flat = [bs.Point("d2", 15 * i, 50 + 0.15 * i, {"t": 1.84 + e}) for i, e in enumerate(noise)]
+    fit = bs.fit_log(flat, "t")
+    lo, hi = fit.interval_at(58.0)
+    assert lo < fit.at(58.0) < hi and hi - lo > 0.2  # 45 minutes on a 50-hour clock resolve nothing at 58 h
+    exact = [bs.Point("d2", s, h, {"t": 1.2 + 0.1 * math.log(h)}) for s, h in ((1, 0.2), (2, 0.4), (3, 0.75))]
+    lo, hi = bs.fit_log(exact, "t").interval_at(8.0)
+    assert hi - lo < 1e-6
+    assert bs.projected(bs.fit_log(exact[:2], "t"), 8.0).endswith("[–]")
+
+
 def test_curves_round_trip_through_the_kept_csv(tmp_path):
     bs = _module()
     pts = [
