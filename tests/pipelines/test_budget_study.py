@@ -123,3 +123,11 @@ def test_a_resumed_run_is_one_curve_across_its_mlflow_attempts(uri):
         ("d2", 0, 1.60), ("d2", 15, 1.58), ("d2", 30, 1.59), ("d2", 45, 1.61)
     ]  # fmt: skip
     assert curve[-1].hours == pytest.approx(45 / 3 / 60)
+
+
+def test_round_costs_are_measured_on_the_real_target():
+    """--measure-costs: AR ms per token and, per depth, draft and whole-block verify ms per round."""
+    bs = _module()
+    costs = bs.measure_costs([2], repeats=1, tokens=4)
+    assert set(costs) == {"ar", "draft2", "verify16"}
+    assert all(v > 0 and math.isfinite(v) for v in costs.values())
