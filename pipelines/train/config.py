@@ -233,6 +233,8 @@ class RunConfig(StrictConfig):
                 )
             if self.train.soft_labels is not None:
                 raise ValueError("train.soft_labels shapes the drafter's support term; the selector stage has none")
+            if self.train.drafter_lr_scale != 1.0:
+                raise ValueError("train.drafter_lr_scale sets the drafter's rate; the selector stage's drafter is frozen")
             if self.train.stop_at_step is not None and self.train.stop_at_step > self.train.max_steps:
                 raise ValueError("train.stop_at_step must be ≤ train.max_steps")
             if self.train.cooldown_steps is not None and self.train.early_stop_patience is None:

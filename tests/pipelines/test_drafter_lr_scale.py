@@ -45,3 +45,11 @@ def test_a_drafter_alone_with_a_scale_has_one_group():
 def test_the_scale_is_validated(bad):
     with pytest.raises(ValidationError, match="drafter_lr_scale"):
         TrainSection(drafter_lr_scale=bad)
+
+
+def test_the_selector_stage_refuses_a_drafter_rate():
+    from drelay_model.errors import DRelayError
+    from pipelines.train.config import load_config
+
+    with pytest.raises(DRelayError, match="drafter_lr_scale"):
+        load_config("platform/experiments/smollm2-135m/selector-stage.yaml", ["train.drafter_lr_scale=0.5"])
