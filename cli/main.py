@@ -84,10 +84,6 @@ def guarded(run: Callable[[], int | None], prog: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
-    if argv is None:  # the process's own command line: under `setsid nice`, lower the session's group too
-        from pipelines.common.priority import autogroup_follows_nice
-
-        autogroup_follows_nice()
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(requested_command(argv)).parse_args(argv)
     return guarded(lambda: args.run(args), "drelay")

@@ -5,7 +5,9 @@ CPU is shared between groups first and by nice value only inside a group. A job 
 `setsid nohup nice -n 19 …` forms a group of its own (Ray's workers join it) and takes an equal share
 of the CPU beside the user's shell whatever its nice value. Lowering the group from outside
 (`echo 19 > /proc/$!/autogroup`) races with the job's own `setsid`: written before it, it lowers the
-caller's group instead. So the job does it itself, once, at start.
+caller's group instead. So the job does it itself, once: a job that starts Ray does it right after
+`ray.init` (ray_start.py), since a local head started at the lowest priority beside a busy
+foreground can miss its start-up deadline.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ failures into that, naming `ray.address`, the config key that chose the cluster.
 from __future__ import annotations
 
 from drelay_model.errors import DRelayError
+from pipelines.common.priority import autogroup_follows_nice
 
 
 def start_ray(*, address: str | None = None, **kwargs) -> None:
@@ -23,3 +24,7 @@ def start_ray(*, address: str | None = None, **kwargs) -> None:
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         where = f"the cluster at ray.address={address!r}" if address else "a local Ray cluster"
         raise DRelayError(f"could not start or join {where}: {first} (Ray's logs: /tmp/ray/session_latest/logs)") from exc
+    # Only now, with Ray's daemons up: a job under `setsid nice` lowers its session's autogroup to its
+    # nice value (priority.py). Lowered before, a local head's start-up can miss its deadline beside a
+    # busy foreground (seen: "The current node timed out during startup").
+    autogroup_follows_nice()

@@ -34,3 +34,26 @@ def test_an_initialised_ray_is_left_alone(monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "init", lambda **kwargs: pytest.fail("ray.init called twice"))
     start_ray(address="auto")
+
+
+def test_the_session_is_lowered_only_once_ray_is_up(monkeypatch):
+    """A job under `setsid nice` lowers its autogroup after `ray.init`, never before or on a failure."""
+    import ray
+
+    import pipelines.common.ray_start as rs
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append("init"))
+    monkeypatch.setattr(rs, "autogroup_follows_nice", lambda: calls.append("lower"))
+    start_ray()
+    assert calls == ["init", "lower"]
+
+    def refuse(**kwargs):
+        raise ConnectionError("no Ray here")
+
+    calls.clear()
+    monkeypatch.setattr(ray, "init", refuse)
+    with pytest.raises(DRelayError):
+        start_ray(address="ray://x:1")
+    assert calls == []
