@@ -216,8 +216,8 @@ def start_worker(cfg_dict: dict):
 
 def param_groups(module, drafter_lr_scale: float) -> list[dict]:
     """AdamW's parameter groups: one (every trainable parameter at the run's rate), or with a drafter
-    rate scale ≠ 1 two: the drafter's at lr × scale (`lr_scale`), the rest (the selector) at lr. One
-    group keeps the optimizer state of runs checkpointed before the scale existed loadable."""
+    rate scale ≠ 1 two: the drafter's at lr × scale (`lr_scale`), the rest (the selector) at lr. Scale 1
+    keeps one group, so a single-group checkpoint's optimizer state loads."""
     params = [p for p in module.parameters() if p.requires_grad]
     if drafter_lr_scale == 1.0:
         return [{"params": params, "lr_scale": 1.0}]

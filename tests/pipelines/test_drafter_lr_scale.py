@@ -1,5 +1,5 @@
 """train.drafter_lr_scale: a joint run's drafter at lr × scale, its selector at lr; scale 1 keeps one
-parameter group (the optimizer state of earlier checkpoints stays loadable); the field is validated."""
+parameter group (a single-group checkpoint's optimizer state loads); the field is validated."""
 
 from __future__ import annotations
 
