@@ -5,7 +5,9 @@ to vLLM's DFlash format and the plugin choosing the drafts (VLLM_PLUGINS=drelay)
 as `bench_peers.py` does, with two of the plugin's variables set:
   DRELAY_VLLM_PROFILE  every step's wall ms by part of `DraftChoice` (deploy/vllm/draft_choice.py):
                        stage    the rings' update with the step's verified target features
-                       pool     vLLM's logits over the slot hidden states, log-softmax, top-K
+                       logits   vLLM's `compute_logits` over the slot hidden states (native
+                                DFlash pays it too, before its argmax)
+                       pool     log-softmax over the target vocabulary, top-K
                        history  the rings' read of each request's verified window
                        select   `selector.select`: the same CPU fast path as our engine's
   DRELAY_VLLM_RECORD   every step's selector inputs (pool, anchors, ring rows, history)
@@ -33,7 +35,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from cli import guarded  # noqa: E402
 
-GLUE = ("stage_ms", "pool_ms", "history_ms", "select_ms")
+GLUE = ("stage_ms", "logits_ms", "pool_ms", "history_ms", "select_ms")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -133,9 +135,9 @@ def main(argv=None) -> int:
                 split[b] = sr.time_parts(selector, inputs, reps=args.reps)
     tok_s = {run["batch_size"]: run["generated"] / run["seconds"] for run in res["runs"]}
     print("\nThe plugin's parts inside vLLM (wall ms per step, medians over the steps with B rows)")
-    print("| batch | steps | stage | pool | history | select | vLLM tok/s |\n|---|---|---|---|---|---|---|")
+    print("| batch | steps | stage | logits | pool | history | select | vLLM tok/s |\n|---|---|---|---|---|---|---|---|")
     for b, r in glue.items():
-        print(f"| {b} | {r['steps']} | {r['stage_ms']:.2f} | {r['pool_ms']:.2f} | {r['history_ms']:.2f} | {r['select_ms']:.2f} | "
+        print(f"| {b} | {r['steps']} | {r['stage_ms']:.2f} | {r['logits_ms']:.2f} | {r['pool_ms']:.2f} | {r['history_ms']:.2f} | {r['select_ms']:.2f} | "
               f"{tok_s.get(b, float('nan')):.1f} |")  # fmt: skip
     print("\nThe select phase on vLLM's own steps (thread CPU ms, 1 thread, medians): reference | fast path")
     for b, ms in split.items():

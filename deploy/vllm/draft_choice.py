@@ -153,12 +153,14 @@ class DraftChoice:
     def choose(self, compute_logits, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B·H, D] slot hidden states (slots 1..H of each request, request-major) →
         draft ids [B·H] int64 (target vocabulary). With a profiler, each step's parts are timed
-        (wall ms; on a GPU after a synchronize): stage (the rings' update), pool (logits, log-softmax,
-        top-K), history (the rings' read) and select."""
+        (wall ms; on a GPU after a synchronize): stage (the rings' update), logits (vLLM's
+        `compute_logits`, which its native argmax needs too), pool (log-softmax, top-K), history (the
+        rings' read) and select."""
         step, self.staged = self.staged, None
         B, H, K = step.anchors.shape[0], self.num_slots, self.top_k
         clock = _Clock(hidden) if self.profiler is not None else None
         logits = compute_logits(hidden)  # [B·H, V]
+        logits_ms = clock.lap() if clock else 0.0
         logq = torch.log_softmax(logits.float(), dim=-1)
         cand_logq, cand_ids = logq.topk(K, dim=-1)
         block = DraftBlock(
@@ -179,8 +181,8 @@ class DraftChoice:
         )
         path = self.selector.select(block, ctx).path_ids  # [B, H]
         if clock:
-            self.profiler({"batch": B, "stage_ms": self._stage_ms, "pool_ms": pool_ms, "history_ms": history_ms,
-                           "select_ms": clock.lap()})  # fmt: skip
+            self.profiler({"batch": B, "stage_ms": self._stage_ms, "logits_ms": logits_ms, "pool_ms": pool_ms,
+                           "history_ms": history_ms, "select_ms": clock.lap()})  # fmt: skip
         if self.recorder is not None:
             self.recorder({"hidden": block.hidden, "cand_ids": block.cand_ids, "cand_logq": block.cand_logq,
                            "anchors": step.anchors, "anchor_pos": step.anchor_pos, "row_ids": ctx.row_ids,

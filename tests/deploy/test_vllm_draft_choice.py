@@ -124,7 +124,10 @@ def test_the_choice_names_requests_by_their_ring_rows_wherever_vllm_moves_them()
             ids_of.setdefault(r, set()).add(int(sel.ctx.row_ids[b]))
     assert all(len(v) == 1 for v in ids_of.values()) and ids_of["a"] != ids_of["b"]
     assert [p["batch"] for p in profiled] == [2, 2]  # the profiler: one record per step, every part timed
-    assert all(set(p) == {"batch", "stage_ms", "pool_ms", "history_ms", "select_ms"} and min(p.values()) >= 0 for p in profiled)
+    assert all(
+        set(p) == {"batch", "stage_ms", "logits_ms", "pool_ms", "history_ms", "select_ms"} and min(p.values()) >= 0
+        for p in profiled
+    )
 
 
 def test_selector_folder_errors_are_one_line(tmp_path):

@@ -109,7 +109,7 @@ def test_the_plugin_profiles_every_step_by_part(setup):
     assert len(lines) > 20
     assert {1, len(MAX_NEW)} <= {r["batch"] for r in lines}
     for r in lines:
-        assert all(r[k] >= 0.0 for k in ("stage_ms", "pool_ms", "history_ms", "select_ms")), r
+        assert all(r[k] >= 0.0 for k in ("stage_ms", "logits_ms", "pool_ms", "history_ms", "select_ms")), r
     assert sum(r["select_ms"] for r in lines) > 0
 
 

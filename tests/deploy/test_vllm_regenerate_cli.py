@@ -69,11 +69,11 @@ def test_profile_vllm_plugin_takes_medians_per_batch_size():
     from profile_vllm_plugin import glue_table, parse_args
 
     lines = [
-        {"batch": b, "stage_ms": 1.0 * i, "pool_ms": 2.0, "history_ms": 0.5, "select_ms": 10.0 + i}
+        {"batch": b, "stage_ms": 1.0 * i, "logits_ms": 3.0, "pool_ms": 2.0, "history_ms": 0.5, "select_ms": 10.0 + i}
         for i, b in enumerate([1, 1, 1, 8, 3])
     ]
     table = glue_table(lines, [1, 8, 16])
-    assert table[1] == {"steps": 3, "stage_ms": 1.0, "pool_ms": 2.0, "history_ms": 0.5, "select_ms": 11.0}
+    assert table[1] == {"steps": 3, "stage_ms": 1.0, "logits_ms": 3.0, "pool_ms": 2.0, "history_ms": 0.5, "select_ms": 11.0}
     assert table[8]["steps"] == 1 and 16 not in table and 3 not in table
     with pytest.raises(SystemExit):
         parse_args(["--batch-sizes", "1,x"])
