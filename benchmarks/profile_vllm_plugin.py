@@ -71,21 +71,19 @@ def glue_table(lines: list[dict], batches: list[int]) -> dict:
 
 def recorded_inputs(folder: Path, batch: int, limit: int) -> list:
     """The first `limit` recorded steps with `batch` rows, past the first few (the warm-up), as
-    (DraftBlock, SelectionContext) in the order vLLM made them."""
+    (DraftBlock, SelectionContext) in the order vLLM made them (selector_rounds.as_inputs; the
+    plugin's recorder calls the anchors `anchors`, and may hold the served dtype)."""
     import torch
 
-    from drelay_model.drafter import DraftBlock
-    from drelay_model.selectors import SelectionContext
+    import selector_rounds as sr
 
     out = []
     for f in sorted(folder.glob("step-*.pt")):
         t = torch.load(f)
         if t["cand_ids"].shape[0] != batch or t["history"] is None:
             continue
-        block = DraftBlock(hidden=t["hidden"].float(), cand_ids=t["cand_ids"], cand_logq=t["cand_logq"])
-        ctx = SelectionContext(anchor_ids=t["anchors"], anchor_pos=t["anchor_pos"], row_ids=t["row_ids"],
-                               history=t["history"].float(), history_mask=t["history_mask"])  # fmt: skip
-        out.append((block, ctx))
+        row = {**t, "anchor_ids": t["anchors"], "hidden": t["hidden"].float(), "history": t["history"].float()}
+        out.append(sr.as_inputs([row], t["row_ids"].tolist()))
         if len(out) == limit + 4:
             break
     return out[4:] if len(out) > 4 else out

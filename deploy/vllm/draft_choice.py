@@ -116,6 +116,7 @@ class StagedStep:
     rows: torch.Tensor | None  # [B] ring rows, None when the selector reads no history
     anchors: torch.Tensor  # [B] int64 next_token_ids
     anchor_pos: torch.Tensor  # [B] int64
+    stage_ms: float = 0.0  # wall ms `stage` took (with a profiler)
 
 
 class DraftChoice:
@@ -129,7 +130,6 @@ class DraftChoice:
         self.staged: StagedStep | None = None
         self.recorder = None  # callable(dict of tensors) for the replay check, or None
         self.profiler = None  # callable(dict of wall ms per part) for the plugin's profile, or None
-        self._stage_ms = 0.0
 
     def stage(self, req_ids, known, *, hidden, qsl, rejected, positions, anchors, max_query_len: int) -> None:
         """Before drafting: feed each request's verified features into its ring and remember
@@ -146,8 +146,8 @@ class DraftChoice:
             first_pos = pos[qsl_l[:-1].clamp(max=pos.shape[0] - 1)].to(torch.long)
             width = max(1, min(self.rings.ring.size, int(max_query_len)))
             self.rings.append_step(rows, hidden, qsl, rejected, first_pos, width)
-        self.staged = StagedStep(rows=rows, anchors=anchors.to(torch.long), anchor_pos=anchor_pos)
-        self._stage_ms = clock.lap() if clock else 0.0
+        self.staged = StagedStep(rows=rows, anchors=anchors.to(torch.long), anchor_pos=anchor_pos,
+                                 stage_ms=clock.lap() if clock else 0.0)  # fmt: skip
 
     @torch.inference_mode()
     def choose(self, compute_logits, hidden: torch.Tensor) -> torch.Tensor:
@@ -181,7 +181,7 @@ class DraftChoice:
         )
         path = self.selector.select(block, ctx).path_ids  # [B, H]
         if clock:
-            self.profiler({"batch": B, "stage_ms": self._stage_ms, "logits_ms": logits_ms, "pool_ms": pool_ms,
+            self.profiler({"batch": B, "stage_ms": step.stage_ms, "logits_ms": logits_ms, "pool_ms": pool_ms,
                            "history_ms": history_ms, "select_ms": clock.lap()})  # fmt: skip
         if self.recorder is not None:
             self.recorder({"hidden": block.hidden, "cand_ids": block.cand_ids, "cand_logq": block.cand_logq,

@@ -130,6 +130,39 @@ def test_the_choice_names_requests_by_their_ring_rows_wherever_vllm_moves_them()
     )
 
 
+def test_recorded_steps_read_back_as_the_context_the_selector_saw(tmp_path):
+    """The plugin's recorder (DRELAY_VLLM_RECORD) and the profile script's reader agree: each
+    recorded step comes back as the block and context the selector was handed."""
+    import sys
+    from pathlib import Path
+
+    from deploy.vllm.plugin import _recorder
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from profile_vllm_plugin import recorded_inputs
+
+    H, K, D = 2, 3, 4
+    sel = _SeesContext()
+    choice = DraftChoice(sel, num_slots=H, top_k=K, rings=RequestRings(3, N, F))
+    choice.recorder = _recorder(str(tmp_path))
+    head = torch.randn(10, D)
+    seen = []
+    for order in (["a", "b"], ["b", "a"]):
+        lens = {"a": 2, "b": 3}
+        hidden = torch.cat([feats(ord(r), range(lens[r])) for r in order])
+        qsl = torch.tensor([0, lens[order[0]], lens[order[0]] + lens[order[1]]])
+        choice.stage(order, {"a", "b"}, hidden=hidden, qsl=qsl, rejected=None, positions=torch.cat([torch.arange(lens[r]) for r in order]),
+                     anchors=torch.tensor([1, 2]), max_query_len=3)  # fmt: skip
+        choice.choose(lambda h: h @ head.T, torch.randn(2 * H, D))
+        seen.append(sel.ctx)
+    read = recorded_inputs(tmp_path, 2, limit=8)
+    assert len(read) == 2
+    for (block, ctx), want in zip(read, seen):
+        for k in ("anchor_ids", "anchor_pos", "row_ids", "history", "history_mask"):
+            assert torch.equal(getattr(ctx, k), getattr(want, k)), k
+        assert block.cand_ids.shape == (2, H, K)
+
+
 def test_selector_folder_errors_are_one_line(tmp_path):
     draft = tmp_path / "draft"
     draft.mkdir()
