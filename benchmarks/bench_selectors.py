@@ -12,6 +12,14 @@ verified context; per repetition all heads select on the same block, medians rep
 
 Run:  .venv/bin/python benchmarks/bench_selectors.py                 # 1 thread, ~1 min
       .venv/bin/python benchmarks/bench_selectors.py --trained dcoco=outputs/train/smollm2-135m-selectors-dcoco/drafter
+
+On rounds recorded from real decoding instead of one block repeated (a cache that keeps work between
+rounds, as DRelay's CPU fast path does, then pays what a real round pays): every head selects on the
+same recorded rounds at each batch size (B request streams side by side, selector_rounds.batches),
+the heads in turn on each round, thread CPU ms per round (medians over rounds and repetitions);
+`drelay (reference)` is DRelay's reference path (`fast_path = False`) on the same rounds:
+      .venv/bin/python benchmarks/bench_selector.py --record outputs/selector_rounds.pt --prompts 4
+      .venv/bin/python benchmarks/bench_selectors.py --rounds outputs/selector_rounds.pt --batches 1,8,16
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--context", type=int, default=200)
+    p.add_argument("--rounds", metavar="FILE", help="time every head on the rounds recorded in FILE (bench_selector.py --record)")
+    p.add_argument("--batches", default="1,8,16", help="with --rounds: batch sizes (request streams side by side)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -55,6 +65,9 @@ def main() -> None:
         trained[name] = path
     if args.reps < 1 or args.threads < 1:
         raise DRelayError("--reps and --threads must be ≥ 1")
+    batch_sizes = parse_batches(args.batches) if args.rounds else []
+    if args.rounds and not Path(args.rounds).is_file():
+        raise DRelayError(f"--rounds {args.rounds}: no such file (record one with benchmarks/bench_selector.py --record FILE)")
     target = load_target(args.target)
     drafter, _, _ = load_drafter(args.checkpoint or ROOT / "checkpoints" / args.target, target)
     drafter.eval()
@@ -73,6 +86,8 @@ def main() -> None:
             torch.nn.init.normal_(param, std=0.02)
         heads[name].eval()
 
+    if args.rounds:
+        return recorded(heads, trained, torch.load(args.rounds, weights_only=True), batch_sizes, args.reps)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (1, args.context), generator=g)
     cache = target.new_cache(1, args.context + 32)
@@ -101,6 +116,58 @@ def main() -> None:
         s = statistics.median(select_t[name])
         n_params = sum(p.numel() for p in head.parameters())
         print(f"| {name}{' (trained)' if name in trained else ''} | {n_params:,} | {s * 1e3:.2f} | {s / draft:.2f} |")
+
+
+def parse_batches(text: str) -> list[int]:
+    from drelay_model.errors import DRelayError
+
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise DRelayError(f"--batches: comma-separated batch sizes ≥ 1, got {text!r}")
+    return sizes
+
+
+def recorded(heads: dict, trained: dict, rounds: list[dict], batch_sizes: list[int], reps: int) -> None:
+    """Every head's select phase on recorded rounds: thread CPU ms per round, medians, per batch size."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import selector_rounds as sr
+
+    from drelay_model.errors import DRelayError
+
+    if max(batch_sizes) > len(rounds):
+        raise DRelayError(
+            f"--batches: {max(batch_sizes)} request streams need at least as many recorded rounds, the file has {len(rounds)}"
+        )
+    labels = [*heads, "drelay (reference)"]
+    table = {}
+    with torch.inference_mode():
+        for B in batch_sizes:
+            inputs = sr.batches(rounds, B)
+            ms = {label: [] for label in labels}
+            for rep in range(reps + 1):  # the first pass warms every head's caches and is not counted
+                for block, ctx in inputs:
+                    for label in labels:
+                        head, reference = heads[label.split()[0]], label.endswith("(reference)")
+                        if reference:
+                            head.fast_path = False
+                        t0 = time.thread_time()
+                        head.select(block, ctx)
+                        if rep:
+                            ms[label].append((time.thread_time() - t0) * 1e3)
+                        if reference:
+                            head.fast_path = True
+            table[B] = {label: statistics.median(v) for label, v in ms.items()}
+            print(f"batch {B}: {len(inputs)} rounds × {reps} repetitions")
+    head_row = " | ".join(f"batch {B}" for B in batch_sizes)
+    print(f"| selector | params | select ms/round: {head_row} |\n|---|---|{'---|' * len(batch_sizes)}")
+    for label in labels:
+        name = label.split()[0]
+        n_params = sum(p.numel() for p in heads[name].parameters())
+        cells = " | ".join(f"{table[B][label]:.2f}" for B in batch_sizes)
+        print(f"| {label}{' (trained)' if name in trained else ''} | {n_params:,} | {cells} |")
 
 
 if __name__ == "__main__":

@@ -4,10 +4,13 @@ vLLM's V1 `DFlashProposer.propose` drafts all H slots of every request in one fo
 the slot hidden states into draft ids with `compute_logits(h).argmax`. `DraftChoice` replaces that
 argmax with a selector:
 
-    pool     logits = compute_logits(h)          [B·H, V]  (d2t already mapped to target ids)
-             cand_logq, cand_ids = top-K of log_softmax(logits)        [B, H, K] each
-             (log-softmax over the target vocabulary with −inf outside the draft vocabulary is
-             the log-softmax over the draft vocabulary: the pool our engine builds)
+    pool     logits = draft_logits(h)            [B·H, V_d]  over the draft vocabulary
+             cand_logq, j = top-K of log_softmax(logits)               [B, H, K] each
+             cand_ids = target_ids[j]                                  (draft → target ids)
+             (the pool our engine builds. vLLM's `compute_logits` scatters the same logits into
+             [B·H, V] with −inf outside the draft vocabulary, three times the columns for the
+             same log-softmax: plugin.py reads the draft vocabulary's logits where it can, and
+             passes `compute_logits` with target_ids None where it cannot)
     context  anchors = next_token_ids [B]; history = each request's last N verified target
              features (a `RequestRings` row), read before this step's drafts
     path     selector.select(DraftBlock(h [B, H, D], cand_ids, cand_logq), ctx).path_ids [B, H]
@@ -150,19 +153,23 @@ class DraftChoice:
                                  stage_ms=clock.lap() if clock else 0.0)  # fmt: skip
 
     @torch.inference_mode()
-    def choose(self, compute_logits, hidden: torch.Tensor) -> torch.Tensor:
+    def choose(self, logits_fn, hidden: torch.Tensor, target_ids: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [B·H, D] slot hidden states (slots 1..H of each request, request-major) →
-        draft ids [B·H] int64 (target vocabulary). With a profiler, each step's parts are timed
-        (wall ms; on a GPU after a synchronize): stage (the rings' update), logits (vLLM's
-        `compute_logits`, which its native argmax needs too), pool (log-softmax, top-K), history (the
+        draft ids [B·H] int64 (target vocabulary). `logits_fn(hidden)` gives [B·H, V'] logits: over
+        the target vocabulary when target_ids is None, else over the draft vocabulary, whose column j
+        is target id target_ids[j] ([V'] int64). With a profiler, each step's parts are timed (wall
+        ms; on a GPU after a synchronize): stage (the rings' update), logits (the drafter's LM head,
+        which vLLM's native argmax needs too), pool (log-softmax, top-K, the id map), history (the
         rings' read) and select."""
         step, self.staged = self.staged, None
         B, H, K = step.anchors.shape[0], self.num_slots, self.top_k
         clock = _Clock(hidden) if self.profiler is not None else None
-        logits = compute_logits(hidden)  # [B·H, V]
+        logits = logits_fn(hidden)  # [B·H, V']
         logits_ms = clock.lap() if clock else 0.0
         logq = torch.log_softmax(logits.float(), dim=-1)
-        cand_logq, cand_ids = logq.topk(K, dim=-1)
+        cand_logq, cand_ids = logq.topk(K, dim=-1)  # [B·H, K]: columns of `logits`
+        if target_ids is not None:
+            cand_ids = target_ids[cand_ids]
         block = DraftBlock(
             hidden=hidden.view(B, H, -1).to(self._dtype()),
             cand_ids=cand_ids.view(B, H, K),

@@ -97,6 +97,10 @@ def _wrap(cls) -> None:
     def _load_model(self, target_model, *args, **kwargs):
         load_model(self, target_model, *args, **kwargs)
         self._drelay_choice = build_choice(self, target_model)
+        if self._drelay_choice is not None:
+            self._drelay_logits = draft_vocab_logits(self.model)
+            if self._drelay_logits[1] is not None:
+                logger.info("DRelay plugin: the pool reads the draft vocabulary's %d logits", self._drelay_logits[1].shape[0])
 
     def _propose(self, *args, **kwargs):
         choice = getattr(self, "_drelay_choice", None)
@@ -117,7 +121,8 @@ def _wrap(cls) -> None:
         if choice is not None and choice.staged is not None and not args and not kwargs:
             B = choice.staged.anchors.shape[0]
             if hidden_states.shape[0] == B * choice.num_slots and _argmax_is_plain(self):
-                return choice.choose(self.model.compute_logits, hidden_states), None
+                logits_fn, target_ids = getattr(self, "_drelay_logits", None) or (self.model.compute_logits, None)
+                return choice.choose(logits_fn, hidden_states, target_ids), None
             choice.staged = None
             warn_once(
                 "shape", "%d draft rows for %d requests (H = %d): native drafts", hidden_states.shape[0], B, choice.num_slots
@@ -167,6 +172,42 @@ def build_choice(proposer, target_model):
     logger.info("DRelay plugin: selector '%s' chooses the drafts (H=%d, K=%d, history %d)",
                 saved.selector["name"], H, saved.drafter.top_k, n)  # fmt: skip
     return choice
+
+
+def draft_vocab_logits(model):
+    """(logits_fn, target_ids) for `DraftChoice.choose`: the draft model's LM head over its own
+    vocabulary and that vocabulary's target ids [V_d] (`d2t`: target id = draft id + d2t[draft id]),
+    when its `compute_logits` is exactly that head scattered into the target vocabulary with −inf
+    elsewhere. Checked once on random hidden states, bit for bit; a model without a draft
+    vocabulary, or whose `compute_logits` does anything else, keeps `(compute_logits, None)`."""
+    import torch
+
+    d2t = getattr(model, "draft_id_to_target_id", None)
+    head, processor = getattr(model, "lm_head", None), getattr(model, "logits_processor", None)
+    if d2t is None or head is None or processor is None:
+        return model.compute_logits, None
+
+    def logits_fn(hidden):
+        return processor(head, hidden)
+
+    try:
+        target_ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t.to(torch.long)  # [V_d]
+        weight = head.weight  # [V_d, D]
+        with torch.inference_mode():
+            probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight)
+            full, draft = model.compute_logits(probe), logits_fn(probe)  # [3, V], [3, V_d]
+            outside = torch.ones(full.shape[1], dtype=torch.bool, device=full.device)
+            outside[target_ids] = False
+            same = torch.equal(full[:, target_ids], draft) and bool(torch.isneginf(full[:, outside]).all())
+    except Exception as exc:  # an unknown head: the full-vocabulary path is always right
+        warn_once(
+            "draft-vocab", "cannot read the draft vocabulary's logits (%s: %s); pool over the target's", type(exc).__name__, exc
+        )
+        return model.compute_logits, None
+    if not same:
+        warn_once("draft-vocab", "compute_logits is not the draft head scattered by d2t; pool over the target vocabulary")
+        return model.compute_logits, None
+    return logits_fn, target_ids
 
 
 def _input_embedding(proposer, target_model):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deploy.vllm.draft_choice import DraftChoice, RequestRings, valid_rows
-from deploy.vllm.plugin import register, signature_mismatch
+from deploy.vllm.plugin import draft_vocab_logits, register, signature_mismatch
 from deploy.vllm.selector_dir import SELECTOR_DIR, native_view, read_selector_dir
 from drelay_model.errors import DRelayError
 from drelay_model.selectors.native import NativeSelector
@@ -94,6 +94,64 @@ def test_native_choice_is_vllms_argmax():
     hidden = torch.randn(B * H, D)
     ids = choice.choose(lambda h: h @ head.T, hidden)
     assert torch.equal(ids, (hidden @ head.T).argmax(-1)) and choice.staged is None
+
+
+class _DraftVocabHead(torch.nn.Module):
+    """The code around `draft_vocab_logits`: a draft model shaped as vLLM's DFlash drafters are
+    (`lm_head` over V_d draft ids, `draft_id_to_target_id` offsets, `logits_processor(lm_head, h)`),
+    whose `compute_logits` scatters the head into the target vocabulary with −inf elsewhere, as
+    vLLM 0.32's `Qwen3DFlashForCausalLM.compute_logits` does — or, `scale` ≠ 1, does something else."""
+
+    def __init__(self, target_ids: torch.Tensor, V: int, D: int, scale: float = 1.0) -> None:
+        super().__init__()
+        self.lm_head = torch.nn.Linear(D, target_ids.shape[0], bias=False)
+        self.draft_id_to_target_id = target_ids - torch.arange(target_ids.shape[0])
+        self.V, self.scale = V, scale
+
+    def logits_processor(self, head, hidden):
+        return head(hidden)
+
+    def compute_logits(self, hidden):
+        full = hidden.new_full((hidden.shape[0], self.V), float("-inf"))
+        full[:, torch.arange(self.lm_head.out_features) + self.draft_id_to_target_id] = (
+            self.logits_processor(self.lm_head, hidden) * self.scale
+        )
+        return full
+
+
+def test_the_pool_over_the_draft_vocabulary_is_the_pool_over_the_target_vocabulary():
+    """Pooling over the draft vocabulary's columns and mapping the ids gives the candidates and the
+    log-probabilities of the pool over vLLM's scattered target-vocabulary logits, and the native
+    choice is vLLM's argmax; a compute_logits that is not the scattered head keeps the full path."""
+    torch.manual_seed(0)
+    B, H, K, D, V = 3, 4, 5, 8, 60
+    target_ids = torch.randperm(V)[:20].sort().values  # [V_d] sorted target ids
+    model = _DraftVocabHead(target_ids, V, D)
+    logits_fn, ids = draft_vocab_logits(model)
+    assert torch.equal(ids, target_ids)
+    seen = {}
+
+    class _Keeps(NativeSelector):
+        def select(self, block, ctx):
+            seen[self.tag] = block
+            return super().select(block, ctx)
+
+    hidden = torch.randn(B * H, D)
+    picks = {}
+    for tag, args in (("draft", (logits_fn, hidden, ids)), ("full", (model.compute_logits, hidden))):
+        sel = _Keeps()
+        sel.tag = tag
+        choice = DraftChoice(sel, num_slots=H, top_k=K, rings=None)
+        choice.stage(["x", "y", "z"], {"x", "y", "z"}, hidden=torch.randn(6, 2), qsl=torch.tensor([0, 2, 4, 6]), rejected=None,
+                     positions=torch.arange(6), anchors=torch.tensor([1, 2, 3]), max_query_len=2)  # fmt: skip
+        picks[tag] = choice.choose(*args)
+    assert torch.equal(seen["draft"].cand_ids, seen["full"].cand_ids)
+    torch.testing.assert_close(seen["draft"].cand_logq, seen["full"].cand_logq)
+    assert torch.equal(picks["draft"], model.compute_logits(hidden).argmax(-1)) and torch.equal(picks["draft"], picks["full"])
+    for other in (_DraftVocabHead(target_ids, V, D, scale=2.0), torch.nn.Module()):
+        other.compute_logits = getattr(other, "compute_logits", lambda h: h)
+        fn, none = draft_vocab_logits(other)
+        assert none is None and fn == other.compute_logits
 
 
 class _SeesContext(NativeSelector):

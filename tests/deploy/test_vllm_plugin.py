@@ -74,7 +74,7 @@ def setup(tmp_path_factory):
                     log=tmp / "vllm-drelay.log")["runs"]  # fmt: skip
     ar = run_vllm(vllm_python(), {**base, "draft": None, "batch_sizes": [len(MAX_NEW)]})["runs"][0]
     return SimpleNamespace(target=target, prompts=prompts, ar=ar, runs=runs, record=record, sample_prompt=sample_prompt,
-                           profile=tmp / "profile.jsonl")  # fmt: skip
+                           profile=tmp / "profile.jsonl", log=tmp / "vllm-drelay.log")  # fmt: skip
 
 
 def test_plugin_paths_replay_through_our_selector(setup):
@@ -111,6 +111,12 @@ def test_the_plugin_profiles_every_step_by_part(setup):
     for r in lines:
         assert all(r[k] >= 0.0 for k in ("stage_ms", "logits_ms", "pool_ms", "history_ms", "select_ms")), r
     assert sum(r["select_ms"] for r in lines) > 0
+
+
+def test_the_pool_reads_the_draft_vocabulary(setup):
+    """vLLM's compute_logits of the exported drafter is its draft-vocabulary head scattered by d2t:
+    the plugin checked that on load and pools over the draft vocabulary's columns only."""
+    assert "the pool reads the draft vocabulary's" in setup.log.read_text()
 
 
 def test_vllm_drelay_equals_vllm_ar(setup):

@@ -22,6 +22,8 @@ BAD_INPUTS = [
         "--cells: no '/nonexistent/gsm8k__ar.json'",
     ),
     ("benchmarks/bench_selectors.py", ["--trained", "dcoco"], "--trained dcoco: expected NAME=DIR"),
+    ("benchmarks/bench_selectors.py", ["--rounds", "/nonexistent"], "--rounds /nonexistent: no such file"),
+    ("benchmarks/bench_selectors.py", ["--rounds", "/nonexistent", "--batches", "1,x"], "--batches: comma-separated batch sizes"),
     ("benchmarks/bench_packed.py", ["--target", "nope"], "unknown target 'nope'"),
     ("benchmarks/bench_batcher.py", ["--methods", "nope"], "unknown method 'nope'"),
     ("benchmarks/bench_batcher.py", ["--concurrency", "0"], "--concurrency must be between 1 and --requests (48), got 0"),
@@ -110,3 +112,26 @@ def test_the_batcher_benchmark_keeps_its_clients_in_flight_and_decodes_every_req
     assert len(prompts) <= r["tokens"] == batcher.stats.generated <= 6 * len(prompts)
     assert r["rounds"] == batcher.stats.steps and r["wall_s"] > 0 and r["tok_s"] == r["tokens"] / r["wall_s"]
     assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and r["prefill_p50_s"] > 0 and r["queue_p99_s"] >= 0
+
+
+@pytest.mark.slow
+def test_every_head_is_timed_on_recorded_rounds(tmp_path, monkeypatch, capsys):
+    """bench_selectors.py --rounds: rounds recorded from real decoding (the committed fixture), every
+    head and DRelay's reference path timed at each batch size, in one table."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import selector_rounds as sr
+
+    import torch
+
+    rounds = sr.read_fixture(ROOT / "tests/model/fixtures/drelay_rounds.pt")
+    torch.save(rounds, tmp_path / "rounds.pt")
+    monkeypatch.setattr(
+        sys, "argv", ["bench_selectors.py", "--rounds", str(tmp_path / "rounds.pt"), "--batches", "1,2", "--reps", "1"]
+    )
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(ROOT / "benchmarks/bench_selectors.py"), run_name="__main__")
+    assert exit_.value.code == 0
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[2:4] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and not line.startswith("| selector")}  # fmt: skip
+    assert set(rows) == {"drelay", "dcoco", "dflash2", "domino", "dspark", "drelay (reference)"}
+    assert all(float(ms.rstrip(" |")) > 0 for cells in rows.values() for ms in cells)
