@@ -49,6 +49,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
+    from cli.options import parse_ints
     from drelay_model.decoding.history import VerifiedHistory
     from drelay_model.drafter import load_drafter
     from drelay_model.errors import DRelayError
@@ -65,7 +66,7 @@ def main() -> None:
         trained[name] = path
     if args.reps < 1 or args.threads < 1:
         raise DRelayError("--reps and --threads must be ≥ 1")
-    batch_sizes = parse_batches(args.batches) if args.rounds else []
+    batch_sizes = parse_ints(args.batches, "--batches", minimum=1) if args.rounds else ()
     if args.rounds and not Path(args.rounds).is_file():
         raise DRelayError(f"--rounds {args.rounds}: no such file (record one with benchmarks/bench_selector.py --record FILE)")
     target = load_target(args.target)
@@ -118,19 +119,7 @@ def main() -> None:
         print(f"| {name}{' (trained)' if name in trained else ''} | {n_params:,} | {s * 1e3:.2f} | {s / draft:.2f} |")
 
 
-def parse_batches(text: str) -> list[int]:
-    from drelay_model.errors import DRelayError
-
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        raise DRelayError(f"--batches: comma-separated batch sizes ≥ 1, got {text!r}")
-    return sizes
-
-
-def recorded(heads: dict, trained: dict, rounds: list[dict], batch_sizes: list[int], reps: int) -> None:
+def recorded(heads: dict, trained: dict, rounds: list[dict], batch_sizes: tuple[int, ...], reps: int) -> None:
     """Every head's select phase on recorded rounds: thread CPU ms per round, medians, per batch size."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import selector_rounds as sr
@@ -167,7 +156,8 @@ def recorded(heads: dict, trained: dict, rounds: list[dict], batch_sizes: list[i
         name = label.split()[0]
         n_params = sum(p.numel() for p in heads[name].parameters())
         cells = " | ".join(f"{table[B][label]:.2f}" for B in batch_sizes)
-        print(f"| {label}{' (trained)' if name in trained else ''} | {n_params:,} | {cells} |")
+        shown = f"{name}{' (trained)' if name in trained else ''}{label[len(name) :]}"  # "drelay (trained) (reference)"
+        print(f"| {shown} | {n_params:,} | {cells} |")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,11 @@ to vLLM's DFlash format and the plugin choosing the drafts (VLLM_PLUGINS=drelay)
 as `bench_peers.py` does, with two of the plugin's variables set:
   DRELAY_VLLM_PROFILE  every step's wall ms by part of `DraftChoice` (deploy/vllm/draft_choice.py):
                        stage    the rings' update with the step's verified target features
-                       logits   vLLM's `compute_logits` over the slot hidden states (native
-                                DFlash pays it too, before its argmax)
-                       pool     log-softmax over the target vocabulary, top-K
+                       logits   the draft head over the slot hidden states (native DFlash
+                                pays it too, before its argmax; over the draft vocabulary
+                                where the plugin's load-time check allows, else vLLM's
+                                `compute_logits` over the target vocabulary)
+                       pool     log-softmax, top-K and the draft → target id map
                        history  the rings' read of each request's verified window
                        select   `selector.select`: the same CPU fast path as our engine's
   DRELAY_VLLM_RECORD   every step's selector inputs (pool, anchors, ring rows, history)

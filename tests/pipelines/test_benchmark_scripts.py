@@ -23,7 +23,7 @@ BAD_INPUTS = [
     ),
     ("benchmarks/bench_selectors.py", ["--trained", "dcoco"], "--trained dcoco: expected NAME=DIR"),
     ("benchmarks/bench_selectors.py", ["--rounds", "/nonexistent"], "--rounds /nonexistent: no such file"),
-    ("benchmarks/bench_selectors.py", ["--rounds", "/nonexistent", "--batches", "1,x"], "--batches: comma-separated batch sizes"),
+    ("benchmarks/bench_selectors.py", ["--rounds", "/nonexistent", "--batches", "1,x"], "--batches: expected integers"),
     ("benchmarks/bench_packed.py", ["--target", "nope"], "unknown target 'nope'"),
     ("benchmarks/bench_batcher.py", ["--methods", "nope"], "unknown method 'nope'"),
     ("benchmarks/bench_batcher.py", ["--concurrency", "0"], "--concurrency must be between 1 and --requests (48), got 0"),
