@@ -187,6 +187,10 @@ class RaySection(StrictConfig):
     storage_path: str = "outputs/ray"
     run_name: str = "smollm2-135m-dflash"
     max_failures: int = Field(2, ge=0)
+    # Seconds a collective (DDP's all-reduce) waits for every worker: Ray Train's TorchConfig.timeout_s.
+    # Rank 0 validates while the others wait at the next all-reduce, so Ray's 1800 ends a multi-worker
+    # run whose 32-prompt validation takes half an hour on a busy CPU (or spans a SIGSTOP pause).
+    timeout_s: int = Field(7200, ge=60)
     address: str | None = None  # None: start a local cluster
 
 

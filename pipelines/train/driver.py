@@ -76,6 +76,14 @@ def scaling_config(cfg: RunConfig):
     )
 
 
+def torch_config(cfg: RunConfig):
+    """Ray Train's process-group settings (the backend left to Ray: gloo on CPU, NCCL on GPUs) and
+    `ray.timeout_s`, how long a collective waits for every rank (rank 0 validates meanwhile)."""
+    from ray.train.torch import TorchConfig
+
+    return TorchConfig(timeout_s=cfg.ray.timeout_s)
+
+
 def check_device(cfg: RunConfig) -> None:
     """target.device=cuda needs GPUs: ray.use_gpu, and CUDA here when Ray runs a local cluster."""
     if cfg.target.device != "cuda":
@@ -140,6 +148,7 @@ def run_training(
         trainer = TorchTrainer(
             selector_stage_loop if cfg.train.stage == "selector" else train_loop_per_worker,  # the head alone, on cached blocks
             train_loop_config=worker_cfg,
+            torch_config=torch_config(cfg),
             scaling_config=scaling_config(cfg),
             run_config=RayRunConfig(
                 name=cfg.ray.run_name,

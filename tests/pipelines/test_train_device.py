@@ -7,7 +7,7 @@ import torch
 
 from drelay_model.errors import DRelayError
 from pipelines.train.config import load_config
-from pipelines.train.driver import check_device, scaling_config
+from pipelines.train.driver import check_device, scaling_config, torch_config
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
@@ -29,3 +29,14 @@ def test_gpu_scaling_fields_reach_ray():
         load_config(None, ["target.device=tpu"])
     with pytest.raises(DRelayError, match="train.micro_batches"):
         load_config(None, ["train.micro_batches=0"])
+
+
+def test_the_collective_timeout_reaches_ray_and_outlasts_a_validation():
+    """Rank 0 validates while the others wait in an all-reduce: the process group waits `ray.timeout_s`."""
+    from ray.train.torch import TorchConfig
+
+    tc = torch_config(load_config(None, []))
+    assert isinstance(tc, TorchConfig) and tc.timeout_s == 7200 > TorchConfig().timeout_s
+    assert torch_config(load_config(None, ["ray.timeout_s=600"])).timeout_s == 600
+    with pytest.raises(DRelayError, match="ray.timeout_s"):
+        load_config(None, ["ray.timeout_s=5"])
