@@ -6,6 +6,7 @@ drafts the whole block for the selector and verifies L of it. Which pays?
 
     .venv/bin/python analysis/partial_blocks.py --compare-dir outputs/compare/headline-s0 \
         [--checkpoint checkpoints/smollm2-135m] [--lengths 2,4,8] [--benchmarks all] [--limit 4]
+        [--methods drelay,native]     # a drafter-only checkpoint (no DRelay head): --methods native
 
 For each method (the checkpoint's DRelay head and the native argmax, as a control for the drafter's
 part), each L and each way to draft (partial: L slots; full: H), greedy replay at a fixed verification
@@ -142,6 +143,7 @@ def main() -> int:
     p.add_argument("--checkpoint", default=str(ROOT / "checkpoints/smollm2-135m"), help="drafter checkpoint with a DRelay head")
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--lengths", default="2,4,8", help="verification lengths L < H")
+    p.add_argument("--methods", default=",".join(METHODS), help="drelay and/or native (a drafter-only checkpoint: native)")
     p.add_argument("--benchmarks", default="all")
     p.add_argument("--limit", type=int, default=4, help="prompts per benchmark (a subset of the compare run's)")
     p.add_argument("--subset-seed", type=int, default=0, help="the compare run's --subset-seed")
@@ -158,6 +160,9 @@ def main() -> int:
 
     # Cheap checks first: the arguments, before the target loads.
     lengths = parse_lengths(args.lengths, read_checkpoint(args.checkpoint)[0].num_slots)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods or set(methods) - set(METHODS):
+        raise DRelayError(f"--methods: one or both of {', '.join(METHODS)}, got {args.methods!r}")
     if not (Path(args.compare_dir) / "cells").is_dir():
         raise DRelayError(f"--compare-dir: no '{args.compare_dir}/cells' (run `drelay compare --out {args.compare_dir}` first)")
     target = load_target(args.target)
@@ -175,7 +180,7 @@ def main() -> int:
         f"# Partial blocks: {args.checkpoint}, {sum(results['prompts'].values())} prompt turns over {len(inputs)} benchmarks",
         "",
     ]
-    for name in METHODS:
+    for name in methods:
         drafter, selector = load_method(resolve_method(name, target_spec=args.target, checkpoint=args.checkpoint), target)
         H = drafter.config.num_slots
         first = next(iter(inputs.values()))[0][0]
