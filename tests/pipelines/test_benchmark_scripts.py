@@ -33,7 +33,11 @@ BAD_INPUTS = [
     ("analysis/budget_study.py", ["--hours", "0"], "--hours and --fit-from must be > 0"),
     ("analysis/partial_blocks.py", ["--compare-dir", "/nonexistent", "--lengths", "0,2"], "--lengths: each L in 1..14"),
     ("analysis/partial_blocks.py", ["--compare-dir", "/nonexistent"], "--compare-dir: no '/nonexistent/cells'"),
-    ("analysis/partial_blocks.py", ["--compare-dir", "/nonexistent", "--methods", "dflash2"], "--methods: one or both of drelay, native"),
+    (
+        "analysis/partial_blocks.py",
+        ["--compare-dir", "/nonexistent", "--methods", "dflash2"],
+        "--methods: one or both of drelay, native",
+    ),
 ]
 
 
