@@ -65,8 +65,10 @@ class OneDraft(NativeSelector):
 
 def corpus_prompts(n: int) -> dict[str, list[str]]:
     alpaca = json.loads((REPO / "data/train/alpaca/alpaca_data_5000_subset_pr152.json").read_text())[4500::40][:n]
-    lines = (REPO / "data/train/gsm8k/train.jsonl").read_text().splitlines()
-    gsm8k = [json.loads(line) for line in lines[7000::30][:n]]
+    from pipelines.data.corpora import source_file
+    from pipelines.data.eval_sets import read_rows
+
+    gsm8k = [row.data for row in read_rows(source_file("gsm8k_train"))][7000::30][:n]
     return {"alpaca (train corpus)": [a["instruction"] + ("\n" + a["input"] if a["input"] else "") for a in alpaca],
             "gsm8k (train corpus)": [g["question"] for g in gsm8k]}  # fmt: skip
 

@@ -194,13 +194,16 @@ _SOURCES: dict[str, _Source] = {
 
 def source_file(name: str, *, data_dir: str | Path | None = None, benchmarks_dir: str | Path | None = None) -> Path:
     """The file a built-in source is read from: under `data_dir` (default `default_train_dir()`), or
-    under `benchmarks_dir` (default `eval_sets.default_data_dir()`) for a file shared with an eval set."""
+    under `benchmarks_dir` (default `eval_sets.default_data_dir()`) for a file shared with an eval set;
+    a `.jsonl` source is read from `X.jsonl.gz` where only that exists."""
     spec = _SOURCES[name]
     if spec.root == "train":
         root = default_train_dir() if data_dir is None else Path(data_dir).expanduser()
     else:
         root = default_data_dir() if benchmarks_dir is None else Path(benchmarks_dir).expanduser()
-    return root / spec.relpath
+    path = root / spec.relpath
+    packed = path.with_name(path.name + ".gz")  # a JSONL file may be stored gzipped (the bundled GSM8K train set)
+    return packed if path.suffix == ".jsonl" and not path.is_file() and packed.is_file() else path
 
 
 # --- ShareGPT-style files ------------------------------------------------------------------------
