@@ -83,14 +83,40 @@ def test_valid_rows_takes_the_last_rows_before_the_rejected_tail():
     assert got[0, :, 0].tolist() == [2.0, 3.0, 4.0] and got[1, :2, 0].tolist() == [6.0, 7.0]
 
 
+def stage_three_requests(choice: DraftChoice) -> DraftChoice:
+    """One vLLM step of requests x, y, z (two verified rows each) staged on `choice`."""
+    choice.stage(["x", "y", "z"], {"x", "y", "z"}, hidden=torch.randn(6, 2), qsl=torch.tensor([0, 2, 4, 6]), rejected=None,
+                 positions=torch.arange(6), anchors=torch.tensor([1, 2, 3]), max_query_len=2)  # fmt: skip
+    return choice
+
+
+def two_steps_swapping_rows(choice: DraftChoice, D: int):
+    """Two vLLM steps of requests a (2 rows) and b (3 rows), the second with their batch rows
+    swapped; yields each step's batch order once the choice has chosen its drafts."""
+    head = torch.randn(10, D)
+    lens = {"a": 2, "b": 3}
+    for order in (["a", "b"], ["b", "a"]):
+        hidden = torch.cat([feats(ord(r), range(lens[r])) for r in order])
+        qsl = torch.tensor([0, lens[order[0]], lens[order[0]] + lens[order[1]]])
+        choice.stage(order, {"a", "b"}, hidden=hidden, qsl=qsl, rejected=None, positions=torch.cat([torch.arange(lens[r]) for r in order]),
+                     anchors=torch.tensor([1, 2]), max_query_len=3)  # fmt: skip
+        choice.choose(lambda h: h @ head.T, torch.randn(2 * choice.num_slots, D))
+        yield order
+
+
+class _SeesContext(NativeSelector):
+    """The native choice, remembering the block and context it was given (what the selector is handed)."""
+
+    def select(self, block, ctx):
+        self.block, self.ctx = block, ctx
+        return super().select(block, ctx)
+
+
 def test_native_choice_is_vllms_argmax():
     torch.manual_seed(0)
     B, H, K, D, V = 3, 4, 5, 8, 50
     head = torch.randn(V, D)
-    choice = DraftChoice(NativeSelector(), num_slots=H, top_k=K, rings=None)
-    pos = torch.arange(6)
-    choice.stage(["x", "y", "z"], {"x", "y", "z"}, hidden=torch.randn(6, 2), qsl=torch.tensor([0, 2, 4, 6]), rejected=None,
-                 positions=pos, anchors=torch.tensor([1, 2, 3]), max_query_len=2)  # fmt: skip
+    choice = stage_three_requests(DraftChoice(NativeSelector(), num_slots=H, top_k=K, rings=None))
     hidden = torch.randn(B * H, D)
     ids = choice.choose(lambda h: h @ head.T, hidden)
     assert torch.equal(ids, (hidden @ head.T).argmax(-1)) and choice.staged is None
@@ -129,37 +155,18 @@ def test_the_pool_over_the_draft_vocabulary_is_the_pool_over_the_target_vocabula
     model = _DraftVocabHead(target_ids, V, D)
     logits_fn, ids = draft_vocab_logits(model)
     assert torch.equal(ids, target_ids)
-    seen = {}
-
-    class _Keeps(NativeSelector):
-        def select(self, block, ctx):
-            seen[self.tag] = block
-            return super().select(block, ctx)
-
     hidden = torch.randn(B * H, D)
-    picks = {}
+    seen, picks = {}, {}
     for tag, args in (("draft", (logits_fn, hidden, ids)), ("full", (model.compute_logits, hidden))):
-        sel = _Keeps()
-        sel.tag = tag
-        choice = DraftChoice(sel, num_slots=H, top_k=K, rings=None)
-        choice.stage(["x", "y", "z"], {"x", "y", "z"}, hidden=torch.randn(6, 2), qsl=torch.tensor([0, 2, 4, 6]), rejected=None,
-                     positions=torch.arange(6), anchors=torch.tensor([1, 2, 3]), max_query_len=2)  # fmt: skip
-        picks[tag] = choice.choose(*args)
-    assert torch.equal(seen["draft"].cand_ids, seen["full"].cand_ids)
-    torch.testing.assert_close(seen["draft"].cand_logq, seen["full"].cand_logq)
+        seen[tag] = _SeesContext()
+        picks[tag] = stage_three_requests(DraftChoice(seen[tag], num_slots=H, top_k=K, rings=None)).choose(*args)
+    assert torch.equal(seen["draft"].block.cand_ids, seen["full"].block.cand_ids)
+    torch.testing.assert_close(seen["draft"].block.cand_logq, seen["full"].block.cand_logq)
     assert torch.equal(picks["draft"], model.compute_logits(hidden).argmax(-1)) and torch.equal(picks["draft"], picks["full"])
     for other in (_DraftVocabHead(target_ids, V, D, scale=2.0), torch.nn.Module()):
         other.compute_logits = getattr(other, "compute_logits", lambda h: h)
         fn, none = draft_vocab_logits(other)
         assert none is None and fn == other.compute_logits
-
-
-class _SeesContext(NativeSelector):
-    """The native choice, remembering the context it was given (what the selector is handed)."""
-
-    def select(self, block, ctx):
-        self.ctx = ctx
-        return super().select(block, ctx)
 
 
 def test_the_choice_names_requests_by_their_ring_rows_wherever_vllm_moves_them():
@@ -169,15 +176,8 @@ def test_the_choice_names_requests_by_their_ring_rows_wherever_vllm_moves_them()
     sel = _SeesContext()
     choice = DraftChoice(sel, num_slots=H, top_k=K, rings=RequestRings(3, N, F))
     choice.profiler = (profiled := []).append
-    head = torch.randn(10, D)
     ids_of = {}
-    for order in (["a", "b"], ["b", "a"]):  # the second step swaps the requests' batch rows
-        lens = {"a": 2, "b": 3}
-        hidden = torch.cat([feats(ord(r), range(lens[r])) for r in order])
-        qsl = torch.tensor([0, lens[order[0]], lens[order[0]] + lens[order[1]]])
-        choice.stage(order, {"a", "b"}, hidden=hidden, qsl=qsl, rejected=None, positions=torch.cat([torch.arange(lens[r]) for r in order]),
-                     anchors=torch.tensor([1, 2]), max_query_len=3)  # fmt: skip
-        choice.choose(lambda h: h @ head.T, torch.randn(2 * H, D))
+    for order in two_steps_swapping_rows(choice, D):
         for b, r in enumerate(order):
             ids_of.setdefault(r, set()).add(int(sel.ctx.row_ids[b]))
     assert all(len(v) == 1 for v in ids_of.values()) and ids_of["a"] != ids_of["b"]
@@ -203,16 +203,7 @@ def test_recorded_steps_read_back_as_the_context_the_selector_saw(tmp_path):
     sel = _SeesContext()
     choice = DraftChoice(sel, num_slots=H, top_k=K, rings=RequestRings(3, N, F))
     choice.recorder = _recorder(str(tmp_path))
-    head = torch.randn(10, D)
-    seen = []
-    for order in (["a", "b"], ["b", "a"]):
-        lens = {"a": 2, "b": 3}
-        hidden = torch.cat([feats(ord(r), range(lens[r])) for r in order])
-        qsl = torch.tensor([0, lens[order[0]], lens[order[0]] + lens[order[1]]])
-        choice.stage(order, {"a", "b"}, hidden=hidden, qsl=qsl, rejected=None, positions=torch.cat([torch.arange(lens[r]) for r in order]),
-                     anchors=torch.tensor([1, 2]), max_query_len=3)  # fmt: skip
-        choice.choose(lambda h: h @ head.T, torch.randn(2 * H, D))
-        seen.append(sel.ctx)
+    seen = [sel.ctx for _ in two_steps_swapping_rows(choice, D)]
     read = recorded_inputs(tmp_path, 2, limit=8)
     assert len(read) == 2
     for (block, ctx), want in zip(read, seen):
