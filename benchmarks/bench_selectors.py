@@ -130,33 +130,32 @@ def recorded(heads: dict, trained: dict, rounds: list[dict], batch_sizes: tuple[
         raise DRelayError(
             f"--batches: {max(batch_sizes)} request streams need at least as many recorded rounds, the file has {len(rounds)}"
         )
-    labels = [*heads, "drelay (reference)"]
+    # (name, head, on DRelay's reference path): every head as served, then DRelay with `fast_path` off
+    variants = [*((name, head, False) for name, head in heads.items()), ("drelay", heads["drelay"], True)]
     table = {}
     with torch.inference_mode():
         for B in batch_sizes:
             inputs = sr.batches(rounds, B)
-            ms = {label: [] for label in labels}
+            ms = [[] for _ in variants]
             for rep in range(reps + 1):  # the first pass warms every head's caches and is not counted
                 for block, ctx in inputs:
-                    for label in labels:
-                        head, reference = heads[label.split()[0]], label.endswith("(reference)")
+                    for i, (_, head, reference) in enumerate(variants):
                         if reference:
                             head.fast_path = False
                         t0 = time.thread_time()
                         head.select(block, ctx)
                         if rep:
-                            ms[label].append((time.thread_time() - t0) * 1e3)
+                            ms[i].append((time.thread_time() - t0) * 1e3)
                         if reference:
                             head.fast_path = True
-            table[B] = {label: statistics.median(v) for label, v in ms.items()}
+            table[B] = [statistics.median(v) for v in ms]
             print(f"batch {B}: {len(inputs)} rounds × {reps} repetitions")
     head_row = " | ".join(f"batch {B}" for B in batch_sizes)
     print(f"| selector | params | select ms/round: {head_row} |\n|---|---|{'---|' * len(batch_sizes)}")
-    for label in labels:
-        name = label.split()[0]
-        n_params = sum(p.numel() for p in heads[name].parameters())
-        cells = " | ".join(f"{table[B][label]:.2f}" for B in batch_sizes)
-        shown = f"{name}{' (trained)' if name in trained else ''}{label[len(name) :]}"  # "drelay (trained) (reference)"
+    for i, (name, head, reference) in enumerate(variants):
+        n_params = sum(p.numel() for p in head.parameters())
+        cells = " | ".join(f"{table[B][i]:.2f}" for B in batch_sizes)
+        shown = f"{name}{' (trained)' if name in trained else ''}{' (reference)' if reference else ''}"
         print(f"| {shown} | {n_params:,} | {cells} |")
 
 

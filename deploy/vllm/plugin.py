@@ -121,7 +121,7 @@ def _wrap(cls) -> None:
         if choice is not None and choice.staged is not None and not args and not kwargs:
             B = choice.staged.anchors.shape[0]
             if hidden_states.shape[0] == B * choice.num_slots and _argmax_is_plain(self):
-                logits_fn, target_ids = getattr(self, "_drelay_logits", None) or (self.model.compute_logits, None)
+                logits_fn, target_ids = self._drelay_logits  # set with the choice in load_model
                 return choice.choose(logits_fn, hidden_states, target_ids), None
             choice.staged = None
             warn_once(
