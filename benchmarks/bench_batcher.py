@@ -9,7 +9,9 @@ time the batcher spends outside its rounds and admissions (joining and dropping 
 the requests' time to first token, p50 / p99, with its parts (queue wait, prefill, first round:
 `RequestStats`), the median of --repeats loops. An arm is a method at a prefill budget
 (`--prefill-budget`, several to compare: prompt tokens per step, `none` = unbounded); arms alternate
-within a repeat and every ratio is arm ÷ the first arm at the same concurrency, from the same run.
+within a repeat and every ratio is arm ÷ the first arm at the same concurrency, from the same run:
+tokens/s pooled over the repeats and TTFT p99 averaged over them, each with its paired 95% bootstrap
+interval over the repeats (from 3 repeats; `pipelines.common.intervals`).
 
 Run:  .venv/bin/python benchmarks/bench_batcher.py                                    # AR, DRelay; C = 4, 16; 48 requests of 64 tokens
       .venv/bin/python benchmarks/bench_batcher.py --concurrency 16 --requests 48 --repeats 2
@@ -39,6 +41,7 @@ sys.path.insert(0, str(REPO))
 from cli import guarded  # noqa: E402
 from drelay_model.decoding.admission import DEFAULT_PREFILL_BUDGET, check_budget  # noqa: E402
 from drelay_model.errors import DRelayError  # noqa: E402
+from pipelines.common.intervals import MIN_PAIRS, Interval, paired_rate_ratio, paired_ratio  # noqa: E402
 
 TTFT_KEYS = ("ttft", "queue", "prefill", "first_round")  # RequestStats' time_to_first_token and its parts
 
@@ -123,17 +126,45 @@ def competitor(duty: float | None):
     return Competitor(duty)
 
 
-def print_table(table: dict, args: argparse.Namespace) -> None:
-    """The medians per arm and concurrency, with ÷ the first arm (adds each row's `ratio`)."""
+def paired_ratios(runs: dict[str, dict[int, list[dict]]]) -> dict[str, dict[int, dict[str, Interval]]]:
+    """Each arm ÷ the first arm per concurrency, paired by repeat: `tok_s` (Σ tokens ÷ Σ seconds, the
+    pooled rate) and `ttft_p99` (the mean of the repeats' p99s), each an Interval; its bounds are NaN
+    below MIN_PAIRS repeats."""
+    base = next(iter(runs))
+    out: dict[str, dict[int, dict[str, Interval]]] = {}
+    for arm, by_c in runs.items():
+        out[arm] = {}
+        for c, rs in by_c.items():
+            bs = runs[base][c]
+            col = lambda loops, k: [r[k] for r in loops]  # noqa: E731
+            rate = paired_rate_ratio(col(rs, "tokens"), col(rs, "wall_s"), col(bs, "tokens"), col(bs, "wall_s"))
+            ttft = paired_ratio(col(rs, "ttft_p99_s"), col(bs, "ttft_p99_s"))
+            if len(rs) < MIN_PAIRS:
+                rate, ttft = (Interval(iv.point, math.nan, math.nan) for iv in (rate, ttft))
+            out[arm][c] = {"tok_s": rate, "ttft_p99": ttft}
+    return out
+
+
+def _ratio(iv: Interval) -> str:
+    return f"{iv.point:.2f}×" if math.isnan(iv.low) else f"{iv.point:.2f}× [{iv.low:.2f}, {iv.high:.2f}]"
+
+
+def print_table(table: dict, ratios: dict, args: argparse.Namespace) -> None:
+    """The medians per arm and concurrency, with ÷ the first arm and its interval (adds each row's
+    `ratio`, `ratio_low`, `ratio_high`, `ttft_p99_ratio`, …)."""
     base = next(iter(table))
-    print(f"\n{args.requests} GSM8K prompts, {args.max_new_tokens} tokens, greedy; medians of {args.repeats}")
+    print(f"\n{args.requests} GSM8K prompts, {args.max_new_tokens} tokens, greedy; medians of {args.repeats}; "
+          f"ratios ÷ {base}, paired over the repeats [95%]")  # fmt: skip
     parts = "".join(f" {k + ' p50/p99':>19}" for k in TTFT_KEYS)
-    print(f"{'arm':<12} {'C':>3} {'tok/s':>8} {'÷ ' + base:>13} {'τ':>5} {'outside s':>10}{parts}")
+    print(f"{'arm':<12} {'C':>3} {'tok/s':>8} {'tok/s ÷':>22} {'TTFT p99 ÷':>22} {'τ':>5} {'outside s':>10}{parts}")
     for arm, by_c in table.items():
         for c, r in by_c.items():
-            r["ratio"] = r["tok_s"] / table[base][c]["tok_s"]
+            rate, ttft = ratios[arm][c]["tok_s"], ratios[arm][c]["ttft_p99"]
+            r.update(ratio=rate.point, ratio_low=rate.low, ratio_high=rate.high)
+            r.update(ttft_p99_ratio=ttft.point, ttft_p99_ratio_low=ttft.low, ttft_p99_ratio_high=ttft.high)
             times = "".join(f" {r[f'{k}_p50_s']:>9.3f}/{r[f'{k}_p99_s']:<9.3f}" for k in TTFT_KEYS)
-            print(f"{arm:<12} {c:>3} {r['tok_s']:>8.1f} {r['ratio']:>12.2f}× {r['tau']:>5.2f} {r['outside_s']:>10.2f}{times}")
+            print(f"{arm:<12} {c:>3} {r['tok_s']:>8.1f} {_ratio(rate):>22} {_ratio(ttft):>22} {r['tau']:>5.2f} "
+                  f"{r['outside_s']:>10.2f}{times}")  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -169,7 +200,7 @@ def main(argv=None) -> int:
     table = {
         m: {c: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for c, rs in by_c.items()} for m, by_c in runs.items()
     }
-    print_table(table, args)
+    print_table(table, paired_ratios(runs), args)
     result = {"args": vars(args), "table": {m: {str(c): r for c, r in by_c.items()} for m, by_c in table.items()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -5,7 +5,7 @@
     .venv/bin/python benchmarks/bench_shared_cpu.py --no-vllm --max-new-tokens 64    # ours only, shorter
 
 What a user's laptop or shared server does to a 2-thread engine: OpenMP threads that spin-wait on a
-partner the kernel has descheduled. Each configuration decodes the demo prompt at batch 1 twice, on
+partner the kernel has descheduled. Each configuration decodes GSM8K train example 1 at batch 1 twice, on
 the quiet machine and beside one busy process (a Python spin loop at normal priority, started before
 the configuration's child process and stopped by pid after it), and reports tok/s quiet, tok/s busy
 and what busy keeps of quiet. Our engine runs as `drelay generate --json --warmup` in a child

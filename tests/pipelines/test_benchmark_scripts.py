@@ -1,5 +1,6 @@
 """The scripts in benchmarks/ (performance) and analysis/ answer bad input like `drelay` does: one line on stderr, exit 2."""
 
+import math
 import runpy
 import sys
 from pathlib import Path
@@ -140,3 +141,19 @@ def test_every_head_is_timed_on_recorded_rounds(tmp_path, monkeypatch, capsys):
             if line.startswith("| ") and not line.startswith("| selector")}  # fmt: skip
     assert set(rows) == {"drelay", "dcoco", "dflash2", "domino", "dspark", "drelay (reference)"}
     assert all(float(ms.rstrip(" |")) > 0 for cells in rows.values() for ms in cells)
+
+
+def test_the_batcher_benchmark_pairs_its_ratios_by_repeat():
+    """`bench_batcher.paired_ratios`: each arm ÷ the first per concurrency, the pooled rate and the
+    mean TTFT p99, with bounds from 3 repeats and none below."""
+    paired_ratios = runpy.run_path(str(ROOT / "benchmarks" / "bench_batcher.py"))["paired_ratios"]
+    loop = lambda tokens, wall, p99: {"tokens": tokens, "wall_s": wall, "ttft_p99_s": p99}  # noqa: E731
+    base = [loop(100, 10.0, 2.0), loop(100, 11.0, 2.2), loop(100, 9.0, 1.8)]
+    faster = [loop(100, 5.0, 1.0), loop(100, 5.4, 1.1), loop(100, 4.6, 0.95)]
+    r = paired_ratios({"ar/none": {16: base}, "ar/512": {16: faster}})
+    assert r["ar/none"][16]["tok_s"].point == pytest.approx(1.0)
+    rate, ttft = r["ar/512"][16]["tok_s"], r["ar/512"][16]["ttft_p99"]
+    assert rate.point == pytest.approx(300 / 15.0 / (300 / 30.0)) and 1.0 < rate.low <= rate.point <= rate.high
+    assert ttft.point == pytest.approx(3.05 / 6.0) and ttft.high < 1.0
+    two = paired_ratios({"a": {8: base[:2]}, "b": {8: faster[:2]}})["b"][8]["tok_s"]
+    assert two.point == pytest.approx(200 / 10.4 / (200 / 21.0)) and math.isnan(two.low)
