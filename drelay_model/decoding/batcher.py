@@ -241,7 +241,8 @@ class ContinuousBatcher:
         r.t_prefill = (r.t_prefill[0] if r.t_prefill else t0, time.perf_counter())
         if chunked.remaining:
             return []
-        self._chunked = None
+        if self._chunked is chunked:  # the next chunked request may already have started this step
+            self._chunked = None
         return self._join([r], chunked.state, last_logits)
 
     def _count_prefill(self, t0: float) -> None:

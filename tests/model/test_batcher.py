@@ -375,6 +375,23 @@ def test_a_prefill_budget_bounds_each_step_keeps_fifo_and_decodes_as_alone(targe
         assert out[b] == engine.generate([p], settings.with_seed(3)).tokens[0], f"request {b}"
 
 
+@pytest.mark.parametrize("method", ["ar", "drelay"])
+def test_a_chunked_prompt_may_end_in_the_step_the_next_one_starts(target, make_drafter, prompts_of,
+                                                                  tiny_selector_config, method, monkeypatch):  # fmt: skip
+    """Two prompts longer than the budget in a row: the first's last chunk (4 tokens) and the second's
+    first chunk (the 12 left) share a step; both join the batch and decode as alone."""
+    lengths = (20, 30, 3)
+    prompts = prompts_of(target.vocab_size, lengths)
+    engine = _engine(target, make_drafter, method, config=tiny_selector_config(method))
+    settings = GenerationConfig(max_new_tokens=6)
+    out, per_step, rounds, busy, began = _budgeted_run(engine, prompts, settings, 16, 4, monkeypatch)
+    assert per_step[:2] == [16, 16] and began[:2] == [1, 2] and sum(per_step) == sum(lengths)
+    assert rounds == busy
+    monkeypatch.undo()
+    for b, p in enumerate(prompts):
+        assert out[b] == engine.generate([p], settings).tokens[0], f"request {b}"
+
+
 def test_admission_plan_fills_the_budget_in_order_and_chunks_only_what_cannot_fit():
     from drelay_model.decoding.admission import AdmissionPlan, check_budget, plan_admission
 
@@ -385,6 +402,7 @@ def test_admission_plan_fills_the_budget_in_order_and_chunks_only_what_cannot_fi
     assert plan_admission(None, [5, 40, 3], 8, 16) == AdmissionPlan(whole=1, start_tokens=11)  # too long: chunks
     assert plan_admission(29, [3], 8, 16) == AdmissionPlan(continue_tokens=16)  # nothing passes a chunked prompt
     assert plan_admission(13, [3, 2], 8, 16) == AdmissionPlan(continue_tokens=13, whole=1)
+    assert plan_admission(4, [30, 3], 8, 16) == AdmissionPlan(continue_tokens=4, start_tokens=12)  # one ends, one starts
     assert plan_admission(None, [], 8, 16) == AdmissionPlan()
     for bad in (0, -3, 1.5, True):
         with pytest.raises(DRelayError, match="prefill_budget"):
