@@ -9,7 +9,8 @@ time the batcher spends outside its rounds and admissions (joining and dropping 
 the requests' time to first token, p50 / p99, with its parts (queue wait, prefill, first round:
 `RequestStats`), the median of --repeats loops. An arm is a method at a prefill budget
 (`--prefill-budget`, several to compare: prompt tokens per step, `none` = unbounded); arms alternate
-within a repeat and every ratio is arm ÷ the first arm at the same concurrency, from the same run:
+within a repeat and every ratio is an arm ÷ its baseline at the same concurrency, from the same run
+(the first method, or with several budgets the same method at the first budget):
 tokens/s pooled over the repeats and TTFT p99 averaged over them, each with its paired 95% bootstrap
 interval over the repeats (from 3 repeats; `pipelines.common.intervals`).
 
@@ -81,14 +82,23 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def closed_loop(batcher, prompts: list[list[int]], settings, concurrency: int) -> dict:
     """Decode every prompt with `concurrency` of them in flight, each finished request's client
-    submitting the next; returns tokens, wall seconds, rounds and the batcher's own phase time."""
+    submitting the next; returns tokens, wall seconds, rounds, the batcher's own phase time, TTFT and
+    its parts (p50, p99) and the inter-token latency (p50, p99, max: how long a decoding row waits for
+    its next tokens, what a burst's prefill stalls)."""
     queue = list(prompts)
     tokens = 0
     firsts = []  # each request's RequestStats, on its final update
+    last_token_at: dict[int, float] = {}  # request id → when its last tokens came out
+    gaps = []  # inter-token latency: a decoding row's wait from one step's tokens to its next step's
 
     def on_update(update):
         nonlocal tokens
         tokens += len(update.new_tokens)
+        if update.new_tokens:
+            now = time.perf_counter()
+            if update.request_id in last_token_at:
+                gaps.append(now - last_token_at[update.request_id])
+            last_token_at[update.request_id] = now
         if update.finished:
             firsts.append(update.stats)
         if update.finished and queue:
@@ -107,6 +117,8 @@ def closed_loop(batcher, prompts: list[list[int]], settings, concurrency: int) -
     for key, name in parts.items():
         values = sorted(getattr(s, name) for s in firsts)
         out[f"{key}_p50_s"], out[f"{key}_p99_s"] = percentile(values, 50), percentile(values, 99)
+    gaps.sort()
+    out["itl_p50_s"], out["itl_p99_s"], out["itl_max_s"] = percentile(gaps, 50), percentile(gaps, 99), gaps[-1]
     return out
 
 
@@ -126,16 +138,15 @@ def competitor(duty: float | None):
     return Competitor(duty)
 
 
-def paired_ratios(runs: dict[str, dict[int, list[dict]]]) -> dict[str, dict[int, dict[str, Interval]]]:
-    """Each arm ÷ the first arm per concurrency, paired by repeat: `tok_s` (Σ tokens ÷ Σ seconds, the
-    pooled rate) and `ttft_p99` (the mean of the repeats' p99s), each an Interval; its bounds are NaN
-    below MIN_PAIRS repeats."""
-    base = next(iter(runs))
+def paired_ratios(runs: dict[str, dict[int, list[dict]]], base_of: dict[str, str]) -> dict[str, dict[int, dict[str, Interval]]]:
+    """Each arm ÷ its baseline arm `base_of[arm]` per concurrency, paired by repeat: `tok_s` (Σ tokens ÷
+    Σ seconds, the pooled rate) and `ttft_p99` (the mean of the repeats' p99s), each an Interval; its
+    bounds are NaN below MIN_PAIRS repeats."""
     out: dict[str, dict[int, dict[str, Interval]]] = {}
     for arm, by_c in runs.items():
         out[arm] = {}
         for c, rs in by_c.items():
-            bs = runs[base][c]
+            bs = runs[base_of[arm]][c]
             col = lambda loops, k: [r[k] for r in loops]  # noqa: E731
             rate = paired_rate_ratio(col(rs, "tokens"), col(rs, "wall_s"), col(bs, "tokens"), col(bs, "wall_s"))
             ttft = paired_ratio(col(rs, "ttft_p99_s"), col(bs, "ttft_p99_s"))
@@ -149,14 +160,14 @@ def _ratio(iv: Interval) -> str:
     return f"{iv.point:.2f}×" if math.isnan(iv.low) else f"{iv.point:.2f}× [{iv.low:.2f}, {iv.high:.2f}]"
 
 
-def print_table(table: dict, ratios: dict, args: argparse.Namespace) -> None:
-    """The medians per arm and concurrency, with ÷ the first arm and its interval (adds each row's
+def print_table(table: dict, ratios: dict, baseline: str, args: argparse.Namespace) -> None:
+    """The medians per arm and concurrency, with ÷ its baseline and the interval (adds each row's
     `ratio`, `ratio_low`, `ratio_high`, `ttft_p99_ratio`, …)."""
-    base = next(iter(table))
     print(f"\n{args.requests} GSM8K prompts, {args.max_new_tokens} tokens, greedy; medians of {args.repeats}; "
-          f"ratios ÷ {base}, paired over the repeats [95%]")  # fmt: skip
+          f"ratios ÷ {baseline}, paired over the repeats [95%]")  # fmt: skip
     parts = "".join(f" {k + ' p50/p99':>19}" for k in TTFT_KEYS)
-    print(f"{'arm':<12} {'C':>3} {'tok/s':>8} {'tok/s ÷':>22} {'TTFT p99 ÷':>22} {'τ':>5} {'outside s':>10}{parts}")
+    print(f"{'arm':<12} {'C':>3} {'tok/s':>8} {'tok/s ÷':>22} {'TTFT p99 ÷':>22} {'τ':>5} {'outside s':>10}{parts}"
+          f" {'ITL p50/p99/max':>22}")  # fmt: skip
     for arm, by_c in table.items():
         for c, r in by_c.items():
             rate, ttft = ratios[arm][c]["tok_s"], ratios[arm][c]["ttft_p99"]
@@ -164,7 +175,7 @@ def print_table(table: dict, ratios: dict, args: argparse.Namespace) -> None:
             r.update(ttft_p99_ratio=ttft.point, ttft_p99_ratio_low=ttft.low, ttft_p99_ratio_high=ttft.high)
             times = "".join(f" {r[f'{k}_p50_s']:>9.3f}/{r[f'{k}_p99_s']:<9.3f}" for k in TTFT_KEYS)
             print(f"{arm:<12} {c:>3} {r['tok_s']:>8.1f} {_ratio(rate):>22} {_ratio(ttft):>22} {r['tau']:>5.2f} "
-                  f"{r['outside_s']:>10.2f}{times}")  # fmt: skip
+                  f"{r['outside_s']:>10.2f}{times} {r['itl_p50_s']:>8.3f}/{r['itl_p99_s']:.3f}/{r['itl_max_s']:.3f}")  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -195,12 +206,17 @@ def main(argv=None) -> int:
                     r = closed_loop(ContinuousBatcher(engines[m], max_batch=c, prefill_budget=b), prompts, settings, c)
                     runs[label[m, b]][c].append(r)
                     print(f"repeat {rep + 1} C={c:<3} {label[m, b]:<12} {r['tok_s']:7.1f} tok/s  τ {r['tau']:.2f}  "
-                          f"TTFT p50/p99 {r['ttft_p50_s']:.2f}/{r['ttft_p99_s']:.2f} s  {r['rounds']} rounds  "
+                          f"TTFT p50/p99 {r['ttft_p50_s']:.2f}/{r['ttft_p99_s']:.2f} s  ITL p99/max {r['itl_p99_s']:.2f}/{r['itl_max_s']:.2f} s  "
+                          f"{r['rounds']} rounds  "
                           f"outside {r['outside_s']:.2f} s", flush=True)  # fmt: skip
     table = {
         m: {c: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for c, rs in by_c.items()} for m, by_c in runs.items()
     }
-    print_table(table, paired_ratios(runs), args)
+    if len(args.budgets) > 1:
+        base_of, baseline = {label[m, b]: label[m, args.budgets[0]] for m, b in arms}, "the same method's first budget"
+    else:
+        base_of, baseline = {label[a]: label[arms[0]] for a in arms}, label[arms[0]]
+    print_table(table, paired_ratios(runs, base_of), baseline, args)
     result = {"args": vars(args), "table": {m: {str(c): r for c, r in by_c.items()} for m, by_c in table.items()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

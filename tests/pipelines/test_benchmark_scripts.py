@@ -118,6 +118,7 @@ def test_the_batcher_benchmark_keeps_its_clients_in_flight_and_decodes_every_req
     assert len(prompts) <= r["tokens"] == batcher.stats.generated <= 6 * len(prompts)
     assert r["rounds"] == batcher.stats.steps and r["wall_s"] > 0 and r["tok_s"] == r["tokens"] / r["wall_s"]
     assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and r["prefill_p50_s"] > 0 and r["queue_p99_s"] >= 0
+    assert 0 < r["itl_p50_s"] <= r["itl_p99_s"] <= r["itl_max_s"] < r["wall_s"]
 
 
 @pytest.mark.slow
@@ -144,16 +145,16 @@ def test_every_head_is_timed_on_recorded_rounds(tmp_path, monkeypatch, capsys):
 
 
 def test_the_batcher_benchmark_pairs_its_ratios_by_repeat():
-    """`bench_batcher.paired_ratios`: each arm ÷ the first per concurrency, the pooled rate and the
+    """`bench_batcher.paired_ratios`: each arm ÷ its baseline per concurrency, the pooled rate and the
     mean TTFT p99, with bounds from 3 repeats and none below."""
     paired_ratios = runpy.run_path(str(ROOT / "benchmarks" / "bench_batcher.py"))["paired_ratios"]
     loop = lambda tokens, wall, p99: {"tokens": tokens, "wall_s": wall, "ttft_p99_s": p99}  # noqa: E731
     base = [loop(100, 10.0, 2.0), loop(100, 11.0, 2.2), loop(100, 9.0, 1.8)]
     faster = [loop(100, 5.0, 1.0), loop(100, 5.4, 1.1), loop(100, 4.6, 0.95)]
-    r = paired_ratios({"ar/none": {16: base}, "ar/512": {16: faster}})
+    r = paired_ratios({"ar/none": {16: base}, "ar/512": {16: faster}}, {"ar/none": "ar/none", "ar/512": "ar/none"})
     assert r["ar/none"][16]["tok_s"].point == pytest.approx(1.0)
     rate, ttft = r["ar/512"][16]["tok_s"], r["ar/512"][16]["ttft_p99"]
     assert rate.point == pytest.approx(300 / 15.0 / (300 / 30.0)) and 1.0 < rate.low <= rate.point <= rate.high
     assert ttft.point == pytest.approx(3.05 / 6.0) and ttft.high < 1.0
-    two = paired_ratios({"a": {8: base[:2]}, "b": {8: faster[:2]}})["b"][8]["tok_s"]
+    two = paired_ratios({"a": {8: base[:2]}, "b": {8: faster[:2]}}, {"a": "a", "b": "a"})["b"][8]["tok_s"]
     assert two.point == pytest.approx(200 / 10.4 / (200 / 21.0)) and math.isnan(two.low)
