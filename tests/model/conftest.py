@@ -145,3 +145,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def make_engine(make_drafter):
+    """make_engine(target, method, selector=None, config=None): an AR engine for "ar", else a fresh
+    drafter (make_drafter) under `selector` or the registry's `method` built with `config`."""
+    from drelay_model.decoding import SpeculativeEngine
+    from drelay_model.selectors import default_registry
+
+    def build(target, method, selector=None, config=None):
+        if method == "ar":
+            return SpeculativeEngine(target)
+        drafter = make_drafter(target)
+        return SpeculativeEngine(target, drafter, selector or default_registry().create(method, drafter=drafter, config=config))
+
+    return build

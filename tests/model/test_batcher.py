@@ -17,13 +17,6 @@ BUDGETS = (30, 40, 40, 25, 3)  # scripted (high-acceptance) drafts: several roun
 JOIN_BUDGETS = (10, 14, 12, 8, 3)  # untrained drafters commit ~1 token per round: keep it short
 
 
-def _engine(target, make_drafter, method, selector=None, config=None):
-    if method == "ar":
-        return SpeculativeEngine(target)
-    drafter = make_drafter(target)
-    return SpeculativeEngine(target, drafter, selector or default_registry().create(method, drafter=drafter, config=config))
-
-
 def _staggered(batcher: ContinuousBatcher, prompts, budgets, *, cancel_after: int | None = None):
     """Submit requests at different rounds (0, 0, 1, 3, 4), optionally cancel request 1 midway;
     returns (tokens streamed per request, final updates)."""
@@ -59,9 +52,9 @@ def _check_stats(update, tokens):
 
 
 @pytest.mark.parametrize("method", ["ar", *default_registry().names()])
-def test_joining_requests_decode_as_alone(target, make_drafter, prompts_of, tiny_selector_config, method):
+def test_joining_requests_decode_as_alone(target, make_engine, prompts_of, tiny_selector_config, method):
     prompts = prompts_of(target.vocab_size, LENGTHS)
-    engine = _engine(target, make_drafter, method, config=tiny_selector_config(method))
+    engine = make_engine(target, method, config=tiny_selector_config(method))
     streamed, finals = _staggered(ContinuousBatcher(engine, max_batch=4), prompts, JOIN_BUDGETS)
     for b, p in enumerate(prompts):
         alone = engine.generate([p], GenerationConfig(max_new_tokens=JOIN_BUDGETS[b])).tokens[0]
@@ -71,12 +64,12 @@ def test_joining_requests_decode_as_alone(target, make_drafter, prompts_of, tiny
 
 
 @pytest.mark.parametrize("error_rate", [0.0, 0.3])
-def test_mostly_right_drafts_with_early_leave(hf_greedy, target, make_drafter, prompts_of, scripted_selector, error_rate):
+def test_mostly_right_drafts_with_early_leave(hf_greedy, target, make_engine, prompts_of, scripted_selector, error_rate):
     """High acceptance (every accepted length) while rows join, one is cancelled and others finish."""
     prompts = prompts_of(target.vocab_size, LENGTHS)
     reference = [p + hf_greedy(target, p, 40) for p in prompts]
     selector = scripted_selector(reference, error_rate=error_rate, vocab=target.vocab_size)
-    engine = _engine(target, make_drafter, "native", selector)
+    engine = make_engine(target, "native", selector)
     streamed, finals = _staggered(ContinuousBatcher(engine), prompts, BUDGETS, cancel_after=1)
     for b, p in enumerate(prompts):
         expected = reference[b][len(p) : len(p) + BUDGETS[b]]
@@ -90,9 +83,9 @@ def test_mostly_right_drafts_with_early_leave(hf_greedy, target, make_drafter, p
         assert finals[0].stats.tau > 10
 
 
-def test_stop_predicate_and_eos(target, make_drafter, prompts_of):
+def test_stop_predicate_and_eos(target, make_engine, prompts_of):
     prompts = prompts_of(target.vocab_size, (6,))
-    engine = _engine(target, make_drafter, "native")
+    engine = make_engine(target, "native")
     alone = engine.generate(prompts, GenerationConfig(max_new_tokens=12)).tokens[0]
     stop_tok = alone[7]
     first = alone.index(stop_tok)
@@ -104,9 +97,9 @@ def test_stop_predicate_and_eos(target, make_drafter, prompts_of):
     assert out[1] == alone
 
 
-def test_sampling_is_seeded_and_top_k1_is_greedy(target, make_drafter, prompts_of):
+def test_sampling_is_seeded_and_top_k1_is_greedy(target, make_engine, prompts_of):
     prompts = prompts_of(target.vocab_size, (5, 8))
-    engine = _engine(target, make_drafter, "native")
+    engine = make_engine(target, "native")
     greedy = engine.generate(prompts[:1], GenerationConfig(max_new_tokens=10)).tokens[0]
     runs = []
     for _ in range(2):
@@ -197,7 +190,7 @@ def test_the_batcher_drives_the_engine_through_its_public_phases():
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_arrivals_under_the_batch_aware_plan_decode_as_ar_alone(
-    hf_greedy, target, make_drafter, scripted_selector, steep_batch_surface, run_arrivals, seed
+    hf_greedy, target, make_engine, scripted_selector, steep_batch_surface, run_arrivals, seed
 ):
     """Requests of random prompt lengths and budgets arrive at random steps and leave when done; the
     cost surface makes drafting pay for one row and not for four, so the batch-aware plan switches
@@ -213,7 +206,7 @@ def test_random_arrivals_under_the_batch_aware_plan_decode_as_ar_alone(
     prompts = [torch.randint(0, target.vocab_size, (k,), generator=g).tolist() for k in lengths]
     reference = [hf_greedy(target, p, budgets[i]) for i, p in enumerate(prompts)]
     selector = scripted_selector([p + r for p, r in zip(prompts, reference)], error_rate=0.3, vocab=target.vocab_size)
-    engine = _engine(target, make_drafter, "native", selector)
+    engine = make_engine(target, "native", selector)
     H = engine.num_slots
     engine.costs = steep_batch_surface(H)
     batcher = ContinuousBatcher(engine, max_batch=4)
@@ -252,12 +245,12 @@ def test_prefill_groups_cover_every_prompt_with_bounded_padding():
 
 
 @pytest.mark.parametrize("method", ["ar", "drelay"])
-def test_prompts_admitted_together_in_length_groups_decode_as_alone(target, make_drafter, prompts_of,
+def test_prompts_admitted_together_in_length_groups_decode_as_alone(target, make_engine, prompts_of,
                                                                     tiny_selector_config, method):  # fmt: skip
     lengths = (40, 3, 21, 20, 4)  # three prefill groups: [40], [21, 20], [4, 3]
     assert len(prefill_groups(list(lengths))) == 3
     prompts = prompts_of(target.vocab_size, lengths)
-    engine = _engine(target, make_drafter, method, config=tiny_selector_config(method))
+    engine = make_engine(target, method, config=tiny_selector_config(method))
     batcher = ContinuousBatcher(engine, max_batch=8)
     for p in prompts:
         batcher.submit(p, GenerationConfig(max_new_tokens=9))
@@ -267,7 +260,7 @@ def test_prompts_admitted_together_in_length_groups_decode_as_alone(target, make
 
 
 @pytest.mark.parametrize("method,temperature", [("ar", 0.0), ("drelay", 0.0), ("drelay", 0.9)])
-def test_requests_arriving_as_others_finish_take_their_slots_and_decode_as_alone(target, make_drafter, prompts_of,
+def test_requests_arriving_as_others_finish_take_their_slots_and_decode_as_alone(target, make_engine, prompts_of,
                                                                                 tiny_selector_config, method, temperature,
                                                                                 monkeypatch):  # fmt: skip
     """A closed loop, as clients behind an endpoint: each finished request's client submits the next
@@ -282,7 +275,7 @@ def test_requests_arriving_as_others_finish_take_their_slots_and_decode_as_alone
     monkeypatch.setattr(BatchState, "fill", lambda self, pos, other: (fills.append(list(pos)), real_fill(self, pos, other)))
     lengths, budgets = (6, 9, 4, 30, 5, 7, 3), (4, 9, 6, 5, 8, 3, 7)  # rows finish at different rounds
     prompts = prompts_of(target.vocab_size, lengths)
-    engine = _engine(target, make_drafter, method, config=tiny_selector_config(method))
+    engine = make_engine(target, method, config=tiny_selector_config(method))
     batcher = ContinuousBatcher(engine, max_batch=3)
     queue, out = list(zip(prompts, budgets)), {}
 
@@ -323,87 +316,3 @@ def test_ttft_parts_are_non_negative_sum_to_it_and_show_a_wait_behind_a_full_bat
         assert s.time_to_first_token <= s.time_total
     first, second = finals[0].stats, finals[1].stats
     assert second.time_queue > max(first.time_total - 0.01, first.time_queue)
-
-
-def _budgeted_run(engine, prompts, settings, budget, max_batch, monkeypatch):
-    """All prompts submitted at once to a batcher with a prefill budget; returns (outputs, prompt
-    tokens prefilled per step, steps that ran a round, steps with running rows, the step each request's
-    prefill began in, by request)."""
-    per_step, first_step = [], {}
-    real = engine.prefill
-
-    def spy(prompts, rows, capacity, into=None):
-        per_step[-1] += sum(len(p) for p in prompts)
-        for r in rows:
-            first_step.setdefault(r, len(per_step))
-        return real(prompts, rows, capacity, into=into)
-
-    monkeypatch.setattr(engine, "prefill", spy)
-    batcher = ContinuousBatcher(engine, max_batch=max_batch, prefill_budget=budget)
-    for p in prompts:
-        batcher.submit(p, settings)
-    out, rounds, busy = {}, 0, 0
-    while not batcher.idle:
-        per_step.append(0)
-        running_before = batcher.num_running
-        steps_before = batcher.stats.steps
-        for u in batcher.step():
-            out.setdefault(u.request_id, []).extend(u.new_tokens)
-        busy += running_before > 0
-        rounds += running_before > 0 and batcher.stats.steps > steps_before
-    return out, per_step, rounds, busy, [first_step[i] for i in sorted(first_step)]
-
-
-@pytest.mark.parametrize("method,temperature", [("ar", 0.0), ("drelay", 0.0), ("drelay", 0.9)])
-def test_a_prefill_budget_bounds_each_step_keeps_fifo_and_decodes_as_alone(target, make_drafter, prompts_of,
-                                                                           tiny_selector_config, method, temperature,
-                                                                           monkeypatch):  # fmt: skip
-    """A burst of prompts (one longer than the budget: prefilled in chunks over three steps) under a
-    budget of 16 prompt tokens per step: no step prefills more, the running rows decode at every
-    step, requests are admitted in arrival order, and every output is the one decoded alone
-    (greedy, or a seeded sample)."""
-    lengths = (5, 9, 3, 40, 7, 12, 2)
-    prompts = prompts_of(target.vocab_size, lengths)
-    engine = _engine(target, make_drafter, method, config=tiny_selector_config(method))
-    settings = GenerationConfig(max_new_tokens=8, temperature=temperature, seed=3)
-    out, per_step, rounds, busy, began = _budgeted_run(engine, prompts, settings, 16, 4, monkeypatch)
-    assert max(per_step) <= 16 and sum(per_step) == sum(lengths)
-    assert rounds == busy  # no step with running rows went without its round
-    assert began == sorted(began) and len(set(began)) > 2  # first in, first prefilled, over several steps
-    monkeypatch.undo()
-    for b, p in enumerate(prompts):
-        assert out[b] == engine.generate([p], settings.with_seed(3)).tokens[0], f"request {b}"
-
-
-@pytest.mark.parametrize("method", ["ar", "drelay"])
-def test_a_chunked_prompt_may_end_in_the_step_the_next_one_starts(target, make_drafter, prompts_of,
-                                                                  tiny_selector_config, method, monkeypatch):  # fmt: skip
-    """Two prompts longer than the budget in a row: the first's last chunk (4 tokens) and the second's
-    first chunk (the 12 left) share a step; both join the batch and decode as alone."""
-    lengths = (20, 30, 3)
-    prompts = prompts_of(target.vocab_size, lengths)
-    engine = _engine(target, make_drafter, method, config=tiny_selector_config(method))
-    settings = GenerationConfig(max_new_tokens=6)
-    out, per_step, rounds, busy, began = _budgeted_run(engine, prompts, settings, 16, 4, monkeypatch)
-    assert per_step[:2] == [16, 16] and began[:2] == [1, 2] and sum(per_step) == sum(lengths)
-    assert rounds == busy
-    monkeypatch.undo()
-    for b, p in enumerate(prompts):
-        assert out[b] == engine.generate([p], settings).tokens[0], f"request {b}"
-
-
-def test_admission_plan_fills_the_budget_in_order_and_chunks_only_what_cannot_fit():
-    from drelay_model.decoding.admission import AdmissionPlan, check_budget, plan_admission
-
-    assert plan_admission(None, [5, 9, 3], 8, None) == AdmissionPlan(whole=3)
-    assert plan_admission(None, [5, 9, 3], 2, None) == AdmissionPlan(whole=2)  # the batch's room
-    assert plan_admission(None, [5, 9, 3], 8, 16) == AdmissionPlan(whole=2)  # 14 of 16: the 3 waits its turn (FIFO)
-    assert plan_admission(None, [9, 9], 8, 16) == AdmissionPlan(whole=1)  # the second goes first next step
-    assert plan_admission(None, [5, 40, 3], 8, 16) == AdmissionPlan(whole=1, start_tokens=11)  # too long: chunks
-    assert plan_admission(29, [3], 8, 16) == AdmissionPlan(continue_tokens=16)  # nothing passes a chunked prompt
-    assert plan_admission(13, [3, 2], 8, 16) == AdmissionPlan(continue_tokens=13, whole=1)
-    assert plan_admission(4, [30, 3], 8, 16) == AdmissionPlan(continue_tokens=4, start_tokens=12)  # one ends, one starts
-    assert plan_admission(None, [], 8, 16) == AdmissionPlan()
-    for bad in (0, -3, 1.5, True):
-        with pytest.raises(DRelayError, match="prefill_budget"):
-            check_budget(bad)
