@@ -117,8 +117,9 @@ def closed_loop(batcher, prompts: list[list[int]], settings, concurrency: int) -
     for key, name in parts.items():
         values = sorted(getattr(s, name) for s in firsts)
         out[f"{key}_p50_s"], out[f"{key}_p99_s"] = percentile(values, 50), percentile(values, 99)
-    gaps.sort()
-    out["itl_p50_s"], out["itl_p99_s"], out["itl_max_s"] = percentile(gaps, 50), percentile(gaps, 99), gaps[-1]
+    gaps.sort()  # none when every request ends on its first token (--max-new-tokens 1)
+    itl = (percentile(gaps, 50), percentile(gaps, 99), gaps[-1]) if gaps else (math.nan,) * 3
+    out["itl_p50_s"], out["itl_p99_s"], out["itl_max_s"] = itl
     return out
 
 
@@ -227,7 +228,7 @@ def main(argv=None) -> int:
         with tracked_run("drelay-benchmarks", run_name="bench_batcher", params=params) as run:
             for m, by_c in table.items():
                 for c, r in by_c.items():
-                    run.log_metrics({f"{m}_c{c}_{k}": float(v) for k, v in r.items()})
+                    run.log_metrics({f"{m}_c{c}_{k}": float(v) for k, v in r.items() if math.isfinite(v)})
     print(f"→ {args.out}")
     return 0
 
