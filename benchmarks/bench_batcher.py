@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from cli import guarded  # noqa: E402
+from deploy.serve.bench import percentile  # noqa: E402  (serve-bench's nearest-rank rule)
 from drelay_model.decoding.admission import DEFAULT_PREFILL_BUDGET, check_budget  # noqa: E402
 from drelay_model.errors import DRelayError  # noqa: E402
 from pipelines.common.intervals import MIN_PAIRS, Interval, paired_rate_ratio, paired_ratio  # noqa: E402
@@ -121,12 +122,6 @@ def closed_loop(batcher, prompts: list[list[int]], settings, concurrency: int) -
     itl = (percentile(gaps, 50), percentile(gaps, 99), gaps[-1]) if gaps else (math.nan,) * 3
     out["itl_p50_s"], out["itl_p99_s"], out["itl_max_s"] = itl
     return out
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """The nearest-rank q-th percentile (serve-bench's rule)."""
-    i = min(len(sorted_values) - 1, max(0, math.ceil(q / 100 * len(sorted_values)) - 1))
-    return sorted_values[i]
 
 
 def competitor(duty: float | None):

@@ -12,7 +12,6 @@ from drelay_model.decoding import GenerationConfig, SpeculativeEngine
 from drelay_model.decoding.batcher import ContinuousBatcher
 from drelay_model.decoding.logprobs import committed_tokens, round_logprobs, token_logprobs
 from drelay_model.errors import DRelayError
-from drelay_model.selectors import default_registry
 
 LENGTHS = (5, 9, 3, 7)
 BUDGETS = (12, 9, 14, 6)
@@ -26,14 +25,6 @@ def _reference(target, prompt: list[int], completion: list[int]) -> torch.Tensor
     with torch.inference_mode():
         logits = target.hf(torch.tensor([prompt + completion])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : len(prompt) - 1 + len(completion)]
-
-
-def _engine(target, make_drafter, tiny_selector_config, method, selector=None):
-    if method == "ar":
-        return SpeculativeEngine(target)
-    drafter = make_drafter(target)
-    selector = selector or default_registry().create(method, drafter=drafter, config=tiny_selector_config(method))
-    return SpeculativeEngine(target, drafter, selector)
 
 
 def _run(batcher: ContinuousBatcher, prompts, budgets=BUDGETS, asks=ASKS):
@@ -80,9 +71,9 @@ def _check(target, prompts, tokens, lps, asks=ASKS):
 
 
 @pytest.mark.parametrize("method", ["ar", "native", "drelay"])
-def test_batcher_logprobs_equal_the_targets_full_forward(target, make_drafter, prompts_of, tiny_selector_config, method):
+def test_batcher_logprobs_equal_the_targets_full_forward(target, make_engine, prompts_of, tiny_selector_config, method):
     prompts = prompts_of(target.vocab_size, LENGTHS)
-    engine = _engine(target, make_drafter, tiny_selector_config, method)
+    engine = make_engine(target, method, config=tiny_selector_config(method))
     tokens, lps = _run(ContinuousBatcher(engine, max_batch=3), prompts)
     _check(target, prompts, tokens, lps)
     for b, p in enumerate(prompts):  # asking changes nothing about the output
@@ -91,14 +82,14 @@ def test_batcher_logprobs_equal_the_targets_full_forward(target, make_drafter, p
 
 @pytest.mark.parametrize("error_rate", [0.0, 0.3])
 def test_accepted_drafts_take_the_verify_forwards_logprobs(
-    hf_greedy, target, make_drafter, prompts_of, scripted_selector, tiny_selector_config, error_rate
+    hf_greedy, target, make_engine, prompts_of, scripted_selector, error_rate
 ):
     """Mostly-right drafts: rounds accept many drafts, so most values come from drafted positions."""
     prompts = prompts_of(target.vocab_size, LENGTHS)
     budgets = (30, 25, 30, 20)
     reference = [p + hf_greedy(target, p, 30) for p in prompts]
     selector = scripted_selector(reference, error_rate=error_rate, vocab=target.vocab_size)
-    engine = _engine(target, make_drafter, tiny_selector_config, "native", selector)
+    engine = make_engine(target, "native", selector)
     batcher = ContinuousBatcher(engine, max_batch=4)
     tokens, lps = _run(batcher, prompts, budgets)
     assert batcher.stats.tau > 2  # many accepted drafts per round
