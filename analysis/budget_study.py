@@ -6,14 +6,15 @@ draft cost.
         [--hours 8] [--start-hours 0] [--measure-costs] [--out docs/img/budget_study.png]
 
 Curves: every validation of run `<study>-<label>` (any status: a run still training shows its points
-so far) from MLflow: `val/tau_native`, `val/tau_oracle`, `val/coverage_first_error`,
+so far) from MLflow: `val/tau_native`, `val/tau` (with the run's selector), `val/tau_oracle`, `val/coverage_first_error`,
 `val/one_edit_gain` against `train/budget_minutes` (the run's own clock, CPU minutes in the budget
 study). They are also written to `docs/data/<study>.csv`, which the repository keeps: a fresh machine
-redraws the report from it (`--from-csv`) without the MLflow store the runs wrote.
+redraws the report from it (`--from-csv`) without the MLflow store the runs wrote, and a run continued on
+a fresh machine from its carried snapshot keeps its earlier points (merged by run and step).
 
 Fit (`--metric`): the teacher-forced τ = 1 + `val/tf_accept` by default (fixed held-out blocks, so
 close checkpoints differ only by their weights; replay τ's interval on 32 conversations is wider
-than what 45 CPU-minutes move), or replay τ `val/tau_native`; τ(h) = a + b·ln h over the points at h ≥ `--fit-from` hours (held-out τ rises about linearly in
+than what 45 CPU-minutes move), or replay τ `val/tau_native` (`val/tau` with the run's selector); τ(h) = a + b·ln h over the points at h ≥ `--fit-from` hours (held-out τ rises about linearly in
 log-time over this range; with three or more points the residual is printed). Projection: τ(H) at
 `--hours` H. Runs that continue a trained drafter count its training too: with `--start-hours H0`
 (the hours the init checkpoint already trained, in this machine's hours) every point sits at
@@ -41,7 +42,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-METRICS = ("val/tau_native", "val/tau_oracle", "val/coverage_first_error", "val/one_edit_gain", "val/tf_accept", "val/tf_loss")
+METRICS = (
+    "val/tau_native",
+    "val/tau",
+    "val/tau_oracle",
+    "val/coverage_first_error",
+    "val/one_edit_gain",
+    "val/tf_accept",
+    "val/tf_loss",
+)
 CLOCK = "train/budget_minutes"
 COLUMNS = ("run", "step", "hours", *METRICS)
 
@@ -59,7 +68,7 @@ class Point:
 
 
 TAU_TF = "val/tau_tf"  # derived: 1 + val/tf_accept (not stored)
-FIT_METRICS = (TAU_TF, "val/tau_native")
+FIT_METRICS = (TAU_TF, "val/tau_native", "val/tau")
 
 
 def load_curves(client, experiment: str, study: str, labels: list[str]) -> list[Point]:
@@ -83,6 +92,14 @@ def load_curves(client, experiment: str, study: str, labels: list[str]) -> list[
                     merged[step] = Point(label, step, clock[step] / 60.0, {m: s[step] for m, s in series.items() if step in s})
         points += [merged[step] for step in sorted(merged)]
     return points
+
+
+def merge_kept(points: list[Point], kept: list[Point], *, order: list[str]) -> list[Point]:
+    """The store's points with the kept file's that the store no longer has (a fresh machine, or a run
+    continued there from its carried snapshot), by run and step, the store's winning; runs in `order`."""
+    fresh = {(p.run, p.step) for p in points}
+    merged = [q for q in kept if (q.run, q.step) not in fresh] + points
+    return sorted(merged, key=lambda q: (order.index(q.run) if q.run in order else len(order), q.step))
 
 
 def write_csv(points: list[Point], path: Path) -> None:
@@ -200,7 +217,9 @@ def plot(points: list[Point], fits: dict[str, Fit], path: Path, *, hours: float,
     ax.set_xscale("log")
     ax.set_xlabel("training CPU hours (one core; log scale)")
     ax.set_ylabel(
-        {TAU_TF: "held-out teacher-forced τ (tokens / round)"}.get(metric, "held-out replay τ, native (tokens / round)")
+        {TAU_TF: "held-out teacher-forced τ (tokens / round)", "val/tau": "held-out replay τ, the run's selector"}.get(
+            metric, "held-out replay τ, native (tokens / round)"
+        )
     )
     ax.set_title("Drafter budget study: τ against CPU time, fitted a + b·ln h (dashed)")
     ax.grid(alpha=0.3, which="both")
@@ -242,18 +261,19 @@ def report(
 ) -> dict[str, Fit]:
     """Print the table (markdown) and return the fits of `metric` (a τ)."""
     fits = {label: f for label in depth if (f := fit_log([p for p in points if p.run == label], metric, fit_from=fit_from))}
-    head = "| run | depth | CPU h | τ native | τ teacher-forced | oracle τ | coverage | one-edit gain | fit a + b·ln h (rmse, n) | τ at {h:g} h |"
+    head = "| run | depth | CPU h | τ native | τ selector | τ teacher-forced | oracle τ | coverage | one-edit gain | fit a + b·ln h (rmse, n) | τ at {h:g} h |"
     print(f"fitted: {metric}")
     print(head.format(h=hours) + (" S at {h:g} h |".format(h=hours) if costs else ""))
-    print("|---" * (10 + bool(costs)) + "|")
+    print("|---" * (11 + bool(costs)) + "|")
     for label, d in depth.items():
         mine = [p for p in points if p.run == label]
         if not mine:
-            print("| " + " | ".join([label, str(d or "—"), "—", "not trained yet", *[""] * (6 + bool(costs))]) + " |")
+            print("| " + " | ".join([label, str(d or "—"), "—", "not trained yet", *[""] * (7 + bool(costs))]) + " |")
             continue
         last, fit = mine[-1], fits.get(label)
         v = last.values
-        cells = [label, str(d), f"{last.hours:.2f}", f"{v.get('val/tau_native', math.nan):.3f}", f"{v.get(TAU_TF, math.nan):.3f}",
+        cells = [label, str(d), f"{last.hours:.2f}", f"{v.get('val/tau_native', math.nan):.3f}",
+                 f"{v.get('val/tau', math.nan):.3f}", f"{v.get(TAU_TF, math.nan):.3f}",
                  f"{v.get('val/tau_oracle', math.nan):.3f}",
                  f"{v.get('val/coverage_first_error', math.nan):.3f}", f"{v.get('val/one_edit_gain', math.nan):.3f}"]  # fmt: skip
         cells += [f"{fit.a:.3f} + {fit.b:.3f}·ln h ({fit.rmse:.3f}, {fit.n})", projected(fit, hours)] if fit else ["—", "—"]
@@ -300,9 +320,7 @@ def main() -> None:
         points = load_curves(
             get_client(first.mlflow.tracking_uri), args.experiment or first.mlflow.experiment, spec.name, list(depth)
         )
-        # Keep the curves of runs the store no longer has (a fresh machine): merge with the kept file.
-        kept = [q for q in read_csv(csv_path) if q.run not in {p.run for p in points}] if csv_path.is_file() else []
-        points = sorted(kept + points, key=lambda q: (list(depth).index(q.run) if q.run in depth else 99, q.step))
+        points = merge_kept(points, read_csv(csv_path) if csv_path.is_file() else [], order=list(depth))
         if points:
             write_csv(points, csv_path)
     started = time.perf_counter()

@@ -33,6 +33,7 @@ COMMANDS = (
     "export",
     "import",
     "heads",
+    "snapshot",
     "submit",
     "jobs",
 )

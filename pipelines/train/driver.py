@@ -10,6 +10,7 @@ continues from the latest checkpoint; a killed worker is restarted from it (`ray
 from __future__ import annotations
 
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,7 +59,19 @@ def check_inputs(cfg: RunConfig) -> None:
 
         snapshot = local_dir(repo_path(cfg.train.snapshot_dir), "train.snapshot_dir")
         ensure_writable_dir(snapshot.parent, "train.snapshot_dir")
+        restore_carried(snapshot, run_name=cfg.ray.run_name)
         check_snapshot(snapshot, run_name=cfg.ray.run_name)
+
+
+def restore_carried(snapshot, *, run_name: str) -> None:
+    """A fresh clone: the run's snapshot, carried in git history (`drelay snapshot carry`), back on disk."""
+    from pipelines.train.snapshot_history import restore
+
+    found = restore(snapshot, run_name=run_name)
+    if found is not None:
+        commit, meta = found
+        print(f"[train] train.snapshot_dir: restored run {run_name}'s snapshot at step {meta.get('step')} from commit"
+              f" {commit[:12]} (git history)", file=sys.stderr)  # fmt: skip
 
 
 def scaling_config(cfg: RunConfig):

@@ -57,6 +57,16 @@ def test_curves_round_trip_through_the_kept_csv(tmp_path):
     assert [(p.run, p.step, p.hours, p.values) for p in back] == [(p.run, p.step, p.hours, p.values) for p in pts]
 
 
+def test_a_run_continued_on_a_fresh_machine_keeps_its_earlier_points():
+    bs = _module()
+    kept = [bs.Point("joint", 60, 0.4, {"val/tau": 1.60}), bs.Point("joint", 120, 0.8, {"val/tau": 1.61}),
+            bs.Point("other", 15, 0.1, {"val/tau": 1.5})]  # fmt: skip
+    store = [bs.Point("joint", 120, 0.8, {"val/tau": 1.62}), bs.Point("joint", 180, 1.2, {"val/tau": 1.63})]
+    merged = bs.merge_kept(store, kept, order=["joint", "other"])
+    assert [(p.run, p.step, p.values["val/tau"]) for p in merged] == [
+        ("joint", 60, 1.60), ("joint", 120, 1.62), ("joint", 180, 1.63), ("other", 15, 1.5)]  # fmt: skip
+
+
 def test_report_projects_speedup_from_costs(capsys):
     bs = _module()
     pts = [bs.Point("d2", s, h, {"val/tau_native": 1.5 + 0.1 * math.log(h)}) for s, h in ((100, 0.25), (200, 0.5))]

@@ -1,0 +1,126 @@
+"""A long run's snapshot carried to a fresh machine by git history, not by the tree.
+
+The tracked tree stays under 60 MiB (the GPU machine copies at most 64 MiB of the checkout), and a
+long run's snapshot (the drafter and its head in bfloat16, ~22 MB for the CPU default) does not fit
+beside the bundled float32 checkpoint. So a snapshot travels in two commits:
+
+    carry:    commit A adds the snapshot folder (forced past .gitignore);
+              commit B takes it out of the index again; the files stay on disk, ignored.
+              HEAD's tree is what it was, and A holds the weights.
+    restore:  on a fresh clone, the newest commit whose tree holds DIR/drafter_config.json of the same
+              run is read back into the working tree (never the index), the config file last, so a
+              stop mid-restore leaves no half snapshot that `has_snapshot` would accept.
+
+A training run whose `train.snapshot_dir` is empty restores it by itself before Ray starts
+(`pipelines/train/driver.py`), so the same command continues on a fresh machine. Each carry adds the
+snapshot's bytes to the repository's history: carry once per stop, not per checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+from drelay_model.drafter.checkpoint import CONFIG
+from drelay_model.errors import DRelayError
+from pipelines.train.snapshot import has_snapshot
+
+
+def _git(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True)
+
+
+def work_tree(path: Path) -> Path | None:
+    """The git work tree that holds `path` (which may not exist yet), or None outside one or without git."""
+    probe = path
+    while not probe.is_dir():
+        probe = probe.parent
+    if shutil.which("git") is None:
+        return None
+    found = _git(probe, "rev-parse", "--show-toplevel")
+    return Path(found.stdout.decode().strip()) if found.returncode == 0 else None
+
+
+def _carried_meta(repo: Path, commit: str, rel: str) -> dict | None:
+    shown = _git(repo, "show", f"{commit}:{rel}/{CONFIG}")
+    if shown.returncode != 0:
+        return None
+    try:
+        return json.loads(shown.stdout).get("meta") or {}
+    except (ValueError, AttributeError):
+        return None
+
+
+def carried(path: Path, *, run_name: str | None = None) -> tuple[str, dict] | None:
+    """The newest commit whose tree holds a snapshot in `path` (of `run_name`, when given) → (commit, its meta)."""
+    path = path.resolve()
+    repo = work_tree(path)
+    if repo is None:
+        return None
+    rel = path.relative_to(repo).as_posix()
+    log = _git(repo, "log", "--format=%H", "--", f"{rel}/{CONFIG}")
+    for commit in log.stdout.decode().split() if log.returncode == 0 else []:
+        meta = _carried_meta(repo, commit, rel)
+        if meta is not None and meta.get("snapshot") and run_name in (None, meta.get("run_name")):
+            return commit, meta
+    return None
+
+
+def restore(path: Path, *, run_name: str | None = None) -> tuple[str, dict] | None:
+    """Write the newest carried snapshot into `path` when it holds none → (commit, meta), else None."""
+    path = path.resolve()
+    if has_snapshot(path):
+        return None
+    found = carried(path, run_name=run_name)
+    if found is None:
+        return None
+    commit, meta = found
+    repo = work_tree(path)
+    rel = path.relative_to(repo).as_posix()
+    listed = _git(repo, "ls-tree", "-r", "--name-only", commit, "--", f"{rel}/")
+    names = sorted(listed.stdout.decode().split("\n"), key=lambda n: n.endswith(f"/{CONFIG}"))  # the config last
+    for name in filter(None, names):
+        blob = _git(repo, "show", f"{commit}:{name}")
+        if blob.returncode != 0:
+            raise DRelayError(f"train.snapshot_dir: cannot read {name} from commit {commit[:12]}: {blob.stderr.decode().strip()}")
+        dest = repo / name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(dest.name + ".restoring")
+        tmp.write_bytes(blob.stdout)
+        tmp.replace(dest)
+    return commit, meta
+
+
+def carry(path: Path) -> tuple[str, str]:
+    """Commit the snapshot in `path`, then take it out of the tree again → (the commit holding it, HEAD).
+    Needs an index with nothing else staged, so that neither commit takes anything but the snapshot."""
+    path = path.resolve()
+    if not has_snapshot(path):
+        raise DRelayError(f"snapshot carry: '{path}' holds no snapshot ({CONFIG} missing)")
+    from drelay_model.drafter.checkpoint import read_checkpoint
+
+    meta = read_checkpoint(path)[2]
+    if not meta.get("snapshot"):
+        raise DRelayError(f"snapshot carry: '{path}' is a drafter checkpoint, not a training snapshot")
+    repo = work_tree(path)
+    if repo is None:
+        raise DRelayError(f"snapshot carry: '{path}' is not inside a git work tree")
+    if _git(repo, "diff", "--cached", "--quiet").returncode != 0:
+        raise DRelayError("snapshot carry: the git index has staged changes; commit or unstage them first")
+    rel = path.relative_to(repo).as_posix()
+    what = f"run {meta.get('run_name')} at step {meta.get('step')}"
+    steps = (
+        ("add", "--force", "--", rel),
+        ("commit", "--quiet", "-m", f"Training snapshot of {what}"),
+        ("rm", "-r", "--cached", "--quiet", "--", rel),
+        ("commit", "--quiet", "-m", f"Training snapshot of {what}: out of the tree, kept in history"),
+    )
+    for step in steps:
+        done = _git(repo, *step)
+        if done.returncode != 0:
+            raise DRelayError(f"snapshot carry: git {step[0]} failed: {done.stderr.decode().strip()}")
+    head = _git(repo, "rev-parse", "HEAD").stdout.decode().strip()
+    holder = _git(repo, "rev-parse", "HEAD~1").stdout.decode().strip()
+    return holder, head
