@@ -32,6 +32,11 @@ def _git(repo: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["git", "-C", str(repo), *args], capture_output=True)
 
 
+def _said(done: subprocess.CompletedProcess) -> str:
+    """git's complaint on one line (an error message is one line)."""
+    return " ".join(done.stderr.decode(errors="replace").split())
+
+
 def work_tree(path: Path) -> Path | None:
     """The git work tree that holds `path` (which may not exist yet), or None outside one or without git."""
     probe = path
@@ -84,7 +89,7 @@ def restore(path: Path, *, run_name: str | None = None) -> tuple[str, dict] | No
     for name in filter(None, names):
         blob = _git(repo, "show", f"{commit}:{name}")
         if blob.returncode != 0:
-            raise DRelayError(f"train.snapshot_dir: cannot read {name} from commit {commit[:12]}: {blob.stderr.decode().strip()}")
+            raise DRelayError(f"train.snapshot_dir: cannot read {name} from commit {commit[:12]}: {_said(blob)}")
         dest = repo / name
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(dest.name + ".restoring")
@@ -117,10 +122,15 @@ def carry(path: Path) -> tuple[str, str]:
         ("rm", "-r", "--cached", "--quiet", "--", rel),
         ("commit", "--quiet", "-m", f"Training snapshot of {what}: out of the tree, kept in history"),
     )
-    for step in steps:
+    for i, step in enumerate(steps):
         done = _git(repo, *step)
-        if done.returncode != 0:
-            raise DRelayError(f"snapshot carry: git {step[0]} failed: {done.stderr.decode().strip()}")
+        if done.returncode == 0:
+            continue
+        if i < 2:  # nothing committed yet: leave the index as it was
+            _git(repo, "reset", "--quiet", "--", rel)
+            raise DRelayError(f"snapshot carry: git {step[0]} failed, nothing committed: {_said(done)}")
+        raise DRelayError(f"snapshot carry: git {step[0]} failed with the snapshot committed in HEAD; take it out of the"
+                          f" tree with `git rm -r --cached {rel} && git commit`: {_said(done)}")  # fmt: skip
     head = _git(repo, "rev-parse", "HEAD").stdout.decode().strip()
     holder = _git(repo, "rev-parse", "HEAD~1").stdout.decode().strip()
     return holder, head

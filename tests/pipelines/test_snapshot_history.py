@@ -104,3 +104,12 @@ def test_bad_calls_are_one_line_errors_and_commit_nothing(repo, tmp_path, capsys
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert len(_git(repo, "log", "--format=%H").split()) == 1
+    _git(repo, "reset", "--quiet", "--", "staged.txt")
+    _git(repo, "config", "core.hooksPath", str(tmp_path / "hooks"))  # a commit refused by a hook
+    (tmp_path / "hooks").mkdir()
+    (tmp_path / "hooks/pre-commit").write_text("#!/bin/sh\necho refused >&2\nexit 1\n")
+    (tmp_path / "hooks/pre-commit").chmod(0o755)
+    assert main(["snapshot", "carry", str(snap)]) == 2
+    err = capsys.readouterr().err
+    assert "nothing committed: refused" in err and len(err.strip().splitlines()) == 1
+    assert _git(repo, "diff", "--cached", "--name-only") == ""  # the index as it was
