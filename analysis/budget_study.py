@@ -197,7 +197,15 @@ def measure_costs(depths: list[int], *, repeats: int = 3, tokens: int = 48) -> d
     return {k: statistics.median(v) for k, v in out.items()}
 
 
-def plot(points: list[Point], fits: dict[str, Fit], path: Path, *, hours: float, metric: str = "val/tau_native") -> None:
+def plot(
+    points: list[Point],
+    fits: dict[str, Fit],
+    path: Path,
+    *,
+    hours: float,
+    metric: str = "val/tau_native",
+    study: str = "budget study",
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -221,7 +229,7 @@ def plot(points: list[Point], fits: dict[str, Fit], path: Path, *, hours: float,
             metric, "held-out replay τ, native (tokens / round)"
         )
     )
-    ax.set_title("Drafter budget study: τ against CPU time, fitted a + b·ln h (dashed)")
+    ax.set_title(f"{study}: τ against CPU time, fitted a + b·ln h (dashed)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -331,7 +339,7 @@ def main() -> None:
     hours = args.start_hours + args.hours
     fits = report(total, depth, costs, hours=hours, fit_from=args.fit_from, metric=args.metric)
     if points:
-        plot(total, fits, Path(args.out), hours=hours, metric=args.metric)
+        plot(total, fits, Path(args.out), hours=hours, metric=args.metric, study=spec.name)
         print(f"wrote {args.out} and {csv_path}")
 
 
