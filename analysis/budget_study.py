@@ -3,7 +3,7 @@ curve per run, and the projected speedup at the total budget, weighing τ agains
 draft cost.
 
     .venv/bin/python analysis/budget_study.py [--spec platform/studies/smollm2-135m-budget.yaml]
-        [--hours 8] [--start-hours 0] [--measure-costs] [--out docs/img/budget_study.png]
+        [--hours 8] [--start-hours 0] [--measure-costs] [--out docs/img/budget_study.png] [--log-mlflow]
 
 Curves: every validation of run `<study>-<label>` (any status: a run still training shows its points
 so far) from MLflow: `val/tau_native`, `val/tau` (with the run's selector), `val/tau_oracle`, `val/coverage_first_error`,
@@ -294,6 +294,21 @@ def report(
     return fits
 
 
+def log_to_study_run(client, experiment: str, study: str, files: list[Path]) -> str:
+    """Attach the curves (PNG, CSV) to the study's MLflow parent run, under `curves/` → its run id."""
+    from drelay_model.errors import DRelayError
+
+    exp = client.get_experiment_by_name(experiment)
+    found = client.search_runs([exp.experiment_id], f"tags.mlflow.runName = '{study}'", order_by=["attributes.start_time DESC"],
+                               max_results=1) if exp else []  # fmt: skip
+    if not found:
+        raise DRelayError(f"--log-mlflow: no MLflow run named {study!r} in experiment {experiment!r}")
+    run_id = found[0].info.run_id
+    for f in files:
+        client.log_artifact(run_id, str(f), artifact_path="curves")
+    return run_id
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", default="platform/studies/smollm2-135m-budget.yaml")
@@ -305,6 +320,7 @@ def main() -> None:
     p.add_argument("--metric", choices=FIT_METRICS, default=TAU_TF, help="the τ to fit and project (default teacher-forced)")
     p.add_argument("--measure-costs", action="store_true", help="time AR, verify and each depth's draft here")
     p.add_argument("--out", default=str(ROOT / "docs/img/budget_study.png"))
+    p.add_argument("--log-mlflow", action="store_true", help="attach the PNG and CSV to the study's MLflow parent run")
     args = p.parse_args()
     from drelay_model.errors import DRelayError
     from pipelines.common.paths import repo_path
@@ -312,11 +328,14 @@ def main() -> None:
 
     if args.hours <= 0 or args.fit_from <= 0 or args.start_hours < 0:
         raise DRelayError("--hours and --fit-from must be > 0, --start-hours ≥ 0")
+    if args.log_mlflow and args.from_csv:
+        raise DRelayError("--log-mlflow reads the runs from MLflow: leave out --from-csv")
     spec = load_study(args.spec)
     configs = run_configs(spec, repo_path)
     exports = frozenset(Path(repo_path(c.output_dir)) / c.ray.run_name / "drafter" for c in configs.values())
     depth = {label: drafter_depth(cfg, repo_path, exports) for label, cfg in configs.items()}
     csv_path = ROOT / "docs/data" / f"{spec.name}.csv"
+    first = next(iter(configs.values()))  # the study's MLflow store and experiment
     if args.from_csv:
         if not csv_path.is_file():
             raise DRelayError(f"--from-csv: {csv_path} does not exist")
@@ -324,7 +343,6 @@ def main() -> None:
     else:
         from pipelines.common.tracking import get_client
 
-        first = next(iter(configs.values()))
         points = load_curves(
             get_client(first.mlflow.tracking_uri), args.experiment or first.mlflow.experiment, spec.name, list(depth)
         )
@@ -341,6 +359,10 @@ def main() -> None:
     if points:
         plot(total, fits, Path(args.out), hours=hours, metric=args.metric, study=spec.name)
         print(f"wrote {args.out} and {csv_path}")
+        if args.log_mlflow:
+            experiment = args.experiment or first.mlflow.experiment
+            run_id = log_to_study_run(get_client(first.mlflow.tracking_uri), experiment, spec.name, [Path(args.out), csv_path])
+            print(f"logged both to MLflow run {spec.name} ({run_id}) under curves/")
 
 
 if __name__ == "__main__":

@@ -135,6 +135,22 @@ def test_a_resumed_run_is_one_curve_across_its_mlflow_attempts(uri):
     assert curve[-1].hours == pytest.approx(45 / 3 / 60)
 
 
+def test_the_curves_go_to_the_studys_parent_run(uri, tmp_path):
+    from pipelines.common.tracking import get_client
+
+    bs = _module()
+    client = get_client(uri)
+    with pytest.raises(DRelayError, match="no MLflow run named 'study'"):
+        bs.log_to_study_run(client, "drelay-train", "study", [])
+    exp = client.create_experiment("drelay-train")
+    parent = client.create_run(exp, run_name="study").info.run_id
+    client.create_run(exp, run_name="study-d2")
+    png, csv_file = tmp_path / "curve.png", tmp_path / "study.csv"
+    png.write_bytes(b"png"), csv_file.write_text("run,step\n")
+    assert bs.log_to_study_run(client, "drelay-train", "study", [png, csv_file]) == parent
+    assert sorted(a.path for a in client.list_artifacts(parent, "curves")) == ["curves/curve.png", "curves/study.csv"]
+
+
 def test_round_costs_are_measured_on_the_real_target():
     """--measure-costs: AR ms per token and, per depth, draft and whole-block verify ms per round."""
     bs = _module()
