@@ -4,8 +4,8 @@ Ray Train's checkpoints (outputs/ray/<run>) hold the optimizer's moments too, fl
 weights; they live on the machine that trained and are lost with it. With `train.snapshot_dir`,
 every checkpoint also leaves the trainable weights alone, in bfloat16 (the drafter, 8M parameters:
 16 MB; with a selector, its tensors beside them under `selector.*`), with the step and the budget
-spent in the meta: an ordinary drafter checkpoint (`load_drafter` casts it back to float32), small
-enough to commit at a stop.
+spent in the meta: an ordinary drafter checkpoint (`load_drafter` casts it back to float32), which
+`drelay snapshot carry` commits into git history at a stop (pipelines/train/snapshot_history.py).
 
 Rerunning the same command finds Ray's checkpoint when there is one (exact: weights, moments,
 step). Where there is none, it continues from the snapshot: its weights, its step (which fixes the
