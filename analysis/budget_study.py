@@ -6,7 +6,8 @@ draft cost.
         [--hours 8] [--start-hours 0] [--measure-costs] [--out docs/img/budget_study.png] [--log-mlflow]
 
 Curves: every validation of run `<study>-<label>` (any status: a run still training shows its points
-so far) from MLflow: `val/tau_native`, `val/tau` (with the run's selector), `val/tau_oracle`, `val/coverage_first_error`,
+so far) from MLflow: `val/tau_native`, `val/tau` (with the run's selector) and `val/repair_gain` (the
+selector's τ over the native path's, with its paired interval), `val/tau_oracle`, `val/coverage_first_error`,
 `val/one_edit_gain` against `train/budget_minutes` (the run's own clock, CPU minutes in the budget
 study). They are also written to `docs/data/<study>.csv`, which the repository keeps: a fresh machine
 redraws the report from it (`--from-csv`) without the MLflow store the runs wrote, and a run continued on
@@ -50,6 +51,9 @@ METRICS = (
     "val/one_edit_gain",
     "val/tf_accept",
     "val/tf_loss",
+    "val/repair_gain",
+    "val/repair_gain_ci_low",
+    "val/repair_gain_ci_high",
 )
 CLOCK = "train/budget_minutes"
 COLUMNS = ("run", "step", "hours", *METRICS)
@@ -258,6 +262,14 @@ def projected(fit: Fit, hours: float) -> str:
     return f"{fit.at(hours):.3f} " + (f"[{lo:.3f}, {hi:.3f}]" if not math.isnan(lo) else "[–]")
 
 
+def repair_gain(values: dict[str, float]) -> str:
+    """τ(selector) ÷ τ(native) with its paired interval, or "—" where the run has no selector."""
+    if "val/repair_gain" not in values:
+        return "—"
+    low, high = values.get("val/repair_gain_ci_low", math.nan), values.get("val/repair_gain_ci_high", math.nan)
+    return f"{values['val/repair_gain']:.3f} [{low:.3f}, {high:.3f}]"
+
+
 def report(
     points: list[Point],
     depth: dict[str, int],
@@ -269,19 +281,19 @@ def report(
 ) -> dict[str, Fit]:
     """Print the table (markdown) and return the fits of `metric` (a τ)."""
     fits = {label: f for label in depth if (f := fit_log([p for p in points if p.run == label], metric, fit_from=fit_from))}
-    head = "| run | depth | CPU h | τ native | τ selector | τ teacher-forced | oracle τ | coverage | one-edit gain | fit a + b·ln h (rmse, n) | τ at {h:g} h |"
+    head = "| run | depth | CPU h | τ native | τ selector | selector ÷ native [95%] | τ teacher-forced | oracle τ | coverage | one-edit gain | fit a + b·ln h (rmse, n) | τ at {h:g} h |"
     print(f"fitted: {metric}")
     print(head.format(h=hours) + (" S at {h:g} h |".format(h=hours) if costs else ""))
-    print("|---" * (11 + bool(costs)) + "|")
+    print("|---" * (12 + bool(costs)) + "|")
     for label, d in depth.items():
         mine = [p for p in points if p.run == label]
         if not mine:
-            print("| " + " | ".join([label, str(d or "—"), "—", "not trained yet", *[""] * (7 + bool(costs))]) + " |")
+            print("| " + " | ".join([label, str(d or "—"), "—", "not trained yet", *[""] * (8 + bool(costs))]) + " |")
             continue
         last, fit = mine[-1], fits.get(label)
         v = last.values
         cells = [label, str(d), f"{last.hours:.2f}", f"{v.get('val/tau_native', math.nan):.3f}",
-                 f"{v.get('val/tau', math.nan):.3f}", f"{v.get(TAU_TF, math.nan):.3f}",
+                 f"{v.get('val/tau', math.nan):.3f}", repair_gain(v), f"{v.get(TAU_TF, math.nan):.3f}",
                  f"{v.get('val/tau_oracle', math.nan):.3f}",
                  f"{v.get('val/coverage_first_error', math.nan):.3f}", f"{v.get('val/one_edit_gain', math.nan):.3f}"]  # fmt: skip
         cells += [f"{fit.a:.3f} + {fit.b:.3f}·ln h ({fit.rmse:.3f}, {fit.n})", projected(fit, hours)] if fit else ["—", "—"]

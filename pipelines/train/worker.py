@@ -25,6 +25,7 @@ from drelay_model.training.losses import LossSwitches
 from drelay_model.target import load_target
 from drelay_model.kernels.cpu_linear import bf16_native
 from drelay_model.training.schedules import lr_at
+from pipelines.common.intervals import paired_rate_ratio
 from pipelines.common.replay_counts import ReplayCounts
 from pipelines.common.paths import repo_path
 from pipelines.train.clock import ProgressLine, TrainClock
@@ -94,7 +95,8 @@ def validate(target, module, prompts, conts, held: HeldOutBlocks | None = None) 
     headline `val/tau` with its 95% interval over the validation prompts (`val/tau_ci_low`,
     `val/tau_ci_high`: a bootstrap of Σ committed ÷ Σ rounds resampling the prompts); on the native
     path, the pool's coverage at the first error and the one-edit gain (`drelay_model/diagnostics.py`):
-    how much a selector could repair. With `held`, also the teacher-forced held-out metrics
+    how much a selector could repair; with a selector, `val/repair_gain` = τ(selector) ÷ τ(native) and
+    its interval, paired by prompt (both replays read the same prompts). With `held`, also the teacher-forced held-out metrics
     (`held_out.py`: fixed blocks, far less noisy than replay τ between close checkpoints)."""
     if not prompts:
         return {}
@@ -118,6 +120,9 @@ def validate(target, module, prompts, conts, held: HeldOutBlocks | None = None) 
         headline_counts = ReplayCounts(len(prompts))
         out["val/tau_selector"] = replay(target, module.drafter, prompts, conts, selector=module.selector,
                                          on_round=headline_counts.add).tau  # fmt: skip
+        # The repair alone (the paper's Table 4): τ(selector) ÷ τ(the same drafter's argmax path), paired by prompt.
+        gain = paired_rate_ratio(headline_counts.committed, headline_counts.rounds, native_counts.committed, native_counts.rounds)
+        out["val/repair_gain"], out["val/repair_gain_ci_low"], out["val/repair_gain_ci_high"] = gain.point, gain.low, gain.high
     out[HEADLINE_METRIC] = out.get("val/tau_selector", out["val/tau_native"])
     iv = headline_counts.tau_interval()
     out[f"{HEADLINE_METRIC}_ci_low"], out[f"{HEADLINE_METRIC}_ci_high"] = iv.low, iv.high

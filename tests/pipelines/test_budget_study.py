@@ -75,6 +75,9 @@ def test_report_projects_speedup_from_costs(capsys):
     )
     out = capsys.readouterr().out
     assert "| d3 | 3 | — | not trained yet |" in out and "d2" in fits
+    assert out.count("|---") == 13  # every row has the header's columns
+    gain = {"val/repair_gain": 1.031, "val/repair_gain_ci_low": 1.004, "val/repair_gain_ci_high": 1.06}
+    assert bs.repair_gain(gain) == "1.031 [1.004, 1.060]" and bs.repair_gain({}) == "—"
     assert f"{1.5 * 20.0 / 40.0:.2f}×" in out  # S = τ(1 h) · t_AR / (t_draft + t_verify16)
 
 

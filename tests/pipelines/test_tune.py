@@ -366,6 +366,9 @@ def test_start_reference_measures_the_init_checkpoint_like_a_trial(tmp_path, tin
     assert {"val/tf_accept", "val/tf_acc_slot1", "val/tf_loss"} <= set(got)  # the trials' teacher-forced metrics too
     # val/tau's 95% interval over the validation prompts, around the pooled replay τ
     assert got["val/tau_ci_low"] <= got["val/tau"] <= got["val/tau_ci_high"]
+    # the repair alone: the selector's τ over the same drafter's argmax path, paired by prompt
+    assert got["val/repair_gain"] == pytest.approx(got["val/tau_selector"] / got["val/tau_native"])
+    assert got["val/repair_gain_ci_low"] <= got["val/repair_gain"] <= got["val/repair_gain_ci_high"]
     assert json.loads((tmp_path / "start.json").read_text()) == got  # cached: a resumed sweep reads it back
     assert load_drafter(tmp_path / "ck" / "drafter", target)[2]["final"] is False
 
