@@ -266,8 +266,10 @@ def repair_gain(values: dict[str, float]) -> str:
     """τ(selector) ÷ τ(native) with its paired interval, or "—" where the run has no selector."""
     if "val/repair_gain" not in values:
         return "—"
+    from pipelines.common.intervals import Interval
+
     low, high = values.get("val/repair_gain_ci_low", math.nan), values.get("val/repair_gain_ci_high", math.nan)
-    return f"{values['val/repair_gain']:.3f} [{low:.3f}, {high:.3f}]"
+    return Interval(values["val/repair_gain"], low, high).format()
 
 
 def report(
@@ -348,6 +350,7 @@ def main() -> None:
     depth = {label: drafter_depth(cfg, repo_path, exports) for label, cfg in configs.items()}
     csv_path = ROOT / "docs/data" / f"{spec.name}.csv"
     first = next(iter(configs.values()))  # the study's MLflow store and experiment
+    experiment = args.experiment or first.mlflow.experiment
     if args.from_csv:
         if not csv_path.is_file():
             raise DRelayError(f"--from-csv: {csv_path} does not exist")
@@ -355,9 +358,8 @@ def main() -> None:
     else:
         from pipelines.common.tracking import get_client
 
-        points = load_curves(
-            get_client(first.mlflow.tracking_uri), args.experiment or first.mlflow.experiment, spec.name, list(depth)
-        )
+        client = get_client(first.mlflow.tracking_uri)
+        points = load_curves(client, experiment, spec.name, list(depth))
         points = merge_kept(points, read_csv(csv_path) if csv_path.is_file() else [], order=list(depth))
         if points:
             write_csv(points, csv_path)
@@ -372,8 +374,7 @@ def main() -> None:
         plot(total, fits, Path(args.out), hours=hours, metric=args.metric, study=spec.name)
         print(f"wrote {args.out} and {csv_path}")
         if args.log_mlflow:
-            experiment = args.experiment or first.mlflow.experiment
-            run_id = log_to_study_run(get_client(first.mlflow.tracking_uri), experiment, spec.name, [Path(args.out), csv_path])
+            run_id = log_to_study_run(client, experiment, spec.name, [Path(args.out), csv_path])
             print(f"logged both to MLflow run {spec.name} ({run_id}) under curves/")
 
 

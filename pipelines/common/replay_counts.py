@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from drelay_model.decoding.stats import tau_of
-from pipelines.common.intervals import Interval, paired_bootstrap, ratio_of_means
+from pipelines.common.intervals import Interval, paired_bootstrap, paired_rate_ratio, ratio_of_means
 
 
 class ReplayCounts:
@@ -28,3 +28,8 @@ class ReplayCounts:
         """Σ committed ÷ Σ rounds (= replay τ) with its 95% bootstrap interval over the rows."""
         counts = np.array([self.committed, self.rounds], dtype=float).T  # [n, (committed, rounds)]
         return paired_bootstrap([counts], ratio_of_means(0, 1))
+
+    def tau_ratio(self, other: ReplayCounts) -> Interval:
+        """τ of these rows ÷ τ of `other`'s, the same rows replayed another way, with its 95% bootstrap
+        interval paired by row (each resample keeps a row's four counts together)."""
+        return paired_rate_ratio(self.committed, self.rounds, other.committed, other.rounds)

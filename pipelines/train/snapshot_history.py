@@ -23,7 +23,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from drelay_model.drafter.checkpoint import CONFIG
+from drelay_model.drafter.checkpoint import CONFIG, read_checkpoint
 from drelay_model.errors import DRelayError
 from pipelines.train.snapshot import has_snapshot
 
@@ -58,13 +58,19 @@ def _carried_meta(repo: Path, commit: str, rel: str) -> dict | None:
         return None
 
 
+def _locate(path: Path) -> tuple[Path, str] | None:
+    """(the work tree holding `path`, `path` relative to it in git's spelling), or None outside one."""
+    repo = work_tree(path)
+    return None if repo is None else (repo, path.relative_to(repo).as_posix())
+
+
 def carried(path: Path, *, run_name: str | None = None) -> tuple[str, dict] | None:
     """The newest commit whose tree holds a snapshot in `path` (of `run_name`, when given) → (commit, its meta)."""
-    path = path.resolve()
-    repo = work_tree(path)
-    if repo is None:
-        return None
-    rel = path.relative_to(repo).as_posix()
+    located = _locate(path.resolve())
+    return None if located is None else _newest(*located, run_name)
+
+
+def _newest(repo: Path, rel: str, run_name: str | None) -> tuple[str, dict] | None:
     log = _git(repo, "log", "--format=%H", "--", f"{rel}/{CONFIG}")
     for commit in log.stdout.decode().split() if log.returncode == 0 else []:
         meta = _carried_meta(repo, commit, rel)
@@ -76,14 +82,11 @@ def carried(path: Path, *, run_name: str | None = None) -> tuple[str, dict] | No
 def restore(path: Path, *, run_name: str | None = None) -> tuple[str, dict] | None:
     """Write the newest carried snapshot into `path` when it holds none → (commit, meta), else None."""
     path = path.resolve()
-    if has_snapshot(path):
-        return None
-    found = carried(path, run_name=run_name)
+    located = None if has_snapshot(path) else _locate(path)
+    found = None if located is None else _newest(*located, run_name)
     if found is None:
         return None
-    commit, meta = found
-    repo = work_tree(path)
-    rel = path.relative_to(repo).as_posix()
+    (repo, rel), (commit, meta) = located, found
     listed = _git(repo, "ls-tree", "-r", "--name-only", commit, "--", f"{rel}/")
     names = sorted(listed.stdout.decode().split("\n"), key=lambda n: n.endswith(f"/{CONFIG}"))  # the config last
     for name in filter(None, names):
@@ -104,17 +107,15 @@ def carry(path: Path) -> tuple[str, str]:
     path = path.resolve()
     if not has_snapshot(path):
         raise DRelayError(f"snapshot carry: '{path}' holds no snapshot ({CONFIG} missing)")
-    from drelay_model.drafter.checkpoint import read_checkpoint
-
     meta = read_checkpoint(path)[2]
     if not meta.get("snapshot"):
         raise DRelayError(f"snapshot carry: '{path}' is a drafter checkpoint, not a training snapshot")
-    repo = work_tree(path)
-    if repo is None:
+    located = _locate(path)
+    if located is None:
         raise DRelayError(f"snapshot carry: '{path}' is not inside a git work tree")
+    repo, rel = located
     if _git(repo, "diff", "--cached", "--quiet").returncode != 0:
         raise DRelayError("snapshot carry: the git index has staged changes; commit or unstage them first")
-    rel = path.relative_to(repo).as_posix()
     what = f"run {meta.get('run_name')} at step {meta.get('step')}"
     steps = (
         ("add", "--force", "--", rel),

@@ -25,7 +25,6 @@ from drelay_model.training.losses import LossSwitches
 from drelay_model.target import load_target
 from drelay_model.kernels.cpu_linear import bf16_native
 from drelay_model.training.schedules import lr_at
-from pipelines.common.intervals import paired_rate_ratio
 from pipelines.common.replay_counts import ReplayCounts
 from pipelines.common.paths import repo_path
 from pipelines.train.clock import ProgressLine, TrainClock
@@ -121,8 +120,7 @@ def validate(target, module, prompts, conts, held: HeldOutBlocks | None = None) 
         out["val/tau_selector"] = replay(target, module.drafter, prompts, conts, selector=module.selector,
                                          on_round=headline_counts.add).tau  # fmt: skip
         # The repair alone (the paper's Table 4): τ(selector) ÷ τ(the same drafter's argmax path), paired by prompt.
-        gain = paired_rate_ratio(headline_counts.committed, headline_counts.rounds, native_counts.committed, native_counts.rounds)
-        out["val/repair_gain"], out["val/repair_gain_ci_low"], out["val/repair_gain_ci_high"] = gain.point, gain.low, gain.high
+        out.update(headline_counts.tau_ratio(native_counts).as_dict("val/repair_gain"))
     out[HEADLINE_METRIC] = out.get("val/tau_selector", out["val/tau_native"])
     iv = headline_counts.tau_interval()
     out[f"{HEADLINE_METRIC}_ci_low"], out[f"{HEADLINE_METRIC}_ci_high"] = iv.low, iv.high

@@ -19,3 +19,14 @@ def test_counts_give_tau_per_row_and_the_pooled_ratio_with_its_interval():
     iv = counts.tau_interval()
     assert iv.point == 14 / 9  # Σ committed ÷ Σ rounds, not the mean of the rows' τ
     assert iv.low <= iv.point <= iv.high and iv.high - iv.low > 0
+
+
+def test_two_replays_of_the_same_rows_give_a_paired_tau_ratio():
+    native, selector = ReplayCounts(3), ReplayCounts(3)
+    for counts, per_row in ((native, [(4, 3), (6, 4), (4, 4)]), (selector, [(4, 2), (6, 3), (4, 3)])):
+        for row, (committed, rounds) in enumerate(per_row):
+            for c in [committed - rounds + 1] + [1] * (rounds - 1):  # `rounds` rounds committing `committed`
+                counts.add(SimpleNamespace(row=row, committed=c))
+    gain = selector.tau_ratio(native)
+    assert gain.point == (14 / 8) / (14 / 11)  # pooled τ over pooled τ
+    assert 1.0 < gain.low <= gain.point <= gain.high  # every row gains: resolved above 1
