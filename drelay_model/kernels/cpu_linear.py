@@ -5,9 +5,13 @@ matrix-vector path for one token and a GEMM for two or more that re-packs the we
 on this 2-core machine SmolLM2's LM head (49,152 × 576) took 12 ms for one row, 27 ms for two and
 31 ms for sixteen, so verifying even one drafted token cost almost twice an AR step. oneDNN's linear
 on a weight packed once (`torch.ops.mkldnn._reorder_linear_weight`) reads the weight as it is:
-8 / 9 / 12.6 ms for 1 / 2 / 16 rows. It also computes a row identically whatever the number of rows
-beside it (max |Δ| = 0 between a row alone and in a batch of 16, against 6e-5 for the eager pair),
-which can only help greedy AR and verification agree.
+8 / 9 / 12.6 ms for 1 / 2 / 16 rows. Its rows are also nearly independent of each other: on an
+AVX2-only EPYC a row came out identically whatever the number of rows beside it (max |Δ| = 0 between
+a row alone and in a batch of 16, against 6e-5 for the eager pair), which can only help greedy AR and
+verification agree. On an AVX-512 EPYC that holds only from `INVARIANT_ROWS` rows up (or a multiple
+of 4): a call of 1–3, 5–7 or 9–11 rows rounds some rows an ulp differently. Code that stores rows
+computed in one call and reuses them as rows of another (the DRelay selector's caches) pads its
+calls to that many rows (`rows_invariant`).
 
 Inference only (no autograd through the packed op), float32 CPU tensors only; everything else (bf16
 autocast in training's feature forward, CUDA) falls back to `F.linear`, so packing never changes
@@ -56,6 +60,9 @@ import torch.nn.functional as F
 from torch import nn
 
 BATCH_HINT = 16  # rows the packed layout is tuned for: H + 1 = 16 for the CPU default's verify
+# From this many rows on, a packed float32 linear computes a row the same whatever rows share the call
+# (checked for 12–1,024 rows against a 1,024-row call on AVX2 and AVX-512 EPYCs).
+INVARIANT_ROWS = BATCH_HINT
 RANK = "rank"  # PackCache dtype: whatever the owner's `CpuKernels.rank_dtype()` says at the time of packing
 # ATen's int8 kernel reads the weight once per row: measured on the 16,384 × 576 draft head (2 cores,
 # AVX2), 1.6 / 1.9 / 2.0 / 4.5 / 8.7 ms for 1 / 2 / 4 / 8 / 15 rows against float32 oneDNN's
@@ -221,6 +228,17 @@ def linear(
         rows, bias = rows.to(torch.bfloat16), None if bias is None else bias.to(torch.bfloat16)
     out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "").to(x.dtype)
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def rows_invariant(fn, x: torch.Tensor):
+    """fn(x) for a row-wise map `fn` of x [M, F] → [M, …] (or a tuple of such), called on at least
+    INVARIANT_ROWS rows (zero rows appended, their outputs dropped), so that each row's output equals,
+    bit for bit, what a call with many more rows gives it."""
+    M = x.shape[0]
+    if M >= INVARIANT_ROWS:
+        return fn(x)
+    out = fn(torch.cat([x, x.new_zeros(INVARIANT_ROWS - M, *x.shape[1:])]))
+    return tuple(t[:M] for t in out) if isinstance(out, tuple) else out[:M]
 
 
 class PackCache:

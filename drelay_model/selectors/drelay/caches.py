@@ -2,7 +2,8 @@
 verified history, and fused packed weights.
 
 All three rest on one property of the packed oneDNN linear (kernels/cpu_linear.py): it computes an
-output row the same, bit for bit, whatever other rows share the call, and an output column the same
+output row the same, bit for bit, whatever other rows share a call of at least INVARIANT_ROWS rows
+(the caches pad their few-row calls to that: `rows_invariant`), and an output column the same
 whatever other columns share the weight. So a row projected once and stored equals the row the
 reference would project this round, and one linear over concatenated weights equals the separate
 linears side by side. Where a weight is not packed (packing off, a weight made under
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drelay_model.kernels.cpu_linear import PackedLinear, linear, pack
+from drelay_model.kernels.cpu_linear import PackedLinear, linear, pack, rows_invariant
 
 
 def packs(*modules: PackedLinear) -> bool:
@@ -80,7 +81,7 @@ class TokenTable:
             if self._count + new.numel() > self.capacity:
                 self._reset(embed.shape[0], version)
                 new = torch.unique(flat)
-            computed = rows(F.embedding(new, embed))
+            computed = rows_invariant(rows, F.embedding(new, embed))
             self._store(new, computed)
             slots = self._slot_of[flat]
         return tuple(t[slots].view(*ids.shape, t.shape[1]) for t in self._tables)
@@ -139,7 +140,7 @@ class HistoryCache:
             reused.append(seen.projected[s:] if ok else None)
             first_new.append(N - s if ok else 0)
         fresh = [history[b, first_new[b] :] for b in range(B) if first_new[b] < N]
-        new = proj(torch.cat(fresh)) if fresh else None  # rows are independent: one call for all
+        new = rows_invariant(proj, torch.cat(fresh)) if fresh else None  # rows are independent: one call for all
         out, at = [], 0
         for b in range(B):
             n_new = N - first_new[b]
