@@ -1,13 +1,13 @@
 # Two commands do all set-up on a fresh machine (see README.md):
 #   make demo   — installs everything, then runs the main job on the bundled CPU target
-#   make test   — installs everything, then runs the test suite (what CI runs, via .ci/run)
+#   make test   — installs everything, then runs the default test suite (what CI runs first, via .ci/run)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # A held-out prompt: a GSM8K test question, in no training file (tests/pipelines/test_demo_prompt.py).
 DEMO_MESSAGE ?= A treasure hunter found a buried treasure chest filled with gems. There were 175 diamonds, 35 fewer rubies than diamonds, and twice the number of emeralds than the rubies. How many of the gems were there in the chest?
 
-.PHONY: install demo test test-heavy lint bench clean vllm-env test-vllm sglang-env test-sglang gpu-versions-env test-gpu-versions
+.PHONY: install demo test test-slow test-heavy lint bench clean vllm-env test-vllm sglang-env test-sglang gpu-versions-env test-gpu-versions
 
 install: $(STAMP)
 
@@ -35,6 +35,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The tests marked `slow` (excluded from `make test` by pyproject's addopts, run by CI after it): the
+# end-to-end runs through Ray Train, Tune, Jobs and Serve, about 5 minutes here.
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m "slow and not heavy"
 
 # The tests marked `heavy` (excluded from `make test` by pyproject's addopts): tens of minutes here.
 test-heavy: $(STAMP)

@@ -145,7 +145,6 @@ def read_fixture(path: Path) -> list[tuple[DraftBlock, SelectionContext]]:
     return out
 
 
-@pytest.mark.slow
 def test_fast_path_equals_reference_on_recorded_rounds(smol):
     """Rounds recorded from real decoding (the bundled checkpoint on a GSM8K prompt,
     `bench_selector.py --record … --fixture …`), one at a time and as one batch."""

@@ -123,7 +123,6 @@ def test_submit_rejects_a_bad_k(target):
             batcher.submit([1, 2], logprobs=bad)
 
 
-@pytest.mark.slow
 def test_smollm2_with_its_trained_drafter(smol):
     """The CPU default: SmolLM2-135M with the bundled DRelay drafter, whose rounds accept drafts."""
     from pathlib import Path

@@ -130,7 +130,6 @@ def test_no_bundled_checkpoint_is_a_clear_error(capsys, tmp_path, monkeypatch):
 BUNDLED = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m"
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not BUNDLED.is_dir(), reason="no trained drafter bundled in checkpoints/smollm2-135m")
 @pytest.mark.parametrize("method", ["native", "drelay", "domino"])
 def test_bundled_checkpoint_is_small_trained_and_lossless(capsys, method):
