@@ -5,13 +5,16 @@ matrix-vector path for one token and a GEMM for two or more that re-packs the we
 on this 2-core machine SmolLM2's LM head (49,152 × 576) took 12 ms for one row, 27 ms for two and
 31 ms for sixteen, so verifying even one drafted token cost almost twice an AR step. oneDNN's linear
 on a weight packed once (`torch.ops.mkldnn._reorder_linear_weight`) reads the weight as it is:
-8 / 9 / 12.6 ms for 1 / 2 / 16 rows. Its rows are also nearly independent of each other: on an
-AVX2-only EPYC a row came out identically whatever the number of rows beside it (max |Δ| = 0 between
-a row alone and in a batch of 16, against 6e-5 for the eager pair), which can only help greedy AR and
-verification agree. On an AVX-512 EPYC that holds only from `INVARIANT_ROWS` rows up (or a multiple
-of 4): a call of 1–3, 5–7 or 9–11 rows rounds some rows an ulp differently. Code that stores rows
-computed in one call and reuses them as rows of another (the DRelay selector's caches) pads its
-calls to that many rows (`rows_invariant`).
+8 / 9 / 12.6 ms for 1 / 2 / 16 rows. It also computes a row the same whatever rows share the call
+(max |Δ| = 0 between a row alone and in a batch of 16, against 6e-5 for the eager pair), with one
+exception found on an AVX-512 EPYC: a call of ONE row through a weight of more than 1,024 inputs (the
+target's down projection, the DRelay selector's history projection) is rounded differently from
+the same row in a call of 2 to 1,024 rows. Code that stores rows computed in one call and reuses
+them as rows of another (the selector's caches) therefore pads its few-row calls to
+`INVARIANT_ROWS` rows (`rows_invariant`). AR's step and verification still agree only to rounding
+(SDPA's CPU kernel, too, rounds a query differently by the number of queries beside it): on that
+machine the target's logits for the same position differ by at most 9e-5 between AR and
+verification blocks of 2 to 16 tokens, and no greedy token differed in 2,360 positions.
 
 Inference only (no autograd through the packed op), float32 CPU tensors only; everything else (bf16
 autocast in training's feature forward, CUDA) falls back to `F.linear`, so packing never changes
@@ -60,8 +63,9 @@ import torch.nn.functional as F
 from torch import nn
 
 BATCH_HINT = 16  # rows the packed layout is tuned for: H + 1 = 16 for the CPU default's verify
-# From this many rows on, a packed float32 linear computes a row the same whatever rows share the call
-# (checked for 12–1,024 rows against a 1,024-row call on AVX2 and AVX-512 EPYCs).
+# A packed call of at least this many rows computes each row as a call of any other size from 2 rows
+# up does (checked against 1,024-row calls, inputs of 256 to 2,048, on AVX2 and AVX-512 EPYCs); the
+# packed layout is tuned for it.
 INVARIANT_ROWS = BATCH_HINT
 RANK = "rank"  # PackCache dtype: whatever the owner's `CpuKernels.rank_dtype()` says at the time of packing
 # ATen's int8 kernel reads the weight once per row: measured on the 16,384 × 576 draft head (2 cores,
