@@ -13,8 +13,9 @@ the same row in a call of 2 to 1,024 rows. Code that stores rows computed in one
 them as rows of another (the selector's caches) therefore pads its few-row calls to
 `INVARIANT_ROWS` rows (`rows_invariant`). AR's step and verification still agree only to rounding
 (SDPA's CPU kernel, too, rounds a query differently by the number of queries beside it): on that
-machine the target's logits for the same position differ by at most 9e-5 between AR and
-verification blocks of 2 to 16 tokens, and no greedy token differed in 2,360 positions.
+machine the target's logits for the same position differ by at most 1.4e-4 between AR and
+verification blocks of 2 to 16 tokens, and no greedy token differed in 2,304 positions × 4 block
+sizes (`analysis/ar_verify_agreement.py`; docs/benchmarks.md).
 
 Inference only (no autograd through the packed op), float32 CPU tensors only; everything else (bf16
 autocast in training's feature forward, CUDA) falls back to `F.linear`, so packing never changes

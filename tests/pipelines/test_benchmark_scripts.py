@@ -32,6 +32,8 @@ BAD_INPUTS = [
     ("benchmarks/bench_batcher.py", ["--duty", "1.5"], "--duty: a share in (0, 1], got 1.5"),
     ("benchmarks/bench_batcher.py", ["--prefill-budget", "0"], "--prefill-budget: positive token counts or none, got 0"),
     ("analysis/budget_study.py", ["--hours", "0"], "--hours and --fit-from must be > 0"),
+    ("analysis/ar_verify_agreement.py", ["--verify-lengths", "1,0"], "--verify-lengths: positive integers, got '1,0'"),
+    ("analysis/ar_verify_agreement.py", ["--benchmarks", "gsm8k,nope"], "--benchmarks: unknown nope; valid: gsm8k"),
     ("analysis/partial_blocks.py", ["--compare-dir", "/nonexistent", "--lengths", "0,2"], "--lengths: each L in 1..14"),
     ("analysis/partial_blocks.py", ["--compare-dir", "/nonexistent"], "--compare-dir: no '/nonexistent/cells'"),
     (
@@ -158,3 +160,22 @@ def test_the_batcher_benchmark_pairs_its_ratios_by_repeat():
     assert ttft.point == pytest.approx(3.05 / 6.0) and ttft.high < 1.0
     two = paired_ratios({"a": {8: base[:2]}, "b": {8: faster[:2]}}, {"a": "a", "b": "a"})["b"][8]["tok_s"]
     assert two.point == pytest.approx(200 / 10.4 / (200 / 21.0)) and math.isnan(two.low)
+
+
+def test_ar_and_verification_blocks_choose_the_same_tokens(monkeypatch, capsys):
+    """The real target's greedy tokens are the same read one per forward (AR) and in verification
+    blocks; the script prints one row per block size."""
+    script = ROOT / "analysis" / "ar_verify_agreement.py"
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [str(script), "--benchmarks", "gsm8k", "--prompts", "1", "--max-new-tokens", "12", "--verify-lengths", "2,15"],
+    )
+    monkeypatch.syspath_prepend(str(script.parent))
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(script), run_name="__main__")
+    assert exit_.value.code == 0
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 + ")]
+    assert [r[1].strip() for r in rows] == ["1 + 2", "1 + 15"]
+    for r in rows:
+        assert int(r[2]) == 12 and float(r[3]) < 1e-3 and int(r[4]) == 0  # positions, max |Δ|, disagreements
