@@ -65,8 +65,8 @@ from torch import nn
 
 BATCH_HINT = 16  # rows the packed layout is tuned for: H + 1 = 16 for the CPU default's verify
 # A packed call of at least this many rows computes each row as a call of any other size from 2 rows
-# up does (checked against 1,024-row calls, inputs of 256 to 2,048, on AVX2 and AVX-512 EPYCs); the
-# packed layout is tuned for it.
+# up does (checked on an AVX-512 EPYC against 1,024-row calls, inputs of 256 to 2,048); the packed
+# layout is tuned for it.
 INVARIANT_ROWS = BATCH_HINT
 RANK = "rank"  # PackCache dtype: whatever the owner's `CpuKernels.rank_dtype()` says at the time of packing
 # ATen's int8 kernel reads the weight once per row: measured on the 16,384 × 576 draft head (2 cores,
