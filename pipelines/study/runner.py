@@ -18,6 +18,7 @@ from pipelines.eval.compare_run import CompareJob, run_compare
 from pipelines.study.spec import StudySpec, final_checkpoint, finished, run_configs
 from pipelines.train.config import RunConfig
 from pipelines.train.driver import check_inputs, run_training
+from pipelines.train.resume import resume_point
 
 
 def plan(spec: StudySpec, only: list[str]) -> tuple[dict[str, RunConfig], list[str]]:
@@ -29,7 +30,9 @@ def plan(spec: StudySpec, only: list[str]) -> tuple[dict[str, RunConfig], list[s
     todo = [label for label in configs if not only or label in only]
     for label in todo:
         cfg = configs[label]
-        state = "done" if finished(cfg, repo_path) else "to train"
+        done = finished(cfg, repo_path)
+        resume = None if done else resume_point(cfg)
+        state = "done" if done else (resume.describe(cfg) if resume else "to train")
         budget = f"{cfg.train.max_steps} steps" + (
             f" or {cfg.train.max_minutes:g} {cfg.train.budget_clock} min" if cfg.train.max_minutes else ""
         )

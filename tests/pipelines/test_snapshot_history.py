@@ -82,8 +82,28 @@ def test_training_restores_its_own_runs_snapshot_before_ray_starts(repo, tmp_pat
     shutil.rmtree(snap)
     restore_carried(snap, run_name="another-run")  # another run's carried snapshot stays in history
     assert not snap.exists()
+    from pipelines.train.config import load_config
+    from pipelines.train.resume import resume_point
+
+    def config(run_name: str):
+        over = {
+            "ray.run_name": run_name,
+            "ray.storage_path": tmp_path / "ray",
+            "train.snapshot_dir": snap,
+            "train.max_minutes": 60,
+        }
+        return load_config(None, [f"{k}={v}" for k, v in over.items()])
+
+    point = resume_point(config("long"))  # where the run would continue, before it restores anything
+    assert (
+        point.describe(config("long"))
+        == f"continues from the snapshot carried in {point.source[-10:]} at step 12 (12.0 of 60 wall min)"
+    )
+    assert _git(repo, "rev-parse", "HEAD~1").startswith(point.source[-10:]) and not snap.exists()
+    assert resume_point(config("another-run")) is None
     restore_carried(snap, run_name="long")
     assert has_snapshot(snap) and "restored run long's snapshot at step 12" in capsys.readouterr().err
+    assert resume_point(config("long")).describe(config("long")) == "continues from its snapshot at step 12 (12.0 of 60 wall min)"
 
 
 def test_bad_calls_are_one_line_errors_and_commit_nothing(repo, tmp_path, capsys):

@@ -118,8 +118,14 @@ def test_a_run_whose_ray_checkpoints_are_gone_continues_from_its_snapshot(tmp_pa
     for (name, a), (_, b) in zip(exported.state_dict().items(), snap.state_dict().items()):
         assert torch.equal(a.to(SNAPSHOT_DTYPE).to(a.dtype) if a.is_floating_point() else a, b), name
 
-    shutil.rmtree(tmp_path / "ray")  # what a fresh machine lacks
+    from pipelines.train.resume import RAY_CHECKPOINT, SNAPSHOT, resume_point
+
     longer = _config(tmp_path, tiny_data, **{**over, "train.max_steps": 9})
+    point = resume_point(longer)  # what `drelay study --dry-run` says of it
+    assert (point.source, point.step) == (RAY_CHECKPOINT, 6)
+    assert point.describe(longer).startswith("continues from its Ray checkpoint at step 6")
+    shutil.rmtree(tmp_path / "ray")  # what a fresh machine lacks
+    assert (resume_point(longer).source, resume_point(longer).step) == (SNAPSHOT, 6)
     again = run_training(longer)
     client = get_client()
     assert {m.step for m in client.get_metric_history(again.mlflow_run_id, "loss/support")} == {7, 8, 9}
