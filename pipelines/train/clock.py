@@ -97,23 +97,35 @@ class TrainClock:
 
 class ProgressLine:
     """One line on the driver's console every `every` steps (Ray forwards worker stdout): step,
-    losses, slot-1 accuracy, seconds per step and the time left at that pace."""
+    losses, slot-1 accuracy, seconds per step and the time left at that pace. Under a CPU budget
+    (`clock="cpu"`) the minutes left are CPU minutes; the line adds the wall minutes they take at
+    the pace since the previous line (validation and a busy machine included)."""
 
-    def __init__(self, start: int, total: int, every: int = 25) -> None:
+    def __init__(self, start: int, total: int, every: int = 25, *, clock: str = "wall") -> None:
         self.start, self.total, self.every, self.t0 = start, total, every, time.perf_counter()
+        self.clock = clock
+        self._previous: tuple[float, float] | None = None  # (wall time, budget seconds left) at the last line
 
     def update(self, step: int, metrics: dict, *, budget_left_s: float | None = None, last: bool = False) -> None:
         """`budget_left_s`: the time budget left (train.max_minutes), when it ends the run sooner."""
         if step % self.every and step != self.total and not last:
             return
-        per_step = (time.perf_counter() - self.t0) / max(step - self.start, 1)
+        now = time.perf_counter()
+        per_step = (now - self.t0) / max(step - self.start, 1)
         left = (self.total - step) * per_step / 60
+        left_text = f"{left:.1f} min left"
+        if budget_left_s is not None and budget_left_s / 60 < left:
+            left = max(budget_left_s, 0.0) / 60
+            left_text = f"{left:.1f} {self.clock} min left"
+            if self.clock != "wall" and self._previous is not None and self._previous[1] > budget_left_s:
+                rate = (self._previous[1] - budget_left_s) / (now - self._previous[0])  # budget s per wall s
+                left_text += f" (~{left / rate:.0f} wall min at this pace)"
         if budget_left_s is not None:
-            left = min(left, max(budget_left_s, 0.0) / 60)
+            self._previous = (now, budget_left_s)
         losses = " ".join(f"{k.removeprefix('loss/')} {v:.3f}" for k, v in metrics.items() if k.startswith("loss/"))
         val = " ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in metrics.items() if k.startswith("val/"))
         line = (f"[train] step {step}/{self.total} · {losses} · slot-1 acc {metrics.get('acc/slot1', 0.0):.3f} · "
-                f"{per_step:.2f} s/step · {left:.1f} min left{' · ' + val if val else ''}")  # fmt: skip
+                f"{per_step:.2f} s/step · {left_text}{' · ' + val if val else ''}")  # fmt: skip
         # The process's own stdout, once: Ray Train patches print() to log through its logger *and*
         # echo to a wrapped sys.stdout, which printed every line twice on the driver.
         print(line, file=sys.__stdout__, flush=True)

@@ -103,7 +103,7 @@ def selector_stage_loop(cfg_dict: dict) -> None:
         logger({f"cache/{k}": float(manifest[k]) for k in ("blocks", "bytes_per_1000_blocks", "build_seconds")}, start)
     size = cfg.train.seqs_per_step * cfg.train.anchors_per_seq
     per_epoch = max(len(cache) // size, 1)  # each worker's own shards
-    line, t_last, step_last = ProgressLine(start, cfg.train.max_steps), time.perf_counter(), start
+    line, t_last, step_last = ProgressLine(start, cfg.train.max_steps, clock=cfg.train.budget_clock), time.perf_counter(), start
     autocast = torch.bfloat16 if cfg.train.bf16 else None
     clock.restart()
     for step in range(start, cfg.train.max_steps):

@@ -265,7 +265,7 @@ def train_loop_per_worker(cfg_dict: dict) -> None:
     per_epoch = max(len(train_seqs) // (cfg.train.seqs_per_step * world), 1)
     gen = torch.Generator().manual_seed(cfg.train.seed * 7919 + rank)
     t_last, tokens, step_last = time.perf_counter(), 0, start
-    line = ProgressLine(start, cfg.train.max_steps)
+    line = ProgressLine(start, cfg.train.max_steps, clock=cfg.train.budget_clock)
     if start == 0 and cfg.drafter.init_checkpoint and logger is not None:
         # The starting point of a continued drafter, at step 0 and 0 budget minutes (before the clock starts).
         logger({**validate(target, module, *val, held), "train/budget_minutes": 0.0}, 0)

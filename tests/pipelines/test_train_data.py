@@ -230,6 +230,22 @@ def test_progress_line_prints_once_per_interval_and_at_the_end(capfd):
     assert "support 2.500" in lines[0] and "slot-1 acc 0.400" in lines[0] and lines[-1].endswith("tau_native 1.800")
 
 
+def test_progress_line_under_a_cpu_budget_gives_cpu_minutes_and_their_wall_minutes(capfd, monkeypatch):
+    """CPU minutes left, and at the pace since the previous line (here 30 budget seconds per 60 wall
+    seconds) the wall minutes they take."""
+    from pipelines.train import clock
+
+    now = [0.0]
+    monkeypatch.setattr(clock.time, "perf_counter", lambda: now[0])
+    progress = clock.ProgressLine(0, 1000, every=25, clock="cpu")
+    for step, left_s in ((25, 600.0), (50, 570.0)):
+        now[0] += 60.0
+        progress.update(step, {"loss/support": 2.0}, budget_left_s=left_s)
+    first, second = [line for line in capfd.readouterr().out.splitlines() if line]
+    assert first.endswith("· 10.0 cpu min left")  # no pace yet
+    assert second.endswith("· 9.5 cpu min left (~19 wall min at this pace)")
+
+
 def test_train_clock_budget_drives_the_schedules_and_the_stop(monkeypatch):
     """`train.max_minutes`: progress is max(steps, time) fractions, validation time is not counted,
     the budget left survives a resume (the count is saved with the checkpoint)."""
