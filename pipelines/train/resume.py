@@ -64,7 +64,7 @@ def _snapshot_point(source: str, meta: dict) -> ResumePoint:
 def resume_point(cfg: RunConfig) -> ResumePoint | None:
     """Where `drelay train` with `cfg` would continue, or None: from step 0."""
     from drelay_model.drafter.checkpoint import CONFIG
-    from pipelines.train.snapshot import has_snapshot
+    from pipelines.train.snapshot import has_snapshot, is_snapshot_of
     from pipelines.train.snapshot_history import carried
 
     point = ray_checkpoint_point(repo_path(cfg.ray.storage_path) / cfg.ray.run_name)
@@ -76,6 +76,6 @@ def resume_point(cfg: RunConfig) -> ResumePoint | None:
             meta = json.loads((snap / CONFIG).read_text()).get("meta", {})
         except (OSError, ValueError):
             return None  # the run itself says what is wrong with it (driver.check_inputs)
-        return _snapshot_point(SNAPSHOT, meta) if meta.get("run_name") == cfg.ray.run_name and "step" in meta else None
+        return _snapshot_point(SNAPSHOT, meta) if is_snapshot_of(meta, cfg.ray.run_name) and "step" in meta else None
     found = carried(snap, run_name=cfg.ray.run_name)
     return None if found is None else _snapshot_point(f"the snapshot carried in {found[0][:10]}", found[1])

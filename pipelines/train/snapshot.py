@@ -56,8 +56,13 @@ def check_snapshot(path: Path, *, run_name: str) -> None:
     _check_owner(path, meta, run_name)
 
 
+def is_snapshot_of(meta: dict, run_name: str | None) -> bool:
+    """A checkpoint's meta is a training snapshot of run `run_name` (of any run when None)."""
+    return bool(meta.get("snapshot")) and run_name in (None, meta.get("run_name"))
+
+
 def _check_owner(path: Path, meta: dict, run_name: str) -> None:
-    if not meta.get("snapshot") or meta.get("run_name") != run_name:
+    if not is_snapshot_of(meta, run_name):
         raise DRelayError(
             f"train.snapshot_dir: '{path}' holds a snapshot of run {meta.get('run_name')!r}, not of ray.run_name={run_name!r}"
         )

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from drelay_model.drafter.checkpoint import CONFIG, read_checkpoint
 from drelay_model.errors import DRelayError
-from pipelines.train.snapshot import has_snapshot
+from pipelines.train.snapshot import has_snapshot, is_snapshot_of
 
 
 def _git(repo: Path, *args: str) -> subprocess.CompletedProcess:
@@ -74,7 +74,7 @@ def _newest(repo: Path, rel: str, run_name: str | None) -> tuple[str, dict] | No
     log = _git(repo, "log", "--format=%H", "--", f"{rel}/{CONFIG}")
     for commit in log.stdout.decode().split() if log.returncode == 0 else []:
         meta = _carried_meta(repo, commit, rel)
-        if meta is not None and meta.get("snapshot") and run_name in (None, meta.get("run_name")):
+        if meta is not None and is_snapshot_of(meta, run_name):
             return commit, meta
     return None
 
