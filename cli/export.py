@@ -25,9 +25,9 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipelines.common.registry import resolve_checkpoint
+    from pipelines.common.checkpoint_refs import resolve_ref
 
-    checkpoint = resolve_checkpoint(args.checkpoint)
+    checkpoint = resolve_ref(args.checkpoint)
     if args.format == "vllm":
         from deploy.vllm.export import ARCHITECTURE, export_vllm
         from drelay_model.target import load_target

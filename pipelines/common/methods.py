@@ -26,7 +26,7 @@ from drelay_model.errors import DRelayError
 from drelay_model.selectors import Selector, default_registry, trainable_selectors
 from drelay_model.target import TargetModel, load_target
 from pipelines.common.paths import bundled_checkpoint
-from pipelines.common.registry import is_model_ref, resolve_checkpoint
+from pipelines.common.checkpoint_refs import resolve_ref
 
 AR = "ar"
 NATIVE = "native"  # the drafter's own argmax path; also "trained without a selector"
@@ -87,8 +87,8 @@ def resolve_method(name: str, *, target_spec: str, checkpoint: str | None = None
             raise DRelayError("--random-drafter and --checkpoint exclude each other")
         return MethodSpec(name, None, True)
     path = checkpoint or bundled_checkpoint(target_spec)
-    if path is not None and is_model_ref(str(path)):  # models:/<name>@<alias> or models:/<name>/<version>
-        path = resolve_checkpoint(str(path))
+    if path is not None:  # models:/<name>@<alias>, models:/<name>/<version> or FOLDER@COMMIT → a local folder
+        path = resolve_ref(str(path))
     if path is None:
         raise DRelayError(f"method '{name}' needs a drafter checkpoint: none is bundled for target '{target_spec}'; {hint}")
     if not Path(path).is_dir():

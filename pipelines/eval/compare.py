@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 
 from drelay_model.errors import DRelayError
 from drelay_model.selectors import SelectionContext, default_registry
+from pipelines.common.checkpoint_refs import resolve_ref
 from pipelines.common.methods import MethodSpec, check_selector_weights, trained_selector
 from pipelines.common.paths import NAME_PATTERN
 from pipelines.common.store import JsonStore
@@ -64,7 +65,7 @@ class Variant:
 
 
 def parse_variant(text: str) -> Variant:
-    """`LABEL=DIR` or `LABEL=DIR:SELECTOR` → Variant (DIR must be a checkpoint directory; SELECTOR a rule,
+    """`LABEL=DIR` or `LABEL=DIR:SELECTOR` → Variant (DIR a checkpoint directory, `DIR@COMMIT` or `models:/…`; SELECTOR a rule,
     the selector DIR was trained with, or a head installed in `DIR/heads/` by `drelay heads add`)."""
     label, eq, rest = text.partition("=")
     if not eq or not rest:
@@ -72,8 +73,12 @@ def parse_variant(text: str) -> Variant:
     if not _LABEL.match(label):
         raise DRelayError(f"--variant {text!r}: label must be 1–64 of [A-Za-z0-9._+-], starting with a letter or digit")
     path, selector = rest, None
-    if not Path(rest).is_dir() and ":" in rest:
+    if not Path(rest).is_dir() and ":" in rest and "/" not in rest.rpartition(":")[2]:  # models:/… has a ':' too
         path, _, selector = rest.rpartition(":")
+    try:  # FOLDER@COMMIT or models:/… → a local folder
+        path = resolve_ref(path)
+    except DRelayError as exc:
+        raise DRelayError(f"--variant {label}: {exc}") from None
     if not Path(path).is_dir():
         raise DRelayError(f"--variant {label}: checkpoint directory '{path}' not found")
     names = list(default_registry().names())
