@@ -150,6 +150,9 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=15, help="timing repetitions per cost")
     p.add_argument("--out", default="outputs/partial_blocks")
     args = p.parse_args()
+    from pipelines.common.checkpoint_refs import resolve_ref
+
+    args.checkpoint = args.checkpoint and resolve_ref(args.checkpoint)  # FOLDER@COMMIT too
     torch.set_num_threads(1)
 
     from drelay_model.drafter.checkpoint import read_checkpoint

@@ -38,6 +38,9 @@ def main() -> None:
     p.add_argument("--anchors", type=int, default=96, help="anchors per sequence (all eligible up to this many)")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
+    from pipelines.common.checkpoint_refs import resolve_ref
+
+    args.checkpoint = args.checkpoint and resolve_ref(args.checkpoint)  # FOLDER@COMMIT too
     torch.set_num_threads(args.threads)
 
     from drelay_model.drafter import load_drafter

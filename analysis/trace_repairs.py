@@ -34,6 +34,9 @@ def main() -> None:
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
+    from pipelines.common.checkpoint_refs import resolve_ref
+
+    args.checkpoint = args.checkpoint and resolve_ref(args.checkpoint)  # FOLDER@COMMIT too
     torch.set_num_threads(args.threads)
 
     from drelay_model.decoding.replay import replay

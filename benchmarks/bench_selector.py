@@ -107,6 +107,9 @@ def setup(args):
 
 def main() -> None:
     args = parse_args()
+    from pipelines.common.checkpoint_refs import resolve_ref
+
+    args.checkpoint = args.checkpoint and resolve_ref(args.checkpoint)  # FOLDER@COMMIT too
     torch.set_num_threads(args.threads)
     if args.record or args.parts or args.walks:
         return rounds_mode(args)

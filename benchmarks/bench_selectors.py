@@ -47,6 +47,9 @@ def main() -> None:
     p.add_argument("--rounds", metavar="FILE", help="time every head on the rounds recorded in FILE (bench_selector.py --record)")
     p.add_argument("--batches", default="1,8,16", help="with --rounds: batch sizes (request streams side by side)")
     args = p.parse_args()
+    from pipelines.common.checkpoint_refs import resolve_ref
+
+    args.checkpoint = args.checkpoint and resolve_ref(args.checkpoint)  # FOLDER@COMMIT too
     torch.set_num_threads(args.threads)
 
     from cli.options import parse_ints

@@ -106,6 +106,9 @@ def main(argv=None) -> int:
     from pipelines.data.eval_sets import first_turn_prompts
 
     args = parse_args(argv)
+    from pipelines.common.checkpoint_refs import resolve_ref
+
+    args.checkpoint = resolve_ref(args.checkpoint)  # FOLDER@COMMIT too
     python = vllm_python()
     if python is None:
         raise DRelayError("the vLLM venv is missing: run `make vllm-env` (or set DRELAY_VLLM_PYTHON)")

@@ -77,7 +77,7 @@ def trained_selector(checkpoint: str | Path) -> str:
 
 def resolve_method(name: str, *, target_spec: str, checkpoint: str | None = None, random_drafter: bool = False,
                    hint: str = "pass --checkpoint DIR (or --method ar)") -> MethodSpec:  # fmt: skip
-    """Check the name, pick the checkpoint (given — a directory or an MLflow registry reference — else the
+    """Check the name, pick the checkpoint (given — a directory, FOLDER@COMMIT or an MLflow registry reference — else the
     one bundled for the target) and check it exists."""
     check_method(name)
     if name == AR:
