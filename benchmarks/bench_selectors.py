@@ -62,6 +62,7 @@ def main() -> None:
     trained = {}
     for item in args.trained:
         name, eq, path = item.partition("=")
+        path = resolve_ref(path) if eq and path else path  # FOLDER@COMMIT too
         if not eq or name not in trainable_selectors() or not Path(path).is_dir():
             raise DRelayError(
                 f"--trained {item}: expected NAME=DIR with NAME one of {', '.join(trainable_selectors())} and DIR a checkpoint directory"

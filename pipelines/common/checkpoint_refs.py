@@ -44,6 +44,14 @@ def resolve_ref(ref: str) -> str:
     return ref if pin is None else str(folder_at_commit(*pin, ref=ref))
 
 
+def local_init(cfg):
+    """A run config whose `drafter.init_checkpoint` is a folder on this machine (pins and registry
+    versions resolved), before `rooted` makes its paths absolute."""
+    ref = cfg.drafter.init_checkpoint
+    local = ref if ref is None else resolve_ref(ref)
+    return cfg if local == ref else cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update={"init_checkpoint": local})})
+
+
 def _git(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, input=stdin)
 

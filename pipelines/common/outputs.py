@@ -115,12 +115,5 @@ def rooted(cfg):
         "ray": cfg.ray.model_copy(update={"storage_path": fix(cfg.ray.storage_path)}),
         "data": cfg.data.model_copy(update={"feature_cache_dir": fix(cfg.data.feature_cache_dir),
                                             "regenerated": fix(cfg.data.regenerated)}),
-        "drafter": cfg.drafter.model_copy(update={"init_checkpoint": fix(_local_checkpoint(cfg.drafter.init_checkpoint))}),
+        "drafter": cfg.drafter.model_copy(update={"init_checkpoint": fix(cfg.drafter.init_checkpoint)}),
     })  # fmt: skip
-
-
-def _local_checkpoint(ref: str | None) -> str | None:
-    """drafter.init_checkpoint as a folder on this machine (`FOLDER@COMMIT` and `models:/…` resolved)."""
-    from pipelines.common.checkpoint_refs import resolve_ref  # it imports this module
-
-    return None if ref is None else resolve_ref(ref)

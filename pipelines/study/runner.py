@@ -11,6 +11,7 @@ from drelay_model.atomic import atomic_directory
 from drelay_model.drafter.heads import carry_heads
 from drelay_model.errors import DRelayError
 from pipelines.common.methods import check_selector_weights, trained_selector
+from pipelines.common.checkpoint_refs import local_init, resolve_ref
 from pipelines.common.outputs import rooted, shipped_checkpoints_dir
 from pipelines.common import paths
 from pipelines.common.paths import repo_path
@@ -23,7 +24,7 @@ from pipelines.train.resume import resume_point
 
 def plan(spec: StudySpec, only: list[str]) -> tuple[dict[str, RunConfig], list[str]]:
     """Every run's config (validated up front) and the labels to train; prints one line per run."""
-    configs = {label: rooted(c) for label, c in run_configs(spec, repo_path).items()}
+    configs = {label: rooted(local_init(c)) for label, c in run_configs(spec, repo_path).items()}
     unknown = [x for x in only if x not in configs]
     if unknown:
         raise DRelayError(f"--only: unknown run label(s) {', '.join(unknown)} (have: {', '.join(configs)})")
@@ -111,11 +112,15 @@ def check_compare_checkpoints(spec: StudySpec) -> None:
 
 
 def _outside(spec: StudySpec) -> dict[str, tuple[Path, str | None]]:
-    """compare.checkpoints: label → (the directory, the selector it names or None)."""
+    """compare.checkpoints: label → (the directory, the selector it names or None); a pinned folder
+    (`FOLDER@COMMIT`) is the one written out from that commit."""
     out = {}
     for label, ref in (spec.compare.checkpoints if spec.compare is not None else {}).items():
         folder, sep, selector = ref.rpartition(":") if ":" in ref else (ref, "", "")
-        out[label] = (repo_path(folder), selector if sep else None)
+        try:
+            out[label] = (Path(repo_path(resolve_ref(folder))), selector if sep else None)
+        except DRelayError as exc:
+            raise DRelayError(f"compare.checkpoints.{label}: {exc}") from None
     return out
 
 

@@ -286,7 +286,7 @@ def test_shipped_sweep_is_valid_and_holds_the_shipped_setting():
     root = Path(__file__).resolve().parents[2]
     sweep, base = load_sweep(root / "platform/sweeps/smollm2-135m.yaml")
     assert set(sweep.space) == {"train.selector_alpha.end", "train.credit_cap", "train.credit_floor"}
-    assert base["drafter"]["init_checkpoint"] == "checkpoints/smollm2-135m" and base["selector"]["name"] == "drelay"
+    assert base["drafter"]["init_checkpoint"] == "checkpoints/smollm2-135m@f3a1e833b2" and base["selector"]["name"] == "drelay"
     assert 1.0 in sweep.space["train.selector_alpha.end"].values and 4.0 in sweep.space["train.credit_cap"].values
     assert 0.1 in sweep.space["train.credit_floor"].values  # the bundled run's values: the control trial
     assert sweep.scheduler.max_steps <= 100 and sweep.metric == "val/tau"
