@@ -52,8 +52,8 @@ def local_init(cfg):
     return cfg if local == ref else cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update={"init_checkpoint": local})})
 
 
-def _git(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, input=stdin)
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True)
 
 
 def _said(done: subprocess.CompletedProcess) -> str:
