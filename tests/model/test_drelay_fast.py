@@ -175,17 +175,8 @@ def test_fast_path_equals_reference_on_recorded_rounds(smol):
     assert_same(sel, batch, ctx)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the bundled head (contrast gate evidence, anchor feature) at full size: "
-    "fast gate/rank differ from the reference by up to 1.9e-6 on every recorded round; selections agree",
-)
 def test_fast_path_equals_reference_for_the_bundled_head(smol):
-    """The same recorded rounds through the bundled checkpoint's own DRelay head."""
+    """The same recorded rounds through the bundled checkpoint's own DRelay head (contrast gate
+    evidence, the anchor feature), with at least one repair among them."""
     sel = _trained_selector(smol, "checkpoints/smollm2-135m")
-    for block, ctx in read_fixture(FIXTURE):
-        with torch.no_grad():
-            ref, fast = sel.select_with_scores(block, ctx, reference=True), sel.select_with_scores(block, ctx)
-        assert torch.equal(fast.selection.pool_index, ref.selection.pool_index)  # holds today
-    for block, ctx in read_fixture(FIXTURE):
-        assert_same(sel, block, ctx)  # the bit-exact scores do not
+    assert sum(assert_same(sel, block, ctx) for block, ctx in read_fixture(FIXTURE)) > 0

@@ -81,8 +81,9 @@ class FastSelect:
         rho = (emb @ cr.shared(s).unsqueeze(-1)).squeeze(-1) / math.sqrt(d)  # [B, P, K]
         logq = logq.to(c.dtype)
         anchor = (cr.anchor_flag + cr.mem_pos[0]).to(c.dtype).expand(B, -1)  # [B, d]
-        if cr.anchor_feature and history is not None:
-            anchor = anchor + projected[:, -1] * mask[:, -1:].to(c.dtype)
+        if cr.anchor_feature and history is not None:  # f_a projected alone, as the reference does: the same
+            # row taken from the window's batched projection can round differently (BLAS blocks by rows)
+            anchor = anchor + cr.hist_norm(cr.hist_in(history[:, -1].to(c.dtype))) * mask[:, -1:].to(c.dtype)
         slot_mem = cr.mem_slot(torch.cat([s, z], dim=-1)) + cr.mem_pos[1 : P + 1]  # [B, P, d]
         _, _, anchor_tok = self.token_rows(sel, ctx.anchor_ids)  # [B, d + r]
         return lean_walk(
