@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import io
 import re
-import subprocess
 import tarfile
 from pathlib import Path
 
 from drelay_model.errors import DRelayError
+from pipelines.common.git import git, said
 from pipelines.common.outputs import REPO_ROOT, join, local_dir, output_root
 from pipelines.common.registry import is_model_ref, resolve_checkpoint
 
@@ -52,14 +52,6 @@ def local_init(cfg):
     return cfg if local == ref else cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update={"init_checkpoint": local})})
 
 
-def _git(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True)
-
-
-def _said(done: subprocess.CompletedProcess) -> str:
-    return " ".join(done.stderr.decode(errors="replace").split())[:200]
-
-
 def folder_at_commit(folder: str, commit: str, *, ref: str) -> Path:
     """`folder` (relative to the repository, or absolute inside it) as `commit` holds it, on disk."""
     path = Path(folder).expanduser()
@@ -73,7 +65,7 @@ def folder_at_commit(folder: str, commit: str, *, ref: str) -> Path:
     if len(hits) == 1 and (hits[0] / CONFIG).is_file():  # written before: no git needed
         return hits[0]
     try:
-        found = _git("rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}")
+        found = git(REPO_ROOT, "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}")
     except OSError as exc:  # no git on this machine
         raise DRelayError(f"checkpoint '{ref}': a pinned checkpoint needs git ({exc.strerror})") from None
     if found.returncode != 0:
@@ -82,12 +74,12 @@ def folder_at_commit(folder: str, commit: str, *, ref: str) -> Path:
         )
     full = found.stdout.decode().strip()
     dest = cache / full / rel_posix
-    listed = _git("ls-tree", "-r", "--name-only", full, "--", rel_posix)
+    listed = git(REPO_ROOT, "ls-tree", "-r", "--name-only", full, "--", rel_posix)
     if listed.returncode != 0 or f"{rel_posix}/{CONFIG}" not in listed.stdout.decode().splitlines():
         raise DRelayError(f"checkpoint '{ref}': commit {full[:10]} holds no drafter checkpoint at {rel_posix}")
-    archive = _git("archive", "--format=tar", full, "--", rel_posix)
+    archive = git(REPO_ROOT, "archive", "--format=tar", full, "--", rel_posix)
     if archive.returncode != 0:
-        raise DRelayError(f"checkpoint '{ref}': git archive failed ({_said(archive)})")
+        raise DRelayError(f"checkpoint '{ref}': git archive failed ({said(archive)})")
     from drelay_model.atomic import atomic_directory
 
     with atomic_directory(dest) as tmp, tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:

@@ -20,21 +20,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 from drelay_model.drafter.checkpoint import CONFIG, read_checkpoint
 from drelay_model.errors import DRelayError
+from pipelines.common.git import git, said
 from pipelines.train.snapshot import has_snapshot, is_snapshot_of
-
-
-def _git(repo: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True)
-
-
-def _said(done: subprocess.CompletedProcess) -> str:
-    """git's complaint on one line (an error message is one line)."""
-    return " ".join(done.stderr.decode(errors="replace").split())
 
 
 def work_tree(path: Path) -> Path | None:
@@ -44,12 +35,12 @@ def work_tree(path: Path) -> Path | None:
         probe = probe.parent
     if shutil.which("git") is None:
         return None
-    found = _git(probe, "rev-parse", "--show-toplevel")
+    found = git(probe, "rev-parse", "--show-toplevel")
     return Path(found.stdout.decode().strip()) if found.returncode == 0 else None
 
 
 def _carried_meta(repo: Path, commit: str, rel: str) -> dict | None:
-    shown = _git(repo, "show", f"{commit}:{rel}/{CONFIG}")
+    shown = git(repo, "show", f"{commit}:{rel}/{CONFIG}")
     if shown.returncode != 0:
         return None
     try:
@@ -71,7 +62,7 @@ def carried(path: Path, *, run_name: str | None = None) -> tuple[str, dict] | No
 
 
 def _newest(repo: Path, rel: str, run_name: str | None) -> tuple[str, dict] | None:
-    log = _git(repo, "log", "--format=%H", "--", f"{rel}/{CONFIG}")
+    log = git(repo, "log", "--format=%H", "--", f"{rel}/{CONFIG}")
     for commit in log.stdout.decode().split() if log.returncode == 0 else []:
         meta = _carried_meta(repo, commit, rel)
         if meta is not None and is_snapshot_of(meta, run_name):
@@ -87,12 +78,12 @@ def restore(path: Path, *, run_name: str | None = None) -> tuple[str, dict] | No
     if found is None:
         return None
     (repo, rel), (commit, meta) = located, found
-    listed = _git(repo, "ls-tree", "-r", "--name-only", commit, "--", f"{rel}/")
+    listed = git(repo, "ls-tree", "-r", "--name-only", commit, "--", f"{rel}/")
     names = sorted(listed.stdout.decode().split("\n"), key=lambda n: n.endswith(f"/{CONFIG}"))  # the config last
     for name in filter(None, names):
-        blob = _git(repo, "show", f"{commit}:{name}")
+        blob = git(repo, "show", f"{commit}:{name}")
         if blob.returncode != 0:
-            raise DRelayError(f"train.snapshot_dir: cannot read {name} from commit {commit[:12]}: {_said(blob)}")
+            raise DRelayError(f"train.snapshot_dir: cannot read {name} from commit {commit[:12]}: {said(blob)}")
         dest = repo / name
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(dest.name + ".restoring")
@@ -114,7 +105,7 @@ def carry(path: Path) -> tuple[str, str]:
     if located is None:
         raise DRelayError(f"snapshot carry: '{path}' is not inside a git work tree")
     repo, rel = located
-    if _git(repo, "diff", "--cached", "--quiet").returncode != 0:
+    if git(repo, "diff", "--cached", "--quiet").returncode != 0:
         raise DRelayError("snapshot carry: the git index has staged changes; commit or unstage them first")
     what = f"run {meta.get('run_name')} at step {meta.get('step')}"
     steps = (
@@ -124,14 +115,14 @@ def carry(path: Path) -> tuple[str, str]:
         ("commit", "--quiet", "-m", f"Training snapshot of {what}: out of the tree, kept in history"),
     )
     for i, step in enumerate(steps):
-        done = _git(repo, *step)
+        done = git(repo, *step)
         if done.returncode == 0:
             continue
         if i < 2:  # nothing committed yet: leave the index as it was
-            _git(repo, "reset", "--quiet", "--", rel)
-            raise DRelayError(f"snapshot carry: git {step[0]} failed, nothing committed: {_said(done)}")
+            git(repo, "reset", "--quiet", "--", rel)
+            raise DRelayError(f"snapshot carry: git {step[0]} failed, nothing committed: {said(done)}")
         raise DRelayError(f"snapshot carry: git {step[0]} failed with the snapshot committed in HEAD; take it out of the"
-                          f" tree with `git rm -r --cached {rel} && git commit`: {_said(done)}")  # fmt: skip
-    head = _git(repo, "rev-parse", "HEAD").stdout.decode().strip()
-    holder = _git(repo, "rev-parse", "HEAD~1").stdout.decode().strip()
+                          f" tree with `git rm -r --cached {rel} && git commit`: {said(done)}")  # fmt: skip
+    head = git(repo, "rev-parse", "HEAD").stdout.decode().strip()
+    holder = git(repo, "rev-parse", "HEAD~1").stdout.decode().strip()
     return holder, head
