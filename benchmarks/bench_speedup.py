@@ -7,6 +7,12 @@ contender rotates per prompt), so a busy machine slows all of them alike. S per 
 ÷ method seconds, summed over the repeats (the outputs are identical — lossless — and the script
 checks it), and S per benchmark is the median of these paired ratios, with their min–max. The other processes' CPU share during the run is printed and logged.
 
+Intervals: the mean over benchmarks of each benchmark's mean paired ratio, with a 95% stratified
+bootstrap over prompts within benchmark (`pipelines/common/intervals.py`), for each contender against
+AR and for each speculative contender against the first one at the same length (DRelay ÷ native:
+native seconds ÷ DRelay seconds, paired by prompt). Two prompts per benchmark give a wide interval;
+`--limit 4` or more resolves a few percent.
+
 The cost curve for cost-aware length is the one `drelay costs` measures and caches (per target,
 checkpoint, method, threads, device and its processor model, packed linears and what the drafter runs
 below float32: `drelay_model.decoding.cost_policy.cache`); --remeasure redoes it.
@@ -64,6 +70,28 @@ def timed(engine, prompt, max_new: int):
     return res.tokens[0], time.perf_counter() - t0, res.stats.tau, res.stats
 
 
+def paired_intervals(seconds: dict[str, dict[str, list[float]]], names: list[str]) -> dict:
+    """seconds[benchmark][contender] per prompt (names[0] is AR) → {"A ÷ B": Interval} of the mean over
+    benchmarks of each benchmark's mean paired ratio (B's seconds ÷ A's: A's speedup over B), for
+    every contender over AR and every speculative one over the first at the same length."""
+    import numpy as np
+
+    from pipelines.common.intervals import paired_bootstrap
+
+    first = names[1].split("/")[0]  # the first speculative method (native by default)
+    pairs = [(n, names[0]) for n in names[1:]]
+    pairs += [(n, f"{first}/{n.split('/')[1]}") for n in names[1:] if not n.startswith(f"{first}/")]
+
+    def mean_of_means(means: list[np.ndarray]) -> np.ndarray:  # per benchmark [..., 1] → [...]
+        return sum(m[..., 0] for m in means) / len(means)
+
+    out = {}
+    for a, b in pairs:
+        groups = [np.asarray([sb / sa for sa, sb in zip(per[a], per[b])]).reshape(-1, 1) for per in seconds.values()]
+        out[f"{a} ÷ {b}"] = paired_bootstrap(groups, mean_of_means)
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -85,6 +113,7 @@ def main(argv=None) -> int:
             )
     names = list(engines)
     ratios = {b: {n: [] for n in names[1:]} for b in args.benchmarks.split(",")}
+    seconds_by = {b: {n: [] for n in names} for b in ratios}  # per prompt, summed over the repeats
     taus = {b: {n: [] for n in names[1:]} for b in ratios}
     decodes = {n: [] for n in names}  # every prompt's DecodeStats, merged for ms per round by phase
     meter, t_start = CpuMeter(), time.perf_counter()
@@ -99,6 +128,7 @@ def main(argv=None) -> int:
             seconds = {n: sum(run[1] for run in runs[n]) for n in names}
             for n in names:
                 decodes[n].extend(run[3] for run in runs[n])
+                seconds_by[bench][n].append(seconds[n])
             for n in names[1:]:
                 if any(run[0] != runs["ar"][0][0] for run in runs[n]):
                     print(f"error: {n} output differs from AR on {bench} prompt {i}", file=sys.stderr)
@@ -115,6 +145,10 @@ def main(argv=None) -> int:
     for b, row in table.items():
         print(f"{b:<14}" + "".join(f"{row[n]['S']:>9.2f} τ{row[n]['tau']:<5.2f}" for n in names[1:]))
     print(f"{'mean':<14}" + "".join(f"{mean[n]:>16.2f}" for n in names[1:]))
+    intervals = paired_intervals(seconds_by, names)
+    print("\nmean over benchmarks of the mean paired ratio, 95% stratified bootstrap over prompts:")
+    for label, iv in intervals.items():
+        print(f"  {label:<28} {iv.format(3)}")
     phases = {n: DecodeStats.merged(parts) for n, parts in decodes.items()}
     per_round = {n: st.breakdown_ms_per_step() | {"rounds_per_token": st.steps / max(st.generated, 1),
                                                    "drafted_share": st.drafted_steps / max(st.steps, 1),
@@ -137,6 +171,7 @@ def main(argv=None) -> int:
             + f"{ms_token:>10.2f}{row['drafted_share']:>9.0%}{row['selector_share']:>9.0%}"
         )
     out = {"args": vars(args), "table": table, "mean_S": mean, "phases_ms_per_round": per_round,
+           "intervals": {k: {"point": v.point, "low": v.low, "high": v.high} for k, v in intervals.items()},
            "other_processes_cpu_pct": other_pct, "wall_s": wall}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
@@ -149,6 +184,8 @@ def main(argv=None) -> int:
             run.log_metrics(
                 {f"S_mean_{n.replace('/', '_')}": v for n, v in mean.items()} | {"other_processes_cpu_pct": other_pct}
             )
+            for label, iv in intervals.items():
+                run.log_metrics(iv.as_dict("ratio_" + label.replace(" ÷ ", "_over_").replace("/", "_")))
     return 0
 
 

@@ -162,6 +162,23 @@ def test_the_batcher_benchmark_pairs_its_ratios_by_repeat():
     assert two.point == pytest.approx(200 / 10.4 / (200 / 21.0)) and math.isnan(two.low)
 
 
+def test_the_speedup_benchmark_pairs_its_ratios_by_prompt_within_benchmark():
+    """`bench_speedup.paired_intervals`: each contender ÷ AR and DRelay ÷ native at the same length,
+    the mean over benchmarks of the mean per-prompt ratio, with a stratified bootstrap interval."""
+    paired_intervals = runpy.run_path(str(ROOT / "benchmarks" / "bench_speedup.py"))["paired_intervals"]
+    names = ["ar", "native/cost", "drelay/cost"]
+    seconds = {
+        "gsm8k": {"ar": [2.0, 2.0, 2.0], "native/cost": [1.0, 1.0, 1.0], "drelay/cost": [0.5, 0.5, 0.5]},
+        "mt_bench": {"ar": [3.0, 3.0, 3.0], "native/cost": [3.0, 2.0, 1.5], "drelay/cost": [3.0, 2.0, 1.5]},
+    }
+    iv = paired_intervals(seconds, names)
+    assert set(iv) == {"native/cost ÷ ar", "drelay/cost ÷ ar", "drelay/cost ÷ native/cost"}
+    native = iv["native/cost ÷ ar"]
+    assert native.point == pytest.approx((2.0 + (1.0 + 1.5 + 2.0) / 3) / 2) and native.low < native.point < native.high
+    relay = iv["drelay/cost ÷ native/cost"]  # paired: ×2 on every GSM8K prompt, ×1 on every MT-Bench one
+    assert relay.point == pytest.approx(1.5) and relay.low == pytest.approx(1.5) and relay.high == pytest.approx(1.5)
+
+
 def test_ar_and_verification_blocks_choose_the_same_tokens(monkeypatch, capsys):
     """The real target's greedy tokens are the same read one per forward (AR) and in verification
     blocks; the script prints one row per block size."""
