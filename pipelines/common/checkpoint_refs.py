@@ -21,7 +21,7 @@ from pathlib import Path
 
 from drelay_model.errors import DRelayError
 from pipelines.common.git import git, said
-from pipelines.common.outputs import REPO_ROOT, join, local_dir, output_root
+from pipelines.common.outputs import REPO_ROOT, join, local_dir, output_root, rooted
 from pipelines.common.registry import is_model_ref, resolve_checkpoint
 
 _PIN = re.compile(r"^(?P<folder>.+)@(?P<commit>[0-9a-fA-F]{7,40})$")
@@ -44,12 +44,14 @@ def resolve_ref(ref: str) -> str:
     return ref if pin is None else str(folder_at_commit(*pin, ref=ref))
 
 
-def local_init(cfg):
-    """A run config whose `drafter.init_checkpoint` is a folder on this machine (pins and registry
-    versions resolved), before `rooted` makes its paths absolute."""
+def rooted_local(cfg):
+    """`rooted(cfg)` whose `drafter.init_checkpoint` is first made a folder on this machine (pins and
+    registry versions resolved): what a run reads its paths from."""
     ref = cfg.drafter.init_checkpoint
     local = ref if ref is None else resolve_ref(ref)
-    return cfg if local == ref else cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update={"init_checkpoint": local})})
+    if local != ref:
+        cfg = cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update={"init_checkpoint": local})})
+    return rooted(cfg)
 
 
 def folder_at_commit(folder: str, commit: str, *, ref: str) -> Path:

@@ -11,8 +11,8 @@ from drelay_model.atomic import atomic_directory
 from drelay_model.drafter.heads import carry_heads
 from drelay_model.errors import DRelayError
 from pipelines.common.methods import check_selector_weights, trained_selector
-from pipelines.common.checkpoint_refs import local_init, resolve_ref
-from pipelines.common.outputs import rooted, shipped_checkpoints_dir
+from pipelines.common.checkpoint_refs import resolve_ref, rooted_local
+from pipelines.common.outputs import shipped_checkpoints_dir
 from pipelines.common import paths
 from pipelines.common.paths import repo_path
 from pipelines.eval.compare_run import CompareJob, run_compare
@@ -24,7 +24,7 @@ from pipelines.train.resume import resume_point
 
 def plan(spec: StudySpec, only: list[str]) -> tuple[dict[str, RunConfig], list[str]]:
     """Every run's config (validated up front) and the labels to train; prints one line per run."""
-    configs = {label: rooted(local_init(c)) for label, c in run_configs(spec, repo_path).items()}
+    configs = {label: rooted_local(c) for label, c in run_configs(spec, repo_path).items()}
     unknown = [x for x in only if x not in configs]
     if unknown:
         raise DRelayError(f"--only: unknown run label(s) {', '.join(unknown)} (have: {', '.join(configs)})")

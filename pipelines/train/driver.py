@@ -20,8 +20,8 @@ from pipelines.train.config import RunConfig
 from pipelines.train.data import data_files
 from pipelines.train.model_io import continues_selector
 from pipelines.common.paths import repo_path
-from pipelines.common.checkpoint_refs import local_init
-from pipelines.common.outputs import ensure_writable_dir, local_dir, rooted
+from pipelines.common.checkpoint_refs import rooted_local
+from pipelines.common.outputs import ensure_writable_dir, local_dir
 from pipelines.common.ray_start import start_ray
 from pipelines.common.provenance import write_provenance
 from pipelines.common.registry import register_checkpoint
@@ -135,7 +135,7 @@ def run_training(
     from pipelines.train.selector_stage import selector_stage_loop
     from pipelines.train.worker import train_loop_per_worker
 
-    cfg = rooted(local_init(cfg))
+    cfg = rooted_local(cfg)
     check_inputs(cfg)
     client = get_client(cfg.mlflow.tracking_uri)
     fail_stale_runs(cfg.mlflow.experiment, client=client, run_name=cfg.ray.run_name)

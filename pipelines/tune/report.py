@@ -250,15 +250,14 @@ def start_reference(base, folder: Path) -> dict | None:
     if cache.is_file():
         return json.loads(cache.read_text())
     from drelay_model.target import load_target
-    from pipelines.common.checkpoint_refs import local_init
-    from pipelines.common.outputs import rooted
+    from pipelines.common.checkpoint_refs import rooted_local
     from pipelines.train.model_io import build_module
     import torch
 
     from pipelines.train.worker import feature_source, held_out_set, load_data, training_precision, validate, validation_set
 
     # the init checkpoint and the data, wherever this runs from
-    cfg = training_precision(rooted(local_init(base)), torch.device("cpu"))
+    cfg = training_precision(rooted_local(base), torch.device("cpu"))
     target = load_target(cfg.target.spec, dtype=cfg.target.dtype)
     _, val_seqs = load_data(cfg, target)
     module = build_module(cfg, target, [])

@@ -14,9 +14,9 @@ import torch
 from cli import main
 from drelay_model.drafter import BlockDrafter, DrafterConfig, save_drafter
 from pipelines.common import checkpoint_refs
-from pipelines.common.checkpoint_refs import local_init, pinned, resolve_ref
+from pipelines.common.checkpoint_refs import pinned, resolve_ref, rooted_local
 from pipelines.common.methods import resolve_method
-from pipelines.common.outputs import OUTPUT_ROOT_ENV, rooted
+from pipelines.common.outputs import OUTPUT_ROOT_ENV
 from pipelines.eval.compare import parse_variant
 from pipelines.train.config import RunConfig
 
@@ -71,9 +71,7 @@ def test_every_checkpoint_field_takes_a_pin(history, tmp_path):
     assert _files(Path(spec.checkpoint)) == kept
     variant = parse_variant(f"old={ref}:native")
     assert variant.spec == spec
-    cfg = rooted(
-        local_init(RunConfig.model_validate({"output_root": str(tmp_path / "out"), "drafter": {"init_checkpoint": ref}}))
-    )
+    cfg = rooted_local(RunConfig.model_validate({"output_root": str(tmp_path / "out"), "drafter": {"init_checkpoint": ref}}))
     assert cfg.drafter.init_checkpoint == spec.checkpoint
 
 
