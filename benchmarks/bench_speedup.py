@@ -112,12 +112,11 @@ def main(argv=None) -> int:
                 target, spec, length, target_spec=args.target, method=parts, remeasure=args.remeasure
             )
     names = list(engines)
-    ratios = {b: {n: [] for n in names[1:]} for b in args.benchmarks.split(",")}
-    seconds_by = {b: {n: [] for n in names} for b in ratios}  # per prompt, summed over the repeats
-    taus = {b: {n: [] for n in names[1:]} for b in ratios}
+    seconds_by = {b: {n: [] for n in names} for b in args.benchmarks.split(",")}  # per prompt, summed over the repeats
+    taus = {b: {n: [] for n in names[1:]} for b in seconds_by}
     decodes = {n: [] for n in names}  # every prompt's DecodeStats, merged for ms per round by phase
     meter, t_start = CpuMeter(), time.perf_counter()
-    for bench in ratios:
+    for bench in seconds_by:
         prompts = [encoder.encode(p.turns[:1], []) for p in load_benchmark(bench, limit=args.limit)]
         for i, prompt in enumerate(tqdm(prompts, desc=bench)):
             order = names[i % len(names) :] + names[: i % len(names)]  # rotate who goes first
@@ -133,10 +132,10 @@ def main(argv=None) -> int:
                 if any(run[0] != runs["ar"][0][0] for run in runs[n]):
                     print(f"error: {n} output differs from AR on {bench} prompt {i}", file=sys.stderr)
                     return 1
-                ratios[bench][n].append(seconds["ar"] / seconds[n])
                 taus[bench][n].append(runs[n][0][2])
     wall = time.perf_counter() - t_start
     other_pct = 100 * meter.other_share()
+    ratios = {b: {n: [a / m for a, m in zip(per["ar"], per[n])] for n in names[1:]} for b, per in seconds_by.items()}
     table = {b: {n: {"S": statistics.median(r), "S_min": min(r), "S_max": max(r), "tau": statistics.mean(taus[b][n])}
                  for n, r in per.items()} for b, per in ratios.items()}  # fmt: skip
     mean = {n: statistics.mean(table[b][n]["S"] for b in table) for n in names[1:]}
