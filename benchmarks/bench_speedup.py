@@ -10,7 +10,7 @@ checks it), and S per benchmark is the median of these paired ratios, with their
 Intervals: the mean over benchmarks of each benchmark's mean paired ratio, with a 95% stratified
 bootstrap over prompts within benchmark (`pipelines/common/intervals.py`), for each contender against
 AR and for each speculative contender against the first one at the same length (DRelay ÷ native:
-native seconds ÷ DRelay seconds, paired by prompt). Two prompts per benchmark give a wide interval;
+native seconds ÷ DRelay seconds, paired by prompt). One prompt per benchmark gives no interval, two a wide one;
 `--limit 4` or more resolves a few percent.
 
 The cost curve for cost-aware length is the one `drelay costs` measures and caches (per target,
@@ -70,11 +70,19 @@ def timed(engine, prompt, max_new: int):
     return res.tokens[0], time.perf_counter() - t0, res.stats.tau, res.stats
 
 
+# a benchmark of one prompt has no spread to resample: its interval would have zero width
+MIN_PROMPTS_FOR_INTERVAL = 2
+
+
 def paired_intervals(seconds: dict[str, dict[str, list[float]]], names: list[str]) -> dict:
     """seconds[benchmark][contender] per prompt (names[0] is AR) → {"A ÷ B": Interval} of the mean over
     benchmarks of each benchmark's mean paired ratio (B's seconds ÷ A's: A's speedup over B), for
-    every contender over AR and every speculative one over the first at the same length."""
+    every contender over AR and every speculative one over the first at the same length. Empty when
+    a benchmark holds fewer than MIN_PROMPTS_FOR_INTERVAL prompts."""
     import numpy as np
+
+    if any(len(per[names[0]]) < MIN_PROMPTS_FOR_INTERVAL for per in seconds.values()):
+        return {}
 
     from pipelines.common.intervals import paired_bootstrap
 
@@ -145,9 +153,12 @@ def main(argv=None) -> int:
         print(f"{b:<14}" + "".join(f"{row[n]['S']:>9.2f} τ{row[n]['tau']:<5.2f}" for n in names[1:]))
     print(f"{'mean':<14}" + "".join(f"{mean[n]:>16.2f}" for n in names[1:]))
     intervals = paired_intervals(seconds_by, names)
-    print("\nmean over benchmarks of the mean paired ratio, 95% stratified bootstrap over prompts:")
-    for label, iv in intervals.items():
-        print(f"  {label:<28} {iv.format(3)}")
+    if intervals:
+        print("\nmean over benchmarks of the mean paired ratio, 95% stratified bootstrap over prompts:")
+        for label, iv in intervals.items():
+            print(f"  {label:<28} {iv.format(3)}")
+    else:
+        print(f"\nno intervals: they need --limit ≥ {MIN_PROMPTS_FOR_INTERVAL} (a benchmark of one prompt has no spread)")
     phases = {n: DecodeStats.merged(parts) for n, parts in decodes.items()}
     per_round = {n: st.breakdown_ms_per_step() | {"rounds_per_token": st.steps / max(st.generated, 1),
                                                    "drafted_share": st.drafted_steps / max(st.steps, 1),

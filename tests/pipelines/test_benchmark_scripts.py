@@ -177,6 +177,8 @@ def test_the_speedup_benchmark_pairs_its_ratios_by_prompt_within_benchmark():
     assert native.point == pytest.approx((2.0 + (1.0 + 1.5 + 2.0) / 3) / 2) and native.low < native.point < native.high
     relay = iv["drelay/cost ÷ native/cost"]  # paired: ×2 on every GSM8K prompt, ×1 on every MT-Bench one
     assert relay.point == pytest.approx(1.5) and relay.low == pytest.approx(1.5) and relay.high == pytest.approx(1.5)
+    one_each = {b: {n: s[:1] for n, s in per.items()} for b, per in seconds.items()}
+    assert paired_intervals(one_each, names) == {}  # one prompt per benchmark: no spread, no interval
 
 
 def test_ar_and_verification_blocks_choose_the_same_tokens(monkeypatch, capsys):
